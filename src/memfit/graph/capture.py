@@ -1,0 +1,97 @@
+"""Trace an ``nn.Module`` with ``torch.fx`` into a :class:`~memfit.graph.ir.Graph`."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from memfit.graph.ir import Graph, Node
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced by ``torch.fx``; the message names the failing line and the fix."""
+
+
+@dataclass
+class Captured:
+    """A traced model: the fx ``GraphModule`` (sharing parameters and buffers with the user's model)
+    and its plain-data :class:`Graph`."""
+
+    gm: fx.GraphModule
+    graph: Graph
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: the user's line that fx could not trace."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    user = [f for f in frames if not f.filename.startswith(torch_dir) and "memfit/graph" not in f.filename]
+    if not user:
+        return "(no frame outside torch)"
+    f = user[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t)
+
+
+def _block(node: fx.Node) -> str:
+    """The enclosing block: the module path two levels deep (``layer1.0``), or one level (``features``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [v[0] if isinstance(v, tuple) else str(k) for k, v in stack.items()]
+    paths = [p.split("@")[0] for p in paths]
+    if not paths:
+        return ""
+    parts = paths[-1].split(".")
+    depth = 2 if len(parts) >= 2 and parts[1].isdigit() else 1
+    return ".".join(parts[:depth])
+
+
+def capture(model: nn.Module) -> Captured:
+    """Trace ``model`` symbolically with ``torch.fx``.
+
+    Args:
+        model: any ``nn.Module`` whose forward has no data-dependent Python control flow.
+
+    Returns:
+        :class:`Captured`: the fx ``GraphModule`` (its submodules are the model's own objects, so
+        parameters, buffers and gradients are shared) and the plain-data :class:`Graph`.
+
+    Raises:
+        TraceError: fx could not trace the model; the message names the failing file and line of the
+            user's code and suggests the fix (remove data-dependent control flow there, or wrap that
+            submodule as a leaf with ``torch.fx.wrap``).
+    """
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
+        raise TraceError(
+            f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+            f"  failing line: {_user_frame(exc)}\n"
+            "  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
+            "rewrite that line with tensor operations (e.g. torch.where), or move it into a submodule "
+            "that fx treats as a leaf."
+        ) from exc
+    nodes: list[Node] = []
+    inputs: list[str] = []
+    outputs: list[str] = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            inputs.append(n.name)
+        elif n.op == "output":
+            outputs = [a.name for a in n.all_input_nodes]
+        else:
+            mtype = None
+            if n.op == "call_module":
+                mtype = type(gm.get_submodule(n.target)).__name__
+            nodes.append(Node(name=n.name, op=n.op, target=_target_name(n),
+                              inputs=[a.name for a in n.all_input_nodes], block=_block(n), module_type=mtype))
+    return Captured(gm=gm, graph=Graph(nodes=nodes, inputs=inputs, outputs=outputs))

@@ -1,0 +1,316 @@
+"""Measure what every node of a captured graph allocates, saves for backward, and costs in time.
+
+The profile is the input of the solver. It records memory at the level of *storages* (one per allocation),
+so that views and in-place operations, which share their input's storage, and tensors saved by several
+nodes are counted once (DESIGN.md, "What memory means").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from memfit.graph.calls import compute_nodes, node_fn, tensors_in
+from memfit.graph.capture import Captured
+from memfit.profile.tracker import MemoryTracker
+
+
+@dataclass
+class Storage:
+    """One device allocation seen during the profiled forward pass.
+
+    Attributes:
+        id: index into ``Costs.storages``.
+        nbytes: size in bytes.
+        producer: name of the node that allocated it, or ``None`` for a model input.
+        kind: ``"input"`` (model input), ``"output"`` (a node's output) or ``"internal"`` (a tensor that
+            autograd saved but no node outputs, e.g. max-pool indices, dropout masks, BatchNorm statistics).
+        requires_grad: whether the tensor in it takes part in the backward pass.
+    """
+
+    id: int
+    nbytes: int
+    producer: str | None
+    kind: str
+    requires_grad: bool = False
+
+
+@dataclass
+class NodeCost:
+    """Measured costs of one node (all sizes in bytes, times in seconds, medians).
+
+    Attributes:
+        name: the node's name in the graph.
+        outputs: storage ids of the node's output tensors (an existing id for views and in-place results).
+        creates: storage ids the node allocates in the forward pass (new outputs, then internal saved tensors).
+        saves: storage ids autograd saves for backward while the node runs (parameters and buffers excluded).
+        mutates: storage ids the node modifies in place.
+        grad_bytes: bytes of the gradient the backward pass materializes for this node's output
+            (0 for views, whose gradient is a view too, and for outputs that need no gradient).
+        fwd_seconds: forward time.
+        bwd_seconds: backward time (gradients of inputs and parameters).
+        fwd_workspace: bytes allocated transiently by the forward beyond what it keeps (its peak minus
+            its net allocation), e.g. oneDNN reorders or cuDNN workspaces.
+        bwd_workspace: bytes allocated transiently by the backward beyond the gradients of its activation
+            inputs: temporaries and the parameter gradients before they are added into ``.grad``.
+    """
+
+    name: str
+    outputs: list[int] = field(default_factory=list)
+    creates: list[int] = field(default_factory=list)
+    saves: list[int] = field(default_factory=list)
+    mutates: list[int] = field(default_factory=list)
+    grad_bytes: int = 0
+    fwd_seconds: float = 0.0
+    bwd_seconds: float = 0.0
+    fwd_workspace: int = 0
+    bwd_workspace: int = 0
+
+
+@dataclass
+class Costs:
+    """The profile of one training step of a captured graph on one device.
+
+    Attributes:
+        device: device type the costs were measured on (``"cpu"`` or ``"cuda"``).
+        storages: every storage of the forward pass, inputs first.
+        nodes: one :class:`NodeCost` per graph node, in forward order.
+        fixed_bytes: parameters, their gradients and buffers plus the example inputs (optimizer state is
+            added by whoever knows the optimizer).
+    """
+
+    device: str
+    storages: list[Storage]
+    nodes: list[NodeCost]
+    fixed_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Costs:
+        return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]],
+                   nodes=[NodeCost(**n) for n in d["nodes"]], fixed_bytes=d["fixed_bytes"])
+
+    @property
+    def step_seconds(self) -> float:
+        """Sum of the nodes' forward and backward times: the modelled time of one plain training step."""
+        return sum(n.fwd_seconds + n.bwd_seconds for n in self.nodes)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3) -> Costs:
+    """Profile one training step of ``captured`` on the device of ``example_inputs``.
+
+    Runs the traced forward node by node in training mode with a saved-tensor pack hook
+    (``torch.autograd.graph.saved_tensors_hooks``) to see what autograd keeps for each node, then times
+    each node's forward and backward in isolation (median of ``repeats``). BatchNorm running statistics,
+    other buffers and the RNG state are restored afterwards, so the model is left as it was.
+
+    Args:
+        captured: the output of :func:`memfit.graph.capture`.
+        example_inputs: the model's positional inputs (tensors on the target device), e.g. a batch
+            ``[B, C, H, W]``.
+        repeats: timing repetitions per node (the median is kept).
+
+    Returns:
+        :class:`Costs`.
+    """
+    gm = captured.gm
+    inputs = tuple(example_inputs)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    params = list(gm.parameters())
+    fixed_ptrs = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())}
+    snapshot = _state_snapshot(gm)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            costs = _structure(gm, inputs, fixed_ptrs)
+            _time_nodes(gm, inputs, costs, device, repeats)
+            _measure_workspace(gm, inputs, costs, device)
+    finally:
+        with torch.no_grad():
+            for buf, saved in snapshot:
+                buf.copy_(saved)
+    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+    buffer_bytes = sum(b.untyped_storage().nbytes() for b in gm.buffers())
+    grad_bytes = sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
+    costs.fixed_bytes = param_bytes + grad_bytes + buffer_bytes + sum(
+        s.nbytes for s in costs.storages if s.kind == "input")
+    costs.device = device.type
+    return costs
+
+
+def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int]) -> Costs:
+    """One forward pass, node by node, holding every value: storages, outputs and saved tensors per node."""
+    storages: list[Storage] = []
+    by_ptr: dict[int, int] = {}
+    env: dict[str, object] = {}
+    keep_alive: list = []
+
+    def register(t: torch.Tensor, producer, kind) -> int | None:
+        if t.device.type == "meta":
+            return None
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr in fixed_ptrs or s.nbytes() == 0:
+            return None
+        if ptr not in by_ptr:
+            by_ptr[ptr] = len(storages)
+            storages.append(Storage(id=len(storages), nbytes=s.nbytes(), producer=producer, kind=kind,
+                                    requires_grad=t.requires_grad))
+        return by_ptr[ptr]
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for ph, value in zip(placeholders, inputs):
+        env[ph.name] = value
+        for t in tensors_in(value):
+            register(t, None, "input")
+    nodes: list[NodeCost] = []
+    for node in compute_nodes(gm):
+        cost = NodeCost(name=node.name)
+        saved: list[torch.Tensor] = []
+        ins = [t for a in node.all_input_nodes for t in tensors_in(env[a.name])]
+        versions = [t._version for t in ins]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+            out = node_fn(gm, node)(env)
+        env[node.name] = out
+        keep_alive.append(saved)
+        in_ptrs = {t.untyped_storage().data_ptr() for t in ins if t.device.type != "meta"}
+        for t, v in zip(ins, versions):
+            if t._version != v:
+                sid = register(t, None, "input")
+                if sid is not None and sid not in cost.mutates:
+                    cost.mutates.append(sid)
+        for t in tensors_in(out):
+            n_before = len(storages)
+            sid = register(t, node.name, "output")
+            if sid is None:
+                continue
+            if len(storages) > n_before:
+                cost.creates.append(sid)
+            cost.outputs.append(sid)
+            is_view = t.untyped_storage().data_ptr() in in_ptrs and sid not in cost.mutates
+            if t.requires_grad and t.is_floating_point() and not is_view:
+                cost.grad_bytes += t.numel() * t.element_size()
+            storages[sid].requires_grad |= t.requires_grad
+        for t in saved:
+            n_before = len(storages)
+            sid = register(t, node.name, "internal")
+            if sid is None:
+                continue
+            if len(storages) > n_before:
+                cost.creates.append(sid)
+            if sid not in cost.saves:
+                cost.saves.append(sid)
+        nodes.append(cost)
+    return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+
+
+def _isolated(gm: fx.GraphModule, inputs: tuple):
+    """Yield ``(node, fn, make_env, params)`` for each node; ``make_env()`` returns an environment in which the
+    node's floating inputs are fresh leaves requiring grad (cloned when the node updates them in place)
+    and the list of those leaves. Values are computed once, without grad, in forward order."""
+    env: dict[str, object] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for ph, value in zip(placeholders, inputs):
+        env[ph.name] = value
+    for node in compute_nodes(gm):
+        fn = node_fn(gm, node)
+        params = [p for p in (gm.get_submodule(node.target).parameters() if node.op == "call_module" else [])
+                  if p.requires_grad]
+
+        def make_env(node=node, clone=False):
+            local = dict(env)
+            leaves = []
+            for a in node.all_input_nodes:
+                v = local[a.name]
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    leaf = v.detach().requires_grad_(True)
+                    leaves.append(leaf)
+                    local[a.name] = leaf.clone() if clone else leaf
+            return local, leaves
+
+        yield node, fn, make_env, params
+        with torch.no_grad():
+            env[node.name] = fn(env)
+
+
+def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device) -> None:
+    """Transient bytes of each node's forward and backward, run in isolation under the memory tracker."""
+    cpu = device.type != "cuda"
+    outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
+    leaf_bytes: dict[str, int] = {}
+    with outer as tracker:
+        for (node, fn, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
+            local, leaves = make_env(clone=bool(cost.mutates))
+            part = tracker.mark(f"{node.name}:f") if cpu else MemoryTracker(device)
+            with part:
+                outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
+            if not cpu:
+                cost.fwd_workspace = max(0, part.peak_bytes - part.net_bytes)
+            outs = [t for t in outs if t.requires_grad]
+            if not outs:
+                continue
+            seeds = [torch.ones_like(t) for t in outs]
+            part = tracker.mark(f"{node.name}:b") if cpu else MemoryTracker(device)
+            with part:
+                grads = torch.autograd.grad(outs, leaves + params, seeds, allow_unused=True)
+            leaf_grad_bytes = sum(g.numel() * g.element_size() for g in grads[:len(leaves)] if g is not None)
+            if not cpu:
+                cost.bwd_workspace = max(0, part.peak_bytes - leaf_grad_bytes)
+            del grads, outs, seeds, local, leaves
+            leaf_bytes[node.name] = leaf_grad_bytes
+    if cpu:
+        for cost in costs.nodes:
+            peak, net = tracker.range_peak(f"{cost.name}:f")
+            cost.fwd_workspace = max(0, peak - net)
+            if f"{cost.name}:b" in tracker.ranges:
+                peak, _ = tracker.range_peak(f"{cost.name}:b")
+                cost.bwd_workspace = max(0, peak - leaf_bytes.get(cost.name, 0))
+
+
+def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int) -> None:
+    """Median forward and backward time of each node, run in isolation on detached copies of its inputs."""
+    for (node, fn, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
+        clone = bool(cost.mutates)
+
+        def forward(fn=fn, make_env=make_env):
+            return fn(make_env(clone=clone)[0])
+
+        cost.fwd_seconds = _median_seconds(forward, device, repeats)
+        if not any(t.requires_grad for t in tensors_in(forward())):
+            continue
+
+        def backward(fn=fn, make_env=make_env, params=params):
+            local, leaves = make_env(clone=clone)
+            outs = [t for t in tensors_in(fn(local)) if t.requires_grad]
+            torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+        cost.bwd_seconds = max(0.0, _median_seconds(backward, device, repeats) - cost.fwd_seconds)

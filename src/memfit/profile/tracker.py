@@ -1,0 +1,103 @@
+"""An exact device-memory tracker behind one interface.
+
+On CUDA it reads the caching allocator's counters (``torch.cuda.max_memory_allocated``). On the CPU there is
+no allocator counter, so it records every allocation and free through the PyTorch profiler's memory events
+(``profile_memory=True``), temporaries inside operators included, and walks them in time order.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_MARK = "memfit.mark:"
+
+
+def live_bytes(tensors) -> int:
+    """Total storage bytes of ``tensors`` (any iterable, ``None`` entries skipped), each storage counted once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class MemoryTracker:
+    """Measure the peak of device memory allocated inside a ``with`` block.
+
+    ``peak_bytes`` is the largest amount allocated during the block *above* what was allocated when it
+    started (bytes, >= 0); ``net_bytes`` is what the block left allocated (may be negative). Add the bytes
+    live at the start (e.g. :func:`live_bytes` of parameters, gradients, optimizer state and inputs) to get
+    the absolute peak.
+
+    On the CPU the block runs under the PyTorch profiler, which slows it down: never time code inside a
+    tracker. Nested CPU trackers are not supported (the profiler cannot nest).
+
+    Args:
+        device: ``"cpu"``, ``"cuda"`` or a ``torch.device``.
+    """
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self.net_bytes = 0
+        self.events: list[tuple[int, int]] = []  # (time ns, signed bytes), CPU only
+        self._prof = None
+
+    def __enter__(self) -> MemoryTracker:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
+            self.net_bytes = torch.cuda.memory_allocated(self.device) - self._start
+            return
+        self._prof.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        events: list[tuple[int, int]] = []
+        self.ranges: dict[str, tuple[int, int]] = {}
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                events.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+            elif e.name.startswith(_MARK):
+                self.ranges[e.name[len(_MARK):]] = (e.start_time_ns, e.end_time_ns)
+            stack.extend(e.children)
+        events.sort(key=lambda x: x[0])
+        cur = peak = 0
+        for _, size in events:
+            cur += size
+            peak = max(peak, cur)
+        self.events, self.peak_bytes, self.net_bytes = events, peak, cur
+
+    def mark(self, label: str):
+        """Context manager naming a part of the block; :meth:`range_peak` then gives that part's figures.
+
+        On CUDA, ranges are not recorded (use one tracker per part there)."""
+        return record_function(_MARK + label)
+
+    def range_peak(self, label: str) -> tuple[int, int]:
+        """``(peak, net)`` bytes allocated inside the part marked ``label``, relative to its start (CPU)."""
+        start, end = self.ranges[label]
+        times = self._times if hasattr(self, "_times") else [t for t, _ in self.events]
+        self._times = times
+        cur = peak = 0
+        for k in range(bisect.bisect_left(times, start), bisect.bisect_right(times, end)):
+            cur += self.events[k][1]
+            peak = max(peak, cur)
+        return peak, cur

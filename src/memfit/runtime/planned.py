@@ -1,0 +1,156 @@
+"""The planned module: runs the traced forward with checkpoint regions as the plan says.
+
+Each region of the plan runs through non-reentrant ``torch.utils.checkpoint.checkpoint`` (RNG state
+preserved, so dropout draws the same masks when recomputed); everything outside regions runs as plain
+PyTorch. Values are dropped from the interpreter's environment right after their last forward use, so the
+module holds no more than plain PyTorch would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from memfit.graph.calls import compute_nodes, node_fn
+from memfit.graph.capture import Captured
+from memfit.solve.plan import Plan
+
+
+@dataclass
+class _Region:
+    names: list[str]
+    fns: list[Any]
+    inputs: list[str]
+    outputs: list[str]
+    frees: list[list[str]]  # per node: local values to drop after it
+    buffers: list[torch.Tensor] = field(default_factory=list)  # BatchNorm buffers to restore on recompute
+
+
+class _RegionCall:
+    """One forward call of a region: the first call is the forward pass, later calls are recomputations."""
+
+    def __init__(self, region: _Region):
+        self.region = region
+        self.calls = 0
+
+    def __call__(self, *values):
+        region = self.region
+        recompute = self.calls > 0
+        self.calls += 1
+        snapshot = [b.clone() for b in region.buffers] if recompute else None
+        env = dict(zip(region.inputs, values))
+        try:
+            for name, fn, frees in zip(region.names, region.fns, region.frees):
+                env[name] = fn(env)
+                for f in frees:
+                    del env[f]
+            return tuple(env[o] for o in region.outputs)
+        finally:
+            # running statistics are updated once per step, in the forward pass, never by a recomputation
+            if snapshot is not None:
+                with torch.no_grad():
+                    for buf, saved in zip(region.buffers, snapshot):
+                        buf.copy_(saved)
+
+
+class PlannedModule(nn.Module):
+    """An ``nn.Module`` that computes what the original model computes, under a memory plan.
+
+    It shares parameters and buffers with the model it was traced from (``planned.parameters()`` are the
+    model's own tensors), so any optimizer built on either trains both. Gradients and BatchNorm running
+    statistics are the same as plain PyTorch's: BatchNorm buffers touched by a recomputation are restored
+    to their value from the forward pass.
+
+    Attributes:
+        plan: the :class:`~memfit.solve.plan.Plan` it runs.
+        report: figures from :func:`memfit.optimize` (predicted and measured), or ``None``.
+        gm: the traced ``torch.fx.GraphModule``.
+    """
+
+    def __init__(self, captured: Captured, plan: Plan, report: dict | None = None):
+        super().__init__()
+        self.gm = captured.gm
+        self.plan = plan
+        self.report = report
+        self._build()
+
+    def _build(self) -> None:
+        gm, plan = self.gm, self.plan
+        nodes = compute_nodes(gm)
+        if [n.name for n in nodes] != plan.nodes:
+            raise ValueError("the plan was solved for a different graph (node names differ); "
+                             "solve it again for this model")
+        self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self._output = next(n for n in gm.graph.nodes if n.op == "output")
+        spans = plan.region_spans()
+        region_at = {lo: hi for lo, hi in spans}
+        # steps: ("node", name, fn) or ("region", _Region); compute last forward use of every value
+        steps: list[tuple] = []
+        i = 0
+        while i < len(nodes):
+            if i in region_at:
+                hi = region_at[i]
+                steps.append(("region", list(nodes[i:hi + 1])))
+                i = hi + 1
+            else:
+                steps.append(("node", nodes[i]))
+                i += 1
+        reads: list[set[str]] = []
+        defines: list[list[str]] = []
+        for kind, payload in steps:
+            group = payload if kind == "region" else [payload]
+            inside = {n.name for n in group}
+            reads.append({a.name for n in group for a in n.all_input_nodes if a.name not in inside})
+            defines.append([n.name for n in group])
+        keep_forever = {a.name for a in self._output.all_input_nodes}
+        last_step: dict[str, int] = {}
+        for k, r in enumerate(reads):
+            for name in r:
+                last_step[name] = k
+        self._steps = []
+        for k, (kind, payload) in enumerate(steps):
+            frees = [name for name, last in last_step.items() if last == k and name not in keep_forever]
+            if kind == "node":
+                self._steps.append(("node", payload.name, node_fn(gm, payload), frees))
+                continue
+            group = payload
+            inside = {n.name for n in group}
+            later = set().union(*reads[k + 1:]) if k + 1 < len(reads) else set()
+            outputs = [n.name for n in group if n.name in later or n.name in keep_forever]
+            local_last: dict[str, int] = {}
+            for j, n in enumerate(group):
+                for a in n.all_input_nodes:
+                    local_last[a.name] = j
+            frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs
+                            and (name in inside or True)] for j in range(len(group))]
+            buffers = []
+            for n in group:
+                if n.op == "call_module":
+                    mod = gm.get_submodule(n.target)
+                    if isinstance(mod, _BatchNorm):
+                        buffers += [b for b in mod.buffers()]
+            region = _Region(names=[n.name for n in group], fns=[node_fn(gm, n) for n in group],
+                             inputs=sorted(reads[k]), outputs=outputs, frees=frees_local, buffers=buffers)
+            self._steps.append(("region", region, None, frees))
+
+    def forward(self, *args):
+        if len(args) != len(self._placeholders):
+            raise TypeError(f"expected {len(self._placeholders)} positional inputs "
+                            f"({', '.join(self._placeholders)}), got {len(args)}")
+        env: dict[str, Any] = dict(zip(self._placeholders, args))
+        for kind, a, b, frees in self._steps:
+            if kind == "node":
+                env[a] = b(env)
+            else:
+                outs = checkpoint(_RegionCall(a), *[env[n] for n in a.inputs], use_reentrant=False,
+                                  preserve_rng_state=True)
+                env.update(zip(a.outputs, outs))
+            for f in frees:
+                del env[f]
+        return fx.node.map_arg(self._output.args[0], lambda n: env[n.name])

@@ -1,0 +1,106 @@
+"""Facts about a profiled graph that the simulator and the integer program both read.
+
+Everything is indexed by node position ``i`` (forward order) and storage id ``s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.graph.ir import Graph
+from memfit.profile.costs import Costs
+
+
+@dataclass
+class Accounting:
+    """Derived per-storage and per-node facts.
+
+    Attributes:
+        n: number of nodes.
+        nbytes: storage id -> bytes.
+        producer: storage id -> producing node index (-1 for model inputs).
+        consumers: storage id -> node indices that read a value living in it (forward order).
+        savers: storage id -> node indices that save it for backward.
+        saves: node index -> storage ids it saves for backward.
+        mutates: node index -> storage ids it modifies in place.
+        fwd_last: storage id -> index of its last forward use (``n`` for model outputs, which the loss reads).
+        internal: node index -> storage ids it creates that no node outputs (saved internals).
+        creates: node index -> storage ids it allocates (outputs and internals).
+        inputs: node index -> indices of the nodes it reads (model inputs excluded).
+        grad_bytes: node index -> bytes of its output's gradient.
+        output_storages: storage ids of the model outputs.
+        activation: storage ids that are not model inputs.
+    """
+
+    n: int
+    nbytes: dict[int, int]
+    producer: dict[int, int]
+    consumers: dict[int, list[int]]
+    savers: dict[int, list[int]]
+    saves: list[list[int]]
+    mutates: list[list[int]]
+    fwd_last: dict[int, int]
+    internal: list[list[int]]
+    creates: list[list[int]]
+    inputs: list[list[int]]
+    in_storages: list[list[int]]
+    grad_bytes: list[int]
+    output_storages: set[int]
+    activation: list[int]
+    fwd_seconds: list[float]
+    bwd_seconds: list[float]
+    fwd_ws: list[int]
+    bwd_ws: list[int]
+
+    @classmethod
+    def build(cls, graph: Graph, costs: Costs) -> Accounting:
+        names = [n.name for n in graph.nodes]
+        if names != [c.name for c in costs.nodes]:
+            raise ValueError("the profile does not belong to this graph (node names differ); profile again")
+        index = {name: i for i, name in enumerate(names)}
+        n = len(names)
+        nbytes = {s.id: s.nbytes for s in costs.storages}
+        producer = {s.id: index.get(s.producer, -1) if s.producer else -1 for s in costs.storages}
+        value_storages: dict[str, list[int]] = {c.name: c.outputs for c in costs.nodes}
+        # model inputs: storages with kind "input" in placeholder order are not tied to names; map by order
+        input_ids = [s.id for s in costs.storages if s.kind == "input" and s.producer is None]
+        for k, ph in enumerate(graph.inputs):
+            value_storages[ph] = [input_ids[k]] if k < len(input_ids) else []
+        consumers: dict[int, list[int]] = {s: [] for s in nbytes}
+        inputs: list[list[int]] = []
+        in_storages: list[list[int]] = []
+        for i, node in enumerate(graph.nodes):
+            inputs.append([index[a] for a in node.inputs if a in index])
+            ins = []
+            for a in node.inputs:
+                for s in value_storages.get(a, []):
+                    if i not in consumers[s]:
+                        consumers[s].append(i)
+                    ins.append(s)
+            in_storages.append(sorted(set(ins)))
+        savers: dict[int, list[int]] = {s: [] for s in nbytes}
+        for i, c in enumerate(costs.nodes):
+            for s in c.saves:
+                savers[s].append(i)
+        output_storages = {s for name in graph.outputs for s in value_storages.get(name, [])}
+        fwd_last = {}
+        for s in nbytes:
+            uses = consumers[s] + savers[s] + ([producer[s]] if producer[s] >= 0 else [])
+            fwd_last[s] = max(uses) if uses else -1
+            if s in output_storages:
+                fwd_last[s] = n
+        internal = []
+        for c in costs.nodes:
+            outs = set(c.outputs)
+            internal.append([s for s in c.creates if s not in outs])
+        return cls(
+            n=n, nbytes=nbytes, producer=producer, consumers=consumers, savers=savers,
+            saves=[list(c.saves) for c in costs.nodes], mutates=[list(c.mutates) for c in costs.nodes],
+            fwd_last=fwd_last,
+            internal=internal, creates=[list(c.creates) for c in costs.nodes], inputs=inputs,
+            in_storages=in_storages, grad_bytes=[c.grad_bytes for c in costs.nodes],
+            output_storages=output_storages,
+            activation=[s for s in nbytes if producer[s] >= 0],
+            fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
+            fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
+        )

@@ -1,0 +1,112 @@
+"""The plan: the output of the solve stage and the input of the runtime. Plain data, saved as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DECISIONS = ("keep", "recompute", "offload")
+
+
+@dataclass
+class Plan:
+    """What to do with every activation of one training step.
+
+    A node inside a checkpoint *region* is recomputed: its saved tensors are dropped in the forward pass and
+    regenerated, together with the rest of the region, just before the backward pass first needs one of
+    them (non-reentrant ``torch.utils.checkpoint``, one call per region); the region's inputs stay on the
+    device until its backward pass ends. A node outside every region keeps what autograd saves. This is
+    the per-activation recompute decision of MONeT (Shah et al., ICLR 2021, section 3) and Checkmate,
+    expressed as contiguous regions of the forward order so that PyTorch's own checkpoint runs it.
+
+    Attributes:
+        strategy: name of the strategy that produced the plan (``none``, ``chen``, ``memfit``, ...).
+        nodes: node names in forward order (the graph the plan was solved for).
+        regions: checkpoint regions as ``[first, last]`` node names, inclusive, in forward order, disjoint.
+            Two regions may touch (a boundary with no kept node between them).
+        decisions: node name -> ``keep`` | ``recompute`` | ``offload``; derived from ``regions`` for the
+            recompute-only runtime.
+        variants: node name -> operator implementation; ``"default"`` for PyTorch's own.
+        budget_bytes: the total-peak budget the plan was solved for, or ``None``.
+        fixed_bytes: parameters, gradients, buffers, optimizer state and inputs (bytes).
+        predicted_peak_bytes: simulated total peak (bytes).
+        predicted_step_seconds: simulated step time (seconds).
+        solve_seconds: wall time the solver took.
+        mip_gap: relative optimality gap of the integer program, ``None`` for heuristics.
+    """
+
+    strategy: str
+    nodes: list[str]
+    regions: list[list[str]] = field(default_factory=list)
+    decisions: dict[str, str] = field(default_factory=dict)
+    variants: dict[str, str] = field(default_factory=dict)
+    budget_bytes: int | None = None
+    fixed_bytes: int = 0
+    predicted_peak_bytes: int = 0
+    predicted_step_seconds: float = 0.0
+    solve_seconds: float = 0.0
+    mip_gap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.decisions:
+            self.decisions = {n: "keep" for n in self.nodes}
+            for lo, hi in self.region_spans():
+                for i in range(lo, hi + 1):
+                    self.decisions[self.nodes[i]] = "recompute"
+        if not self.variants:
+            self.variants = {n: "default" for n in self.nodes}
+
+    @classmethod
+    def from_spans(cls, strategy: str, nodes: list[str], spans: list[tuple[int, int]], **kw) -> Plan:
+        """Build a plan from regions given as inclusive index ranges into ``nodes``."""
+        return cls(strategy=strategy, nodes=list(nodes),
+                   regions=[[nodes[lo], nodes[hi]] for lo, hi in sorted(spans)], **kw)
+
+    def region_spans(self) -> list[tuple[int, int]]:
+        """Regions as inclusive ``(first, last)`` indices into ``nodes``, sorted.
+
+        Raises:
+            ValueError: a region names an unknown node, is reversed, or overlaps another.
+        """
+        index = {n: i for i, n in enumerate(self.nodes)}
+        spans = []
+        for first, last in self.regions:
+            if first not in index or last not in index:
+                raise ValueError(f"plan region [{first}, {last}] names a node that is not in the graph")
+            if index[first] > index[last]:
+                raise ValueError(f"plan region [{first}, {last}] is reversed")
+            spans.append((index[first], index[last]))
+        spans.sort()
+        for (_, a_hi), (b_lo, _) in zip(spans, spans[1:]):
+            if b_lo <= a_hi:
+                raise ValueError("plan regions overlap; they must be disjoint ranges of the forward order")
+        return spans
+
+    def counts(self) -> dict:
+        """The ``decisions`` summary of the JSON report: counts of keep / recompute / offload and variants."""
+        out = {d: 0 for d in DECISIONS}
+        for d in self.decisions.values():
+            out[d] += 1
+        variants: dict[str, int] = {}
+        for v in self.variants.values():
+            if v != "default":
+                variants[v] = variants.get(v, 0) + 1
+        out["variants"] = variants
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`save`."""
+        return cls.from_dict(json.loads(Path(path).read_text()))

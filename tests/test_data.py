@@ -1,0 +1,54 @@
+"""Checks of the training-data loaders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from memfit.data import load_dataset, num_classes
+
+
+def test_digits():
+    ds = load_dataset("digits", 32)
+    assert len(ds) == 1797
+    assert num_classes(ds) == 10
+    image, target = ds[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    assert target.dtype == torch.int64 and target.ndim == 0
+    assert torch.equal(image[0], image[1]) and torch.equal(image[0], image[2])
+    images, targets = next(iter(DataLoader(ds, batch_size=64)))
+    assert images.shape == (64, 3, 32, 32) and targets.shape == (64,) and targets.dtype == torch.int64
+    labels = torch.stack([ds[i][1] for i in range(len(ds))])
+    assert int(labels.min()) == 0 and int(labels.max()) == 9
+    assert torch.isfinite(images).all()
+    assert abs(float(images.mean())) < 0.5
+    assert num_classes(Subset(ds, [0, 1, 2])) == 10
+
+
+def test_digits_is_deterministic_and_unnormalised_range():
+    a, b = load_dataset("digits", 24), load_dataset("digits", 24)
+    assert torch.equal(a[5][0], b[5][0])
+    raw = load_dataset("digits", 8, normalize=False)
+    x = torch.stack([raw[i][0] for i in range(20)])
+    assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
+
+
+def test_image_folder(tmp_path):
+    from PIL import Image
+
+    for cls, colour in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
+        (tmp_path / cls).mkdir()
+        for i in range(2):
+            Image.new("RGB", (40, 30), colour).save(tmp_path / cls / f"{i}.png")
+    ds = load_dataset(str(tmp_path), 16)
+    assert len(ds) == 4 and num_classes(ds) == 2
+    image, target = ds[3]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32 and target == 1
+
+
+def test_bad_spec_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="'digits' or the path of an existing image folder"):
+        load_dataset(str(tmp_path / "missing"), 32)
+    with pytest.raises(ValueError):
+        load_dataset("digits", 0)
