@@ -9,7 +9,10 @@ Names (:data:`MODELS`):
   Input ``[N, C, S, S]`` float32, output logits ``[N, num_classes]``.
 * ``"googlenet"`` -- torchvision GoogLeNet with both auxiliary heads (as trained in the MONeT paper).
   In train mode it returns ``GoogLeNetOutputs(logits, aux_logits2, aux_logits1)``, each ``[N, num_classes]``;
-  in eval mode it returns the logits tensor only.
+  in eval mode it returns the logits tensor only. ``torch.fx.symbolic_trace`` bakes the current mode into
+  the graph (``self.training`` and ``torch.jit.is_scripting()`` are plain Python checks): a graph traced in
+  train mode contains both auxiliary heads and returns the ``GoogLeNetOutputs`` namedtuple, one traced in
+  eval mode has no auxiliary heads and returns a tensor.
 * ``"unet"`` -- the classic Ronneberger UNet (:class:`UNet`). Input ``[N, C, S, S]`` with ``S`` a multiple
   of 16, output per-pixel logits ``[N, num_classes, S, S]``.
 
@@ -56,15 +59,16 @@ _MIN_SIZE: dict[str, int] = {
 }
 _SIZE_MULTIPLE: dict[str, int] = {name: 1 for name in MODELS} | {"unet": 16}
 
-# (batch_size, image_size) where one SGD training step (forward + backward + step) takes roughly
-# 0.3-1.5 s on a single CPU thread (torch.set_num_threads(1), OMP_WAIT_POLICY=PASSIVE).
+# (batch_size, image_size) where one training step takes roughly 0.3-1.5 s on a single CPU thread.
+# Measured (torch.set_num_threads(1), OMP_WAIT_POLICY=PASSIVE, 2-core x86 VM): median of 5 steps of
+# zero_grad + forward + loss_for + backward + SGD(momentum=0.9).step(), after one warm-up step.
 _DEFAULT_SIZE: dict[str, tuple[int, int]] = {
-    "resnet50": (8, 128),  # ~1.15 s; batch 16 at 128 takes ~2.0 s
+    "resnet50": (8, 128),  # ~1.0 s (batch 16 at 128 takes ~1.9-2.0 s)
     "resnet18": (16, 128),  # ~0.65 s
-    "vgg16": (2, 128),  # ~1.1 s; a large fixed part is the 134 M-parameter classifier and its SGD update
+    "vgg16": (2, 128),  # ~1.1 s; ~0.6 s of it is the 134 M-parameter classifier and its SGD update
     "mobilenet_v2": (32, 128),  # ~1.1 s
-    "googlenet": (16, 128),  # ~0.85 s
-    "unet": (2, 96),  # ~1.0 s
+    "googlenet": (16, 128),  # ~0.85-1.0 s
+    "unet": (2, 96),  # ~1.05 s
 }
 
 # Smallest sizes that still exercise every layer; for fast unit tests. Batch 2 keeps BatchNorm happy in

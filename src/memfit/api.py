@@ -1,0 +1,122 @@
+"""The public verbs: :func:`plan` solves, :func:`optimize` solves and wraps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memfit.budget import Budget
+from memfit.graph.capture import Captured, capture
+from memfit.profile.costs import Costs, profile_graph
+from memfit.profile.tracker import live_bytes
+from memfit.runtime.planned import PlannedModule
+from memfit.solve.plan import Plan
+from memfit.solve.strategies import make_plan
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
+    """Bytes of optimizer state (bytes). Uses the live state when the optimizer has stepped; before its
+    first step, estimates it as 2x the parameters for Adam-style optimizers (``exp_avg``, ``exp_avg_sq``),
+    1x for SGD with momentum, 0 otherwise."""
+    if optimizer is None:
+        return 0
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    if state:
+        return live_bytes(state)
+    pbytes = live_bytes([p for p in params if p.requires_grad])
+    name = type(optimizer).__name__.lower()
+    if "adam" in name:
+        return 2 * pbytes
+    if any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return pbytes
+    return 0
+
+
+def _as_tuple(example_inputs) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def plan(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "memfit",
+         optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0,
+         _captured: Captured | None = None) -> tuple[Plan, Captured, Costs]:
+    """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
+
+    Args:
+        model: the model, in training mode, on its device. It is not modified (BatchNorm statistics and the
+            RNG state are restored after profiling).
+        example_inputs: a tensor or a tuple of the forward's positional inputs, e.g. images
+            ``[B, C, H, W]``, on the model's device. Plans are specific to these shapes.
+        budget: total peak bound: bytes (``"2GiB"``, ``"512MB"``, int) or a percentage of the plain
+            PyTorch peak (``"40%"``). See :class:`memfit.Budget`.
+        strategy: ``memfit`` (integer program), ``chen``, ``checkpoint-all`` or ``none``.
+        optimizer: the optimizer you will train with, so its state is counted in the fixed bytes.
+        time_limit: solver time limit in seconds.
+
+    Returns:
+        ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
+        and the profile.
+
+    Raises:
+        memfit.TraceError: ``torch.fx`` cannot trace the model; the message names the line.
+        memfit.InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
+        ValueError: bad budget text or strategy.
+    """
+    budget = Budget.parse(budget)
+    inputs = _as_tuple(example_inputs)
+    if not model.training:
+        raise ValueError("memfit plans a training step: call model.train() first")
+    captured = _captured or capture(model)
+    costs = profile_graph(captured, inputs)
+    fixed = costs.fixed_bytes + optimizer_state_bytes(optimizer, list(model.parameters()))
+    plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
+    budget_bytes = budget.resolve(plain.predicted_peak_bytes)
+    result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit)
+    return result, captured, costs
+
+
+def optimize(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "memfit",
+             optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
+             time_limit: float = 20.0, plan_: Plan | None = None) -> PlannedModule:
+    """Make ``model`` train under a memory budget.
+
+    Example::
+
+        planned = memfit.optimize(model, images, budget="2GiB")
+        opt = torch.optim.SGD(planned.parameters(), lr=0.1)   # the same parameters as model's
+        loss = F.cross_entropy(planned(images), labels); loss.backward(); opt.step()
+
+    The returned module computes the same outputs, gradients and BatchNorm running statistics as
+    ``model`` (it shares its parameters and buffers), with activations recomputed as the plan says so
+    that the step's peak stays under the budget. ``planned.plan`` is the :class:`Plan`,
+    ``planned.report`` the predicted figures (bytes, seconds).
+
+    Args:
+        model, example_inputs, budget, strategy, optimizer, time_limit: as in :func:`plan`.
+        loss_fn: accepted for API symmetry with the CLI; the loss runs outside the planned module and
+            costs little memory next to the activations.
+        plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
+            the same model and input shapes.
+
+    Returns:
+        :class:`PlannedModule`.
+
+    Raises:
+        as :func:`plan`; ``ValueError`` if ``plan_`` belongs to another graph.
+    """
+    del loss_fn
+    if plan_ is not None:
+        captured = capture(model)
+        return PlannedModule(captured, plan_, report=_report(plan_))
+    result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
+                               time_limit=time_limit)
+    return PlannedModule(captured, result, report=_report(result))
+
+
+def _report(p: Plan) -> dict:
+    return {"strategy": p.strategy, "budget_bytes": p.budget_bytes, "fixed_bytes": p.fixed_bytes,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "predicted_activation_peak_bytes": p.predicted_peak_bytes - p.fixed_bytes,
+            "predicted_step_seconds": p.predicted_step_seconds, "solve_seconds": p.solve_seconds,
+            "mip_gap": p.mip_gap, "decisions": p.counts()}

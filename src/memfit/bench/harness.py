@@ -1,0 +1,138 @@
+"""The side-by-side harness: plain PyTorch and a planned module, measured the same way in one process.
+
+Memory is the total of live tensor storage on the device during one training step (forward, loss,
+backward, optimizer step): fixed bytes (parameters, gradients, buffers, optimizer state, the batch) are
+counted from the live tensors before the step, and the activation part with :class:`MemoryTracker`
+(every allocation, temporaries included). Gradients are allocated before the measured step so that the
+fixed part does not move during it.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memfit.profile.tracker import MemoryTracker, live_bytes
+
+
+@dataclass
+class StepFigures:
+    """Measured figures of one training setup.
+
+    Attributes:
+        peak_bytes: total peak during one step (bytes).
+        fixed_bytes: parameters, gradients, buffers, optimizer state and inputs (bytes).
+        activation_peak_bytes: ``peak_bytes - fixed_bytes``.
+        step_seconds: median step time (seconds).
+        grads: gradients after the last step, by parameter name (for comparisons).
+        buffers: buffers (BatchNorm statistics) after the last step, by name.
+        losses: loss of every step, in order.
+    """
+
+    peak_bytes: int
+    fixed_bytes: int
+    activation_peak_bytes: int
+    step_seconds: float
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    losses: list[float]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn: Callable,
+                     steps: int = 3, seed: int = 0, lr: float = 0.01) -> StepFigures:
+    """Train ``module`` for ``1 + steps`` SGD steps (momentum 0.9) on one batch and measure it.
+
+    Step 1 is the warm-up (it allocates gradients and optimizer state); step 2 runs under the memory
+    tracker; the time is the median of steps 2..``1 + steps`` measured without the tracker (step 2 is run
+    again untracked for that). The RNG is seeded with ``seed`` first, so two modules that compute the same
+    thing draw the same dropout masks.
+
+    Args:
+        module: the callable model (plain, or a :class:`~memfit.PlannedModule`).
+        params_of: the module that owns the parameters and buffers (``module`` itself for plain PyTorch).
+        inputs: positional inputs, e.g. ``(images [B, C, H, W],)``.
+        target: passed to ``loss_fn(output, target)``.
+        loss_fn: loss function.
+        steps: timed steps (>= 1).
+        seed: RNG seed.
+        lr: SGD learning rate.
+
+    Returns:
+        :class:`StepFigures`.
+    """
+    steps = max(1, steps)
+    device = next(params_of.parameters()).device
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(params_of.parameters(), lr=lr, momentum=0.9)
+    losses: list[float] = []
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        out = module(*inputs)
+        loss = loss_fn(out, target)
+        del out
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+
+    for p in params_of.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    step()
+    fixed = live_bytes(list(params_of.parameters()) + [p.grad for p in params_of.parameters()]
+                       + list(params_of.buffers()) + [t for t in inputs if isinstance(t, torch.Tensor)]
+                       + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+                       + ([target] if isinstance(target, torch.Tensor) else []))
+    with MemoryTracker(device) as tracker:
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    grads = {n: p.grad.detach().clone() for n, p in params_of.named_parameters() if p.grad is not None}
+    buffers = {n: b.detach().clone() for n, b in params_of.named_buffers()}
+    return StepFigures(peak_bytes=fixed + tracker.peak_bytes, fixed_bytes=fixed,
+                       activation_peak_bytes=tracker.peak_bytes, step_seconds=statistics.median(times),
+                       grads=grads, buffers=buffers, losses=losses)
+
+
+def compare(reference: StepFigures, other: StepFigures) -> dict:
+    """Gradient and BatchNorm-statistics agreement of ``other`` with ``reference`` (plain PyTorch).
+
+    Returns:
+        ``{"gradients_match", "max_abs_grad_diff", "bn_stats_match"}``; matching means max abs diff
+        <= 1e-5 (float32) and the same parameter and buffer names.
+    """
+    def strip(name: str) -> str:
+        return name[3:] if name.startswith("gm.") else name
+
+    ref_g = {strip(k): v for k, v in reference.grads.items()}
+    oth_g = {strip(k): v for k, v in other.grads.items()}
+    diff = max((float((ref_g[k].float() - oth_g[k].float()).abs().max()) for k in ref_g if k in oth_g),
+               default=0.0)
+    ref_b = {strip(k): v for k, v in reference.buffers.items()}
+    oth_b = {strip(k): v for k, v in other.buffers.items()}
+    bn = set(ref_b) == set(oth_b) and all(
+        float((ref_b[k].double() - oth_b[k].double()).abs().max()) <= 1e-5 if ref_b[k].numel() else True
+        for k in ref_b)
+    return {"gradients_match": set(ref_g) == set(oth_g) and diff <= 1e-5, "max_abs_grad_diff": diff,
+            "bn_stats_match": bn}
+
+
+def fresh_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` (same initial weights and buffers) for a side-by-side run."""
+    return copy.deepcopy(model)

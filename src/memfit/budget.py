@@ -1,0 +1,67 @@
+"""Memory budgets: bytes (``"2GiB"``, ``"512MB"``, an int) or a percentage of the plain PyTorch peak."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A peak-memory budget for one training step.
+
+    Attributes:
+        nbytes: absolute bound on the total peak (bytes), or ``None`` when given as a fraction.
+        fraction: fraction of the plain PyTorch total peak (``0.4`` for ``"40%"``), or ``None``.
+    """
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, spec) -> Budget:
+        """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``123456789`` (bytes) or ``"40%"``.
+
+        Raises:
+            ValueError: the text is not a size or a percentage in (0, 100].
+        """
+        if isinstance(spec, Budget):
+            return spec
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            if spec <= 0:
+                raise ValueError(f"budget must be positive, got {spec}")
+            return cls(nbytes=int(spec))
+        text = str(spec).strip()
+        if text.endswith("%"):
+            try:
+                pct = float(text[:-1])
+            except ValueError:
+                raise ValueError(f"budget {spec!r}: expected a percentage such as '40%'") from None
+            if not 0 < pct <= 100:
+                raise ValueError(f"budget {spec!r}: a percentage must be in (0, 100]")
+            return cls(fraction=pct / 100)
+        match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", text)
+        if not match or match.group(2).upper() not in _UNITS:
+            raise ValueError(f"budget {spec!r}: expected bytes such as '2GiB', '512MB', 1000000 or a "
+                             "percentage such as '40%'")
+        return cls(nbytes=int(float(match.group(1)) * _UNITS[match.group(2).upper()]))
+
+    def resolve(self, plain_peak_bytes: int) -> int:
+        """The budget in bytes, given the plain PyTorch total peak (bytes)."""
+        if self.nbytes is not None:
+            return self.nbytes
+        return int(self.fraction * plain_peak_bytes)
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,249 @@
+"""The integer program behind the ``memfit`` strategy, solved with HiGHS (``highspy``).
+
+It chooses, per node, whether it runs inside a checkpoint region (its saved tensors are recomputed) and
+where regions are cut, to minimize recomputation time under a peak-memory budget. It is a conservative
+linearization of the simulator's accounting (``memfit.solve.simulator``): every storage a plan might keep
+is counted from the first backward step that could still need it. Compared with the formulations of
+Checkmate (Jain et al., MLSys 2020) and MONeT (Shah et al., ICLR 2021, section 3), which use O(n^2) binaries
+(one per node and stage), it uses the forward order itself as the stage order: O(n) binaries (region
+membership and region cuts) plus continuous variables for held storages and recomputed bytes, so
+ResNet-50 solves in seconds.
+
+Variables (``i`` node index in forward order, ``s`` storage):
+  r_i in {0,1}   node i is inside a checkpoint region (recomputed);
+  c_i in {0,1}   a region boundary lies just before node i (adjacent regions);
+  h_s in [0,1]   storage s is held from the forward to the backward pass;
+  z_pn in [0,1]  nodes p < n are in the same region (= AND of r_k, k in [p, n], and no cut in (p, n]);
+  a_i >= 0       bytes rematerialized by i's region that are still alive at i's backward.
+Constraints: h_s >= 1 - r_n for every node n that saves s; h_s >= r_n - z_pn for every consumer n of s
+made by p (a region keeps its inputs); forward peak after each node and backward peak at each node
+<= budget - fixed bytes. Objective: minimize sum_i r_i * forward_seconds_i.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from memfit.solve.accounting import Accounting
+
+INF = highspy.kHighsInf
+
+
+@dataclass
+class IlpResult:
+    """Region spans chosen by the integer program, with the solver's status, gap and wall time (seconds)."""
+
+    spans: list[tuple[int, int]] | None
+    status: str
+    mip_gap: float | None
+    seconds: float
+    objective: float | None
+
+
+class _Model:
+    def __init__(self):
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[int] = []
+        self.rows: list[tuple[float, float, dict[int, float]]] = []
+
+    def var(self, lb=0.0, ub=1.0, cost=0.0, integer=False) -> int:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.cost.append(cost)
+        if integer:
+            self.integer.append(len(self.lb) - 1)
+        return len(self.lb) - 1
+
+    def row(self, terms: dict[int, float], lo=-INF, hi=INF) -> None:
+        self.rows.append((lo, hi, terms))
+
+
+def _grad_bytes_alive(acc: Accounting) -> list[int]:
+    """Gradient bytes alive at each node's backward (the plan does not change them), as the simulator has."""
+    n = acc.n
+    out_nodes = {acc.producer[s] for s in acc.output_storages if acc.producer[s] >= 0}
+    grads = {i: acc.grad_bytes[i] for i in out_nodes}
+    alive = [0] * n
+    for i in range(n - 1, -1, -1):
+        for m in acc.inputs[i]:
+            if m not in grads and acc.grad_bytes[m]:
+                grads[m] = acc.grad_bytes[m]
+        alive[i] = sum(grads.values())
+        grads.pop(i, None)
+    return alive
+
+
+def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 20.0,
+                  mip_gap: float = 0.01, minimize_peak: bool = False) -> IlpResult:
+    """Solve the integer program.
+
+    Args:
+        acc: accounting of the profiled graph.
+        activation_budget: bytes available above the fixed bytes.
+        time_limit: HiGHS time limit in seconds; the best plan found by then is returned with its gap.
+        mip_gap: relative gap at which HiGHS stops.
+        minimize_peak: ignore the budget and minimize the modelled peak instead (to find the smallest
+            feasible budget).
+
+    Returns:
+        :class:`IlpResult`; ``spans`` is ``None`` when no plan fits (status says why).
+    """
+    t0 = time.perf_counter()
+    n = acc.n
+    m = _Model()
+    r = [m.var(integer=True, cost=acc.fwd_seconds[i] + 1e-9) for i in range(n)]
+    c = [m.var(integer=True, cost=1e-7) for i in range(n)]
+    peak = m.var(lb=0, ub=INF, cost=1.0) if minimize_peak else None
+    if minimize_peak:
+        for i in range(n):
+            m.cost[r[i]] = acc.fwd_seconds[i] * 1e-9
+    acts = [s for s in acc.activation]
+    h = {s: m.var() for s in acts}
+    z: dict[tuple[int, int], int] = {}
+
+    def same_region(p: int, q: int) -> int:
+        if (p, q) not in z:
+            v = m.var()
+            z[(p, q)] = v
+            for k in range(p, q + 1):
+                m.row({v: 1.0, r[k]: -1.0}, hi=0.0)
+            for k in range(p + 1, q + 1):
+                m.row({v: 1.0, c[k]: 1.0}, hi=1.0)
+            # lower bound: z >= 1 - sum(1 - r_k) - sum(c_k), so z is exactly the AND
+            terms = {v: 1.0}
+            for k in range(p, q + 1):
+                terms[r[k]] = terms.get(r[k], 0.0) - 1.0
+            for k in range(p + 1, q + 1):
+                terms[c[k]] = terms.get(c[k], 0.0) + 1.0
+            m.row(terms, lo=-(q - p))
+        return z[(p, q)]
+
+    mutated = {s for i in range(n) for s in acc.mutates[i]}
+    for s in acts:
+        p = acc.producer[s]
+        for q in acc.savers[s]:
+            m.row({h[s]: 1.0, r[q]: 1.0}, lo=1.0)
+        for q in acc.consumers[s]:
+            if q == p:
+                continue
+            v = same_region(p, q)
+            m.row({h[s]: 1.0, r[q]: -1.0, v: 1.0}, lo=0.0)
+            if s in mutated:
+                m.row({r[q]: 1.0, v: -1.0}, hi=0.0)
+    for s in acc.nbytes:
+        if acc.producer[s] < 0 and s in mutated:
+            for q in acc.consumers[s]:
+                m.row({r[q]: 1.0}, hi=0.0)
+    budget = float(activation_budget)
+    # forward peak at node i
+    for i in range(n):
+        const = acc.fwd_ws[i]
+        terms: dict[int, float] = {}
+        for s in acts:
+            p = acc.producer[s]
+            if p > i:
+                continue
+            if acc.fwd_last[s] >= i:
+                const += acc.nbytes[s]
+            else:
+                terms[h[s]] = terms.get(h[s], 0.0) + acc.nbytes[s]
+        if minimize_peak:
+            terms[peak] = -1.0
+            m.row(terms, hi=-const)
+        else:
+            m.row(terms, hi=budget - const)
+    # backward peak at node i
+    grads = _grad_bytes_alive(acc)
+    first_holder = {}
+    for s in acts:
+        cands = [acc.producer[s] + 1] + list(acc.savers[s])
+        first_holder[s] = min(cands)
+    a = [m.var(lb=0.0, ub=INF) for _ in range(n)]
+    big = float(sum(acc.nbytes.values()) + 1)
+    copies_at: list[list[int]] = [[] for _ in range(n)]
+    for s in acts:
+        if acc.savers[s]:
+            copies_at[min(acc.savers[s])].append(s)
+    for i in range(n):
+        own = {}
+        own_const = 0.0
+        for s in copies_at[i]:
+            p = acc.producer[s]
+            if p == i:
+                own_const += acc.nbytes[s]
+            elif p >= 0:
+                v = same_region(p, i)
+                own[v] = own.get(v, 0.0) + acc.nbytes[s]
+        # a_i >= a_{i-1} + own - big (1 - r_i) - big c_i
+        terms = {a[i]: 1.0, r[i]: -big - own_const, c[i]: big}
+        for v, b in own.items():
+            terms[v] = terms.get(v, 0.0) - b
+        if i > 0:
+            terms[a[i - 1]] = -1.0
+        m.row(terms, lo=-big)
+        # a_i >= own (region start)
+        terms = {a[i]: 1.0, r[i]: -own_const}
+        for v, b in own.items():
+            terms[v] = terms.get(v, 0.0) - b
+        m.row(terms, lo=0.0)
+        terms = {a[i]: 1.0, r[i]: float(acc.fwd_ws[i])}
+        for s in acts:
+            if first_holder[s] <= i:
+                terms[h[s]] = terms.get(h[s], 0.0) + acc.nbytes[s]
+        const = grads[i] + acc.bwd_ws[i]
+        if minimize_peak:
+            terms[peak] = -1.0
+            m.row(terms, hi=-const)
+        else:
+            m.row(terms, hi=budget - const)
+    hs = highspy.Highs()
+    hs.setOptionValue("output_flag", False)
+    hs.setOptionValue("time_limit", float(time_limit))
+    hs.setOptionValue("mip_rel_gap", float(mip_gap))
+    hs.setOptionValue("threads", 1)
+    nv = len(m.lb)
+    hs.addVars(nv, np.array(m.lb), np.array(m.ub))
+    hs.changeColsCost(nv, np.arange(nv, dtype=np.int32), np.array(m.cost))
+    if m.integer:
+        idx = np.array(m.integer, dtype=np.int32)
+        hs.changeColsIntegrality(len(idx), idx, np.array([highspy.HighsVarType.kInteger] * len(idx)))
+    lo = np.array([row[0] for row in m.rows])
+    hi = np.array([row[1] for row in m.rows])
+    starts, indices, values = [], [], []
+    for _, _, terms in m.rows:
+        starts.append(len(indices))
+        for k, v in terms.items():
+            if v != 0.0:
+                indices.append(k)
+                values.append(v)
+    hs.addRows(len(m.rows), lo, hi, len(indices), np.array(starts, dtype=np.int32),
+               np.array(indices, dtype=np.int32), np.array(values))
+    hs.run()
+    status = hs.modelStatusToString(hs.getModelStatus())
+    info = hs.getInfo()
+    seconds = time.perf_counter() - t0
+    if info.primal_solution_status != 2:  # no feasible solution
+        return IlpResult(spans=None, status=status, mip_gap=None, seconds=seconds, objective=None)
+    sol = np.array(hs.getSolution().col_value)
+    rv = [sol[r[i]] > 0.5 for i in range(n)]
+    cv = [sol[c[i]] > 0.5 for i in range(n)]
+    spans = []
+    start = None
+    for i in range(n):
+        if rv[i] and (start is None or cv[i]):
+            if start is not None:
+                spans.append((start, i - 1))
+            start = i
+        elif not rv[i] and start is not None:
+            spans.append((start, i - 1))
+            start = None
+    if start is not None:
+        spans.append((start, n - 1))
+    return IlpResult(spans=spans, status=status, mip_gap=float(info.mip_gap), seconds=seconds,
+                     objective=float(info.objective_function_value))
