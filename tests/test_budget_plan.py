@@ -1,0 +1,50 @@
+"""Budgets, plan JSON round trip, trace errors."""
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import Budget, Plan, TraceError
+
+
+def test_budget_parse():
+    assert Budget.parse("2GiB").nbytes == 2 * 2**30
+    assert Budget.parse("512MB").nbytes == 512 * 10**6
+    assert Budget.parse(1234).nbytes == 1234
+    assert Budget.parse("40%").fraction == pytest.approx(0.4)
+    assert Budget.parse("40%").resolve(1000) == 400
+    for bad in ("lots", "0%", "150%", -5, "3 parsecs"):
+        with pytest.raises(ValueError):
+            Budget.parse(bad)
+
+
+def test_plan_json_round_trip(tmp_path):
+    p = Plan.from_spans("chen", ["a", "b", "c", "d"], [(1, 2)], budget_bytes=10, predicted_peak_bytes=9)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    q = Plan.load(path)
+    assert q == p
+    assert q.decisions == {"a": "keep", "b": "recompute", "c": "recompute", "d": "keep"}
+    assert q.region_spans() == [(1, 2)]
+
+
+def test_plan_rejects_overlapping_regions():
+    with pytest.raises(ValueError, match="overlap"):
+        Plan(strategy="x", nodes=["a", "b", "c"], regions=[["a", "b"], ["b", "c"]])
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace this line
+            return self.lin(x)
+        return x
+
+
+def test_untraceable_model_names_the_line():
+    with pytest.raises(TraceError, match=r"test_budget_plan.py:\d+ .*if x.sum\(\) > 0"):
+        memfit.optimize(DataDependent(), torch.randn(2, 4), budget="50%")
