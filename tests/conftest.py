@@ -2,6 +2,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)

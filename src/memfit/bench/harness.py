@@ -118,7 +118,7 @@ def compare(reference: StepFigures, other: StepFigures) -> dict:
         <= 1e-5 (float32) and the same parameter and buffer names.
     """
     def strip(name: str) -> str:
-        return name[3:] if name.startswith("gm.") else name
+        return name.removeprefix("gm.")
 
     ref_g = {strip(k): v for k, v in reference.grads.items()}
     oth_g = {strip(k): v for k, v in other.grads.items()}

@@ -43,7 +43,7 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
     captured = capture(planned_model)
     opt_probe = torch.optim.SGD(planned_model.parameters(), lr=0.01, momentum=0.9)
     t0 = time.perf_counter()
-    plan, captured, costs = make_plan_for(planned_model, inputs, budget, strategy=strategy, optimizer=opt_probe,
+    plan, captured, _costs = make_plan_for(planned_model, inputs, budget, strategy=strategy, optimizer=opt_probe,
                                           time_limit=time_limit, _captured=captured)
     solve_wall = time.perf_counter() - t0
     del opt_probe

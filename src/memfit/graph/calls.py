@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch.fx as fx
+from torch import fx
 
 
 def node_fn(gm: fx.GraphModule, node: fx.Node) -> Callable[[dict[str, Any]], Any]:

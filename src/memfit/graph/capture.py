@@ -6,8 +6,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 
 from memfit.graph.ir import Graph, Node
 

@@ -13,8 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 
 from memfit.graph.calls import compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
@@ -198,7 +197,7 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int]) -> Costs
         saved: list[torch.Tensor] = []
         ins = [t for a in node.all_input_nodes for t in tensors_in(env[a.name])]
         versions = [t._version for t in ins]
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
             out = node_fn(gm, node)(env)
         env[node.name] = out
         keep_alive.append(saved)
@@ -301,14 +300,14 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
     for (node, fn, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
         clone = bool(cost.mutates)
 
-        def forward(fn=fn, make_env=make_env):
+        def forward(fn=fn, make_env=make_env, clone=clone):
             return fn(make_env(clone=clone)[0])
 
         cost.fwd_seconds = _median_seconds(forward, device, repeats)
         if not any(t.requires_grad for t in tensors_in(forward())):
             continue
 
-        def backward(fn=fn, make_env=make_env, params=params):
+        def backward(fn=fn, make_env=make_env, params=params, clone=clone):
             local, leaves = make_env(clone=clone)
             outs = [t for t in tensors_in(fn(local)) if t.requires_grad]
             torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs], allow_unused=True)

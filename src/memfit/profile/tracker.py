@@ -12,6 +12,7 @@ import bisect
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
+from typing_extensions import Self
 
 _MARK = "memfit.mark:"
 
@@ -49,7 +50,7 @@ class MemoryTracker:
         self.events: list[tuple[int, int]] = []  # (time ns, signed bytes), CPU only
         self._prof = None
 
-    def __enter__(self) -> MemoryTracker:
+    def __enter__(self) -> Self:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
@@ -128,7 +127,7 @@ class PlannedModule(nn.Module):
                 for a in n.all_input_nodes:
                     local_last[a.name] = j
             frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs
-                            and (name in inside or True)] for j in range(len(group))]
+                            and (True)] for j in range(len(group))]
             buffers = []
             for n in group:
                 if n.op == "call_module":

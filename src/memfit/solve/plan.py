@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,7 +79,7 @@ class Plan:
                 raise ValueError(f"plan region [{first}, {last}] is reversed")
             spans.append((index[first], index[last]))
         spans.sort()
-        for (_, a_hi), (b_lo, _) in zip(spans, spans[1:]):
+        for (_, a_hi), (b_lo, _) in itertools.pairwise(spans):
             if b_lo <= a_hi:
                 raise ValueError("plan regions overlap; they must be disjoint ranges of the forward order")
         return spans

@@ -85,10 +85,10 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     if budget_bytes is None:
         raise ValueError("the memfit strategy needs a budget (bytes or a percentage)")
     plain = _replay(acc, [], fixed)
-    if plain.peak_bytes <= budget_bytes:
-        return _finish(strategy, acc, names, [], fixed, budget_bytes, t0, gap=0.0)
     # headroom for what the replay leaves out (the loss, allocator rounding): 3% of the activations + 64 KiB
     margin = 3 * (plain.peak_bytes - fixed) // 100 + 2**16
+    if plain.peak_bytes <= budget_bytes - margin:
+        return _finish(strategy, acc, names, [], fixed, budget_bytes, t0, gap=0.0)
     target = budget_bytes - fixed - margin
     for _ in range(6):
         if target <= 0:
