@@ -48,7 +48,7 @@ def test_zoo_model_three_budgets(name):
     _, captured, costs = memfit.plan(probe, (images,), "100%", strategy="none", optimizer=opt)
     fixed = base.fixed_bytes
     lowest = smallest_feasible(Accounting.build(captured.graph, costs), fixed)
-    budgets = [lowest + int(f * (base.peak_bytes - lowest)) for f in (0.05, 0.4, 0.8)]
+    budgets = [lowest + int(f * (base.peak_bytes - lowest)) for f in (0.2, 0.5, 0.85)]
     for budget in budgets:
         _plan, fig, _ = _check(model, (images,), target, loss_fn, budget, base=base)
         assert fig.peak_bytes <= budget
