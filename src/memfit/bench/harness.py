@@ -110,6 +110,38 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
                        grads=grads, buffers=buffers, losses=losses)
 
 
+def interleaved_step_seconds(setups: list[tuple[nn.Module, nn.Module]], inputs: tuple, target,
+                             loss_fn: Callable, rounds: int = 5, lr: float = 0.01) -> list[float]:
+    """Median step time (seconds) of several training setups, timed in alternation (A, B, A, B, ...) so that
+    machine noise hits them alike; compare them as ratios of these medians.
+
+    Args:
+        setups: ``(module, params_of)`` pairs, as in :func:`measure_training`. Each trains its own
+            parameters with SGD (momentum 0.9); run them on copies you do not need afterwards.
+        inputs, target, loss_fn: the batch and loss.
+        rounds: timed steps per setup, after one untimed warm-up step each.
+
+    Returns:
+        One median per setup, in order.
+    """
+    opts = [torch.optim.SGD(p.parameters(), lr=lr, momentum=0.9) for _, p in setups]
+    device = next(setups[0][1].parameters()).device
+    times: list[list[float]] = [[] for _ in setups]
+    for r in range(rounds + 1):
+        for k, ((module, _), opt) in enumerate(zip(setups, opts)):
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            loss = loss_fn(module(*inputs), target)
+            loss.backward()
+            opt.step()
+            del loss
+            _sync(device)
+            if r:
+                times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def compare(reference: StepFigures, other: StepFigures) -> dict:
     """Gradient and BatchNorm-statistics agreement of ``other`` with ``reference`` (plain PyTorch).
 

@@ -3,27 +3,85 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from memfit import zoo
 from memfit.api import plan as make_plan_for
-from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.graph.capture import capture
 from memfit.runtime.planned import PlannedModule
 
 
+def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, seed: int = 0) -> StepFigures:
+    """Plain PyTorch's figures (peak, fixed, gradients after 3 steps) on a copy of ``model``."""
+    plain = fresh_copy(model)
+    return measure_training(plain, plain, inputs, target, loss_fn, steps=1, seed=seed)
+
+
+def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable, baseline: StepFigures,
+                     strategy: str, budget, steps: int = 5, time_limit: float = 20.0, seed: int = 0,
+                     plan_out: str | None = None) -> dict:
+    """Solve ``strategy`` for ``budget`` on a copy of ``model``, train with the plan, and report.
+
+    Memory and gradients come from :func:`measure_training` (3 steps from the same initial weights as
+    ``baseline``); the step times of plain PyTorch and of the plan come from
+    :func:`interleaved_step_seconds` over ``steps`` rounds, so ``overhead`` is a ratio of medians measured
+    at the same time.
+
+    Returns:
+        The report dict of ``memfit run --json`` (see the README).
+
+    Raises:
+        memfit.InfeasibleBudgetError: no plan fits ``budget``.
+    """
+    device = next(model.parameters()).device
+    planned_model = fresh_copy(model)
+    captured = capture(planned_model)
+    opt_probe = torch.optim.SGD(planned_model.parameters(), lr=0.01, momentum=0.9)
+    t0 = time.perf_counter()
+    plan, captured, _ = make_plan_for(planned_model, inputs, budget, strategy=strategy, optimizer=opt_probe,
+                                      time_limit=time_limit, _captured=captured)
+    solve_wall = time.perf_counter() - t0
+    del opt_probe
+    if plan_out:
+        plan.save(plan_out)
+    planned = PlannedModule(captured, plan)
+    figures = measure_training(planned, planned, inputs, target, loss_fn, steps=1, seed=seed)
+    check = compare(baseline, figures)
+    del planned, captured, planned_model
+    plain_copy, timed_copy = fresh_copy(model), fresh_copy(model)
+    timed = PlannedModule(capture(timed_copy), plan)
+    plain_s, planned_s = interleaved_step_seconds([(plain_copy, plain_copy), (timed, timed)], inputs, target,
+                                                  loss_fn, rounds=steps)
+    images = inputs[0]
+    return {
+        "model": type(model).__name__, "batch_size": int(images.shape[0]), "input_shape": list(images.shape),
+        "device": device.type, "strategy": strategy, "budget_bytes": plan.budget_bytes,
+        "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
+                     "activation_peak_bytes": baseline.activation_peak_bytes, "step_seconds": plain_s},
+        "planned": {"peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes, "step_seconds": planned_s,
+                    "predicted_step_seconds": plan.predicted_step_seconds},
+        "overhead": planned_s / plain_s,
+        "solve_seconds": plan.solve_seconds, "profile_and_solve_seconds": solve_wall, "mip_gap": plan.mip_gap,
+        "decisions": plan.counts(), "regions": len(plan.regions), **check,
+    }
+
+
 def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", strategy: str = "memfit",
-            steps: int = 3, device: str = "cpu", time_limit: float = 20.0, seed: int = 0,
+            steps: int = 5, device: str = "cpu", time_limit: float = 20.0, seed: int = 0,
             plan_out: str | None = None) -> dict:
-    """Measure plain PyTorch, solve, train ``steps`` steps with the plan, check gradients.
+    """``memfit run``: measure plain PyTorch, solve, train with the plan, check gradients.
 
     Args:
         model_name: a name from :data:`memfit.zoo.MODELS`.
         batch_size, image_size: the example batch (samples, pixels).
         budget: bytes or percentage of the plain peak (see :class:`memfit.Budget`).
         strategy: a name from :data:`memfit.STRATEGIES`.
-        steps: timed steps per setup (after one warm-up step and one tracked step).
+        steps: timed steps per setup.
         device: ``cpu`` or ``cuda``.
         time_limit: solver time limit (seconds).
         seed: weights, batch and dropout seed.
@@ -36,32 +94,8 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
     model = zoo.build_model(model_name, seed=seed).to(dev).train()
     images, target = zoo.example_batch(model_name, batch_size, image_size, device=dev, seed=seed)
     loss_fn = zoo.loss_for(model_name)
-    inputs = (images,)
-    baseline = measure_training(fresh := fresh_copy(model), fresh, inputs, target, loss_fn, steps, seed)
-    del fresh
-    planned_model = fresh_copy(model)
-    captured = capture(planned_model)
-    opt_probe = torch.optim.SGD(planned_model.parameters(), lr=0.01, momentum=0.9)
-    t0 = time.perf_counter()
-    plan, captured, _costs = make_plan_for(planned_model, inputs, budget, strategy=strategy, optimizer=opt_probe,
-                                          time_limit=time_limit, _captured=captured)
-    solve_wall = time.perf_counter() - t0
-    del opt_probe
-    if plan_out:
-        plan.save(plan_out)
-    planned = PlannedModule(captured, plan)
-    figures = measure_training(planned, planned, inputs, target, loss_fn, steps, seed)
-    check = compare(baseline, figures)
-    return {
-        "model": model_name, "batch_size": batch_size, "input_shape": list(images.shape),
-        "device": dev.type, "strategy": strategy, "budget_bytes": plan.budget_bytes,
-        "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
-                     "activation_peak_bytes": baseline.activation_peak_bytes,
-                     "step_seconds": baseline.step_seconds},
-        "planned": {"peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
-                    "predicted_peak_bytes": plan.predicted_peak_bytes, "step_seconds": figures.step_seconds,
-                    "predicted_step_seconds": plan.predicted_step_seconds},
-        "overhead": figures.step_seconds / baseline.step_seconds,
-        "solve_seconds": plan.solve_seconds, "profile_and_solve_seconds": solve_wall, "mip_gap": plan.mip_gap,
-        "decisions": plan.counts(), **check,
-    }
+    baseline = measure_plain(model, (images,), target, loss_fn, seed)
+    report = measure_strategy(model, (images,), target, loss_fn, baseline, strategy, budget, steps, time_limit,
+                              seed, plan_out)
+    report["model"] = model_name
+    return report

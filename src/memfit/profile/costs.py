@@ -58,6 +58,9 @@ class NodeCost:
             its net allocation), e.g. oneDNN reorders or cuDNN workspaces.
         bwd_workspace: bytes allocated transiently by the backward beyond the gradients of its activation
             inputs: temporaries and the parameter gradients before they are added into ``.grad``.
+        grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
+        grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
+            views), so the inputs' gradients share that storage.
     """
 
     name: str
@@ -70,6 +73,8 @@ class NodeCost:
     bwd_seconds: float = 0.0
     fwd_workspace: int = 0
     bwd_workspace: int = 0
+    grad_in_bytes: int = 0
+    grad_alias: bool = False
 
 
 @dataclass
@@ -281,11 +286,15 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             part = tracker.mark(f"{node.name}:b") if cpu else MemoryTracker(device)
             with part:
                 grads = torch.autograd.grad(outs, leaves + params, seeds, allow_unused=True)
-            leaf_grad_bytes = sum(g.numel() * g.element_size() for g in grads[:len(leaves)] if g is not None)
+            seed_ptrs = {t.untyped_storage().data_ptr() for t in seeds}
+            fresh = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                     for g in grads[:len(leaves)] if g is not None}
+            cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
+            cost.grad_in_bytes = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs)
             if not cpu:
-                cost.bwd_workspace = max(0, part.peak_bytes - leaf_grad_bytes)
+                cost.bwd_workspace = max(0, part.peak_bytes - cost.grad_in_bytes)
             del grads, outs, seeds, local, leaves
-            leaf_bytes[node.name] = leaf_grad_bytes
+            leaf_bytes[node.name] = cost.grad_in_bytes
     if cpu:
         for cost in costs.nodes:
             peak, net = tracker.range_peak(f"{cost.name}:f")

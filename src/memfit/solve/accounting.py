@@ -51,6 +51,9 @@ class Accounting:
     bwd_seconds: list[float]
     fwd_ws: list[int]
     bwd_ws: list[int]
+    grad_alias: list[bool]
+    grad_before: list[int]
+    grad_during: list[int]
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -93,7 +96,7 @@ class Accounting:
         for c in costs.nodes:
             outs = set(c.outputs)
             internal.append([s for s in c.creates if s not in outs])
-        return cls(
+        acc = cls(
             n=n, nbytes=nbytes, producer=producer, consumers=consumers, savers=savers,
             saves=[list(c.saves) for c in costs.nodes], mutates=[list(c.mutates) for c in costs.nodes],
             fwd_last=fwd_last,
@@ -103,4 +106,65 @@ class Accounting:
             activation=[s for s in nbytes if producer[s] >= 0],
             fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
+            grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
         )
+        return _with_gradients(acc, costs)
+
+
+def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
+    """Replay the gradients of activations through the backward pass, which no plan changes.
+
+    ``grad_before[i]``: gradient bytes alive when node i's backward starts; ``grad_during[i]``: alive
+    while it runs (its inputs' new gradients allocated, its output's gradient not yet released).
+    A node's output gradient is created by its first consumer in the backward pass (or by the loss) and
+    released after the node's own backward; nodes that pass gradients through (``grad_alias``) share one
+    storage among their inputs; a second contribution to an existing gradient is added into it.
+    """
+    n = acc.n
+    needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs)
+             for i in range(n)]
+    token_bytes: dict[int, int] = {}
+    token_refs: dict[int, int] = {}
+    grads: dict[int, int] = {}  # node -> token
+    total = 0
+
+    def new_token(nbytes: int) -> int:
+        nonlocal total
+        t = len(token_bytes)
+        token_bytes[t], token_refs[t] = nbytes, 0
+        total += nbytes
+        return t
+
+    def attach(m: int, t: int) -> None:
+        grads[m] = t
+        token_refs[t] += 1
+
+    def release(t: int) -> None:
+        nonlocal total
+        token_refs[t] -= 1
+        if token_refs[t] == 0:
+            total -= token_bytes[t]
+
+    for s in acc.output_storages:
+        p = acc.producer[s]
+        if p >= 0 and p not in grads:
+            attach(p, new_token(acc.grad_bytes[p]))
+    before, during = [0] * n, [0] * n
+    for i in range(n - 1, -1, -1):
+        before[i] = total
+        t = grads.pop(i, None)
+        extra = 0
+        for m in acc.inputs[i]:
+            if not needs[m]:
+                continue
+            if m in grads:
+                extra = max(extra, acc.grad_bytes[m])  # accumulated into the existing gradient
+            elif acc.grad_alias[i] and t is not None:
+                attach(m, t)
+            else:
+                attach(m, new_token(acc.grad_bytes[m]))
+        during[i] = total + extra
+        if t is not None:
+            release(t)
+    acc.grad_before, acc.grad_during = before, during
+    return acc

@@ -64,21 +64,6 @@ class _Model:
         self.rows.append((lo, hi, terms))
 
 
-def _grad_bytes_alive(acc: Accounting) -> list[int]:
-    """Gradient bytes alive at each node's backward (the plan does not change them), as the simulator has."""
-    n = acc.n
-    out_nodes = {acc.producer[s] for s in acc.output_storages if acc.producer[s] >= 0}
-    grads = {i: acc.grad_bytes[i] for i in out_nodes}
-    alive = [0] * n
-    for i in range(n - 1, -1, -1):
-        for m in acc.inputs[i]:
-            if m not in grads and acc.grad_bytes[m]:
-                grads[m] = acc.grad_bytes[m]
-        alive[i] = sum(grads.values())
-        grads.pop(i, None)
-    return alive
-
-
 def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 20.0,
                   mip_gap: float = 0.01, minimize_peak: bool = False) -> IlpResult:
     """Solve the integer program.
@@ -100,9 +85,10 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     r = [m.var(integer=True, cost=acc.fwd_seconds[i] + 1e-9) for i in range(n)]
     c = [m.var(integer=True, cost=1e-7) for i in range(n)]
     peak = m.var(lb=0, ub=INF, cost=1.0) if minimize_peak else None
-    if minimize_peak:
+    if minimize_peak:  # memory only, so that the answer does not depend on noisy timings
         for i in range(n):
-            m.cost[r[i]] = acc.fwd_seconds[i] * 1e-9
+            m.cost[r[i]] = 0.0
+            m.cost[c[i]] = 0.0
     acts = [s for s in acc.activation]
     h = {s: m.var() for s in acts}
     z: dict[tuple[int, int], int] = {}
@@ -159,7 +145,6 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         else:
             m.row(terms, hi=budget - const)
     # backward peak at node i
-    grads = _grad_bytes_alive(acc)
     first_holder = {}
     for s in acts:
         cands = [acc.producer[s] + 1] + list(acc.savers[s])
@@ -196,7 +181,7 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for s in acts:
             if first_holder[s] <= i:
                 terms[h[s]] = terms.get(h[s], 0.0) + acc.nbytes[s]
-        const = grads[i] + acc.bwd_ws[i]
+        const = acc.grad_during[i] + acc.bwd_ws[i]
         if minimize_peak:
             terms[peak] = -1.0
             m.row(terms, hi=-const)
@@ -207,6 +192,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     hs.setOptionValue("time_limit", float(time_limit))
     hs.setOptionValue("mip_rel_gap", float(mip_gap))
     hs.setOptionValue("threads", 1)
+    if minimize_peak:  # a node limit rather than the clock bounds the search, so the result is repeatable
+        hs.setOptionValue("mip_max_nodes", 300)
     nv = len(m.lb)
     hs.addVars(nv, np.array(m.lb), np.array(m.ub))
     hs.changeColsCost(nv, np.arange(nv, dtype=np.int32), np.array(m.cost))

@@ -95,33 +95,34 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
             r = reg[i]
             if r >= 0 and reg[acc.producer[s]] != r:
                 holders[s].add(last_saver[r][1])
-    live = 0
+    live = 0  # held storages and rematerialized copies
+    grad = 0  # gradients of activations (the same for every plan: Accounting.grad_before/grad_during)
     peak = 0
     timeline: list[tuple[str, int]] = []
     alive: set[int] = set()
 
-    def alloc(key, nbytes, label):
+    def alloc(nbytes, label):
         nonlocal live, peak
         live += nbytes
-        peak = max(peak, live)
-        timeline.append((label, live))
+        peak = max(peak, live + grad)
+        timeline.append((label, live + grad))
 
     def transient(nbytes, label):
         nonlocal peak
         if nbytes:
-            peak = max(peak, live + nbytes)
-            timeline.append((label, live + nbytes))
+            peak = max(peak, live + grad + nbytes)
+            timeline.append((label, live + grad + nbytes))
 
     def free(nbytes, label):
         nonlocal live
         live -= nbytes
-        timeline.append((label, live))
+        timeline.append((label, live + grad))
 
     # forward
     for i in range(n):
         for s in acc.creates[i]:
             alive.add(s)
-            alloc(s, acc.nbytes[s], f"fwd {i} alloc {s}")
+            alloc(acc.nbytes[s], f"fwd {i} alloc {s}")
         transient(acc.fwd_ws[i], f"fwd {i} workspace")
         for s in list(alive):
             ended = acc.fwd_last[s] <= i
@@ -130,22 +131,19 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
             if ended and not holders.get(s):
                 alive.discard(s)
                 free(acc.nbytes[s], f"fwd {i} free {s}")
-    # the loss reads the outputs, backward starts with their gradients
+    # the loss reads the outputs; backward starts with their gradients
     for s in list(alive):
         if s in acc.output_storages and not holders.get(s):
             alive.discard(s)
             free(acc.nbytes[s], f"loss free {s}")
-    grads: dict[int, int] = {}
-    out_nodes = {acc.producer[s] for s in acc.output_storages if acc.producer[s] >= 0}
-    for i in out_nodes:
-        grads[i] = acc.grad_bytes[i]
-        alloc(None, grads[i], f"loss grad {i}")
+    grad = acc.grad_before[n - 1] if n else 0
     # a log-softmax style loss keeps one output-sized tensor and makes another in its backward
     transient(2 * sum(acc.nbytes[s] for s in acc.output_storages), "loss backward")
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
     recompute_seconds = 0.0
     for i in range(n - 1, -1, -1):
+        grad = acc.grad_before[i]
         r = reg[i]
         if r >= 0 and last_saver[r][0] == i:
             lo, _ = spans[r]
@@ -157,18 +155,14 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
                     if saved_in:
                         copies.add(s)
                         copy_holders[(r, s)] = saved_in
-                        alloc(None, acc.nbytes[s], f"recompute {j} {s}")
+                        alloc(acc.nbytes[s], f"recompute {j} {s}")
                     else:
                         transient(acc.nbytes[s], f"recompute {j} transient {s}")
                 transient(acc.fwd_ws[j], f"recompute {j} workspace")
             recomputed[r] = copies
-        for m in acc.inputs[i]:
-            if m not in grads and acc.grad_bytes[m]:
-                grads[m] = acc.grad_bytes[m]
-                alloc(None, grads[m], f"bwd {i} grad of {m}")
+        grad = acc.grad_during[i]
         transient(acc.bwd_ws[i], f"bwd {i} workspace")
-        if i in grads:
-            free(grads.pop(i), f"bwd {i} free grad")
+        grad = acc.grad_before[i - 1] if i > 0 else 0
         for s in list(alive):
             h = holders.get(s)
             if h and i in h:

@@ -39,16 +39,22 @@ def _finish(strategy, acc, names, spans, fixed, budget, t0, gap=None) -> Plan:
                            solve_seconds=time.perf_counter() - t0, mip_gap=gap)
 
 
-def smallest_feasible(acc: Accounting, fixed: int, time_limit: float = 20.0) -> int:
-    """The lowest simulated total peak among the plans memfit can make (bytes): the integer program
-    minimizing the modelled peak, and the heuristic baselines."""
-    peaks = [_replay(acc, legalize(acc, [(0, acc.n - 1)]), fixed).peak_bytes]
+def _low_memory_candidates(acc: Accounting, graph: Graph, time_limit: float) -> list[list[tuple[int, int]]]:
+    """Region spans of the lowest-memory plans memfit knows: the integer program minimizing the modelled
+    peak, one region per block, Chen's segments and a single region."""
+    cands = [legalize(acc, chen_spans(acc)), legalize(acc, block_spans(graph)), legalize(acc, [(0, acc.n - 1)])]
     res = solve_regions(acc, 0, time_limit=time_limit, minimize_peak=True)
     if res.spans is not None:
-        peaks.append(_replay(acc, legalize(acc, res.spans), fixed).peak_bytes)
-    peaks.append(_replay(acc, legalize(acc, chen_spans(acc)), fixed).peak_bytes)
+        cands.insert(0, legalize(acc, res.spans))
+    return cands
+
+
+def smallest_feasible(acc: Accounting, graph: Graph, fixed: int, time_limit: float = 20.0) -> int:
+    """The smallest budget (bytes) for which :func:`make_plan` finds a ``memfit`` plan: the lowest simulated
+    peak among :func:`_low_memory_candidates`, plus the safety margin."""
     plain = _replay(acc, [], fixed).peak_bytes
-    return min(peaks) + 3 * (plain - fixed) // 100 + 2**16
+    peaks = [_replay(acc, spans, fixed).peak_bytes for spans in _low_memory_candidates(acc, graph, time_limit)]
+    return min(peaks) + _margin(plain - fixed)
 
 
 def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | None = None,
@@ -85,20 +91,57 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     if budget_bytes is None:
         raise ValueError("the memfit strategy needs a budget (bytes or a percentage)")
     plain = _replay(acc, [], fixed)
-    # headroom for what the replay leaves out (the loss, allocator rounding): 3% of the activations + 64 KiB
-    margin = 3 * (plain.peak_bytes - fixed) // 100 + 2**16
-    if plain.peak_bytes <= budget_bytes - margin:
+    margin = _margin(plain.peak_bytes - fixed)
+    limit = budget_bytes - margin  # what the simulated peak may reach
+    if plain.peak_bytes <= limit:
         return _finish(strategy, acc, names, [], fixed, budget_bytes, t0, gap=0.0)
-    target = budget_bytes - fixed - margin
-    for _ in range(6):
-        if target <= 0:
+    # The program is a conservative linearization of the replay: solve, replay, and move the program's
+    # budget by the replay's error (down when over the limit, up to use slack), bisecting between the
+    # largest program budget that replayed under the limit and the smallest that did not.
+    deadline = time.perf_counter() + time_limit
+    target, ok_target, bad_target = limit - fixed, None, None
+    best: Plan | None = None
+    for _ in range(8):
+        remaining = deadline - time.perf_counter()
+        if target <= 0 or remaining <= 0.5:
             break
-        res = solve_regions(acc, target, time_limit=time_limit)
+        res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2))
         if res.spans is None:
+            bad_target = target
+        else:
+            plan = _finish(strategy, acc, names, res.spans, fixed, budget_bytes, t0, gap=res.mip_gap)
+            if plan.predicted_peak_bytes <= limit:
+                if best is None or plan.predicted_step_seconds < best.predicted_step_seconds:
+                    best = plan
+                ok_target = target
+                if limit - plan.predicted_peak_bytes <= margin // 2:
+                    break
+            else:
+                bad_target = target
+        if ok_target is None:
+            step = (plan.predicted_peak_bytes - limit) if res.spans is not None else target // 4
+            target -= max(step, 2**16)
+        elif bad_target is None:
+            target = ok_target + max(limit - best.predicted_peak_bytes, 2**16)
+        elif bad_target - ok_target <= margin // 2:
             break
-        plan = _finish(strategy, acc, names, res.spans, fixed, budget_bytes, t0, gap=res.mip_gap)
-        if plan.predicted_peak_bytes <= budget_bytes - margin:
-            return plan
-        # the linearization is conservative, but workspace during recomputation is approximate: tighten
-        target -= plan.predicted_peak_bytes - (budget_bytes - margin)
-    raise InfeasibleBudgetError(budget_bytes, smallest_feasible(acc, fixed, time_limit), fixed)
+        else:
+            target = (ok_target + bad_target) // 2
+    if best is None:
+        # near the smallest feasible budget the conservative program may find nothing: fall back to the
+        # lowest-memory plans, replayed exactly, and take the fastest that fits
+        fits = []
+        for spans in _low_memory_candidates(acc, graph, max(1.0, deadline - time.perf_counter())):
+            plan = _finish(strategy, acc, names, spans, fixed, budget_bytes, t0)
+            fits += [plan] if plan.predicted_peak_bytes <= limit else []
+        best = min(fits, key=lambda p: p.predicted_step_seconds, default=None)
+    if best is not None:
+        best.solve_seconds = time.perf_counter() - t0
+        return best
+    raise InfeasibleBudgetError(budget_bytes, smallest_feasible(acc, graph, fixed, time_limit), fixed)
+
+
+def _margin(activation_bytes: int) -> int:
+    """Headroom kept under the budget for what the replay leaves out (allocator rounding, small tensors of
+    the loss and of checkpoint bookkeeping): 1% of plain PyTorch's activation peak plus 64 KiB."""
+    return activation_bytes // 100 + 2**16

@@ -1,0 +1,151 @@
+"""Memory-efficient operator implementations (MONeT's operator variants) and their registry.
+
+Each variant is a ``torch.autograd.Function`` with a drop-in ``nn.Module`` wrapper (a subclass of the
+PyTorch module it replaces) that saves less for the backward pass and gives PyTorch's gradients:
+
+* ``relu-mask``: ReLU / LeakyReLU / ReLU6 / Hardtanh save a 1-bit mask (bit-exact gradients);
+* ``bn-from-output``: BatchNorm1d/2d/3d computes its backward from its output (float32 rounding);
+* ``maxpool-compact``: MaxPool2d saves uint8 in-window argmax offsets (bit-exact gradients).
+
+``VARIANTS`` maps a variant name to a :class:`VariantSpec`; ``spec.applies(m)`` says whether it can
+replace module ``m`` and ``spec.make(m)`` builds the replacement, which shares ``m``'s Parameter and
+buffer objects (so optimizer state, ``state_dict`` keys and running statistics are unchanged). The
+fused BatchNorm + LeakyReLU (InPlace-ABN) spans two modules and is therefore not a registry entry:
+use :func:`fuse_bn_leaky_relu`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.modules.utils import _pair
+
+from .bn_from_output import (
+    BatchNorm1dFromOutput,
+    BatchNorm2dFromOutput,
+    BatchNorm3dFromOutput,
+    BNFromOutputFn,
+    bn_from_output,
+    fuse_bn_leaky_relu,
+)
+from .bn_from_output import from_module as bn_from_module
+from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
+from .relu_mask import (
+    HardtanhMask,
+    LeakyReLUMask,
+    MaskedActivationFn,
+    ReLU6Mask,
+    ReLUMask,
+    hardtanh_mask,
+    leaky_relu_mask,
+    pack_mask,
+    relu6_mask,
+    relu_mask,
+    unpack_mask,
+)
+
+__all__ = [
+    "VARIANTS",
+    "BNFromOutputFn",
+    "BatchNorm1dFromOutput",
+    "BatchNorm2dFromOutput",
+    "BatchNorm3dFromOutput",
+    "HardtanhMask",
+    "LeakyReLUMask",
+    "MaskedActivationFn",
+    "MaxPool2dCompact",
+    "MaxPool2dCompactFn",
+    "ReLU6Mask",
+    "ReLUMask",
+    "VariantSpec",
+    "bn_from_module",
+    "bn_from_output",
+    "fuse_bn_leaky_relu",
+    "hardtanh_mask",
+    "leaky_relu_mask",
+    "max_pool2d_compact",
+    "pack_mask",
+    "relu6_mask",
+    "relu_mask",
+    "unpack_mask",
+    "variants_for",
+]
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One operator variant.
+
+    Attributes:
+        name: registry key, e.g. ``"relu-mask"``.
+        module_types: the PyTorch module classes it replaces (matched exactly, not by ``isinstance``,
+            so an already-converted module, itself a subclass, is not converted again).
+        saves: one line: what the variant keeps for backward, against PyTorch.
+        exact: gradients are bit-for-bit PyTorch's (else equal to float rounding).
+        applies: ``applies(module) -> bool``.
+        make: ``make(module) -> nn.Module``, the replacement sharing the module's Parameters/buffers.
+        caveat: a condition on the surrounding graph that ``applies`` cannot check ("" if none).
+    """
+
+    name: str
+    module_types: tuple[type[nn.Module], ...]
+    saves: str
+    exact: bool
+    applies: Callable[[nn.Module], bool]
+    make: Callable[[nn.Module], nn.Module]
+    caveat: str = ""
+
+
+_ACT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.ReLU: ReLUMask, nn.LeakyReLU: LeakyReLUMask, nn.ReLU6: ReLU6Mask, nn.Hardtanh: HardtanhMask,
+}
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _make_act(m: nn.Module) -> nn.Module:
+    return _ACT_CLASSES[type(m)].from_module(m)
+
+
+def _maxpool_applies(m: nn.Module) -> bool:
+    if type(m) is not nn.MaxPool2d or m.return_indices:
+        return False
+    kh, kw = _pair(m.kernel_size)
+    return kh * kw <= 256
+
+
+def _make_checked(spec_name: str, applies: Callable[[nn.Module], bool],
+                  build: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
+    def make(m: nn.Module) -> nn.Module:
+        if not applies(m):
+            raise TypeError(f"variant {spec_name!r} does not apply to {m!r}")
+        return build(m)
+    return make
+
+
+def _spec(name, types, saves, exact, applies, build, caveat="") -> VariantSpec:
+    return VariantSpec(name, types, saves, exact, applies, _make_checked(name, applies, build), caveat)
+
+
+VARIANTS: dict[str, VariantSpec] = {
+    s.name: s
+    for s in (
+        _spec("relu-mask", tuple(_ACT_CLASSES),
+              "1 bit per element (uint8, packed 8 per byte) instead of the input or output",
+              True, lambda m: type(m) in _ACT_CLASSES, _make_act),
+        _spec("bn-from-output", _BN_TYPES,
+              "the output y (usually saved by the next layer anyway) and per-channel invstd instead of the input",
+              False, lambda m: type(m) in _BN_TYPES, bn_from_module,
+              "the output must not be modified in place later (ReLU(inplace=True), `out += identity`): "
+              "autograd then raises at backward; every weight must be non-zero at backward"),
+        _spec("maxpool-compact", (nn.MaxPool2d,),
+              "uint8 in-window argmax offsets instead of the input and int64 indices",
+              True, _maxpool_applies, MaxPool2dCompact.from_module),
+    )
+}
+
+
+def variants_for(module: nn.Module) -> list[VariantSpec]:
+    """The registered variants that can replace ``module``."""
+    return [s for s in VARIANTS.values() if s.applies(module)]

@@ -1,0 +1,119 @@
+"""MaxPool2d that saves the argmax as a ``uint8`` offset inside the pooling window.
+
+PyTorch's ``max_pool2d`` saves its *input* and the ``int64`` flat argmax indices for the backward
+pass, although the backward only needs the indices (the input is used for its shape). Here the
+backward keeps, per output element, the position of the maximum inside its window as one byte
+(``kernel_h * kernel_w <= 256``) plus the input shape as plain Python ints: 1/8 of the int64
+indices, and no input.
+
+Forward: ``F.max_pool2d(..., return_indices=True)`` (PyTorch's kernel, so identical output and
+tie-breaking), then the flat index ``idx = ih * W + iw`` of each output ``(oh, ow)`` becomes::
+
+    h0 = oh * stride_h - pad_h,  w0 = ow * stride_w - pad_w         (window origin)
+    offset = ((ih - h0) // dil_h) * kernel_w + (iw - w0) // dil_w     (in [0, kernel_h * kernel_w))
+
+Backward inverts that (``ih = h0 + (offset // kernel_w) * dil_h``, ...) and calls PyTorch's own
+``aten.max_pool2d_with_indices_backward`` with the rebuilt int64 indices, so the gradient, including
+the accumulation order of overlapping windows (kernel 3 / stride 2, ResNet's stem), is bit-for-bit
+PyTorch's. That kernel reads only the shape of its ``self`` argument, so a zero-stride expanded
+scalar stands in for the input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.utils import _pair
+
+__all__ = ["MaxPool2dCompact", "MaxPool2dCompactFn", "max_pool2d_compact", "window_bases"]
+
+
+def window_bases(oh: int, ow: int, stride, padding, device) -> tuple[Tensor, Tensor]:
+    """Per output position: the window origin ``(h0, w0)`` as ``[oh, 1]`` and ``[1, ow]`` int64 tensors."""
+    h0 = torch.arange(oh, device=device, dtype=torch.int64).mul_(stride[0]).sub_(padding[0]).unsqueeze(1)
+    w0 = torch.arange(ow, device=device, dtype=torch.int64).mul_(stride[1]).sub_(padding[1]).unsqueeze(0)
+    return h0, w0
+
+
+class MaxPool2dCompactFn(torch.autograd.Function):
+    """``apply(x, kernel_size, stride, padding, dilation, ceil_mode)`` with 2-tuples; ``x`` is 4-D."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode: bool) -> Tensor:
+        kh, kw = kernel_size
+        if kh * kw > 256:
+            raise ValueError(f"kernel area {kh * kw} > 256 does not fit a uint8 offset")
+        out, idx = F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
+        W = x.shape[-1]
+        h0, w0 = window_bases(out.shape[-2], out.shape[-1], stride, padding, x.device)
+        ih = torch.div(idx, W, rounding_mode="floor")
+        iw = idx.sub_(ih * W)  # idx is ours: reuse its storage
+        ih.sub_(h0)
+        iw.sub_(w0)
+        if dilation[0] != 1:
+            ih.div_(dilation[0], rounding_mode="floor")
+        if dilation[1] != 1:
+            iw.div_(dilation[1], rounding_mode="floor")
+        offset = ih.mul_(kw).add_(iw).to(torch.uint8)
+        del ih, iw, idx
+        ctx.save_for_backward(offset)
+        ctx.args = (kernel_size, stride, padding, dilation, ceil_mode)
+        ctx.in_shape = x.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (offset,) = ctx.saved_tensors
+        kernel_size, stride, padding, dilation, ceil_mode = ctx.args
+        kw = kernel_size[1]
+        W = ctx.in_shape[-1]
+        h0, w0 = window_bases(offset.shape[-2], offset.shape[-1], stride, padding, offset.device)
+        off = offset.to(torch.int64)
+        dh = torch.div(off, kw, rounding_mode="floor")
+        dw = off.sub_(dh * kw)
+        # idx = (h0 + dh * dil_h) * W + (w0 + dw * dil_w)
+        idx = dh.mul_(dilation[0] * W).add_(dw.mul_(dilation[1])).add_(h0 * W + w0)
+        del dw
+        shape_only = grad.new_zeros(()).expand(ctx.in_shape)
+        gx = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, shape_only, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode, idx)
+        return gx, None, None, None, None, None
+
+
+def max_pool2d_compact(x: Tensor, kernel_size, stride=None, padding=0, dilation=1,
+                       ceil_mode: bool = False) -> Tensor:
+    """``F.max_pool2d`` (3-D ``[C, H, W]`` or 4-D input) saving uint8 in-window argmax offsets."""
+    k = _pair(kernel_size)
+    s = k if (stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0)) else _pair(stride)
+    p, d = _pair(padding), _pair(dilation)
+    if x.dim() == 3:
+        return MaxPool2dCompactFn.apply(x.unsqueeze(0), k, s, p, d, bool(ceil_mode)).squeeze(0)
+    return MaxPool2dCompactFn.apply(x, k, s, p, d, bool(ceil_mode))
+
+
+torch.fx.wrap("max_pool2d_compact")
+
+
+class MaxPool2dCompact(nn.MaxPool2d):
+    """Drop-in ``nn.MaxPool2d`` (a subclass) saving uint8 argmax offsets; ``return_indices`` must be False."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
+                 ceil_mode: bool = False) -> None:
+        if return_indices:
+            raise ValueError("MaxPool2dCompact does not return indices; use nn.MaxPool2d")
+        super().__init__(kernel_size, stride, padding, dilation, False, ceil_mode)
+        kh, kw = _pair(self.kernel_size)
+        if kh * kw > 256:
+            raise ValueError(f"kernel area {kh * kw} > 256 does not fit a uint8 offset")
+
+    def forward(self, input: Tensor) -> Tensor:
+        return max_pool2d_compact(input, self.kernel_size, self.stride, self.padding, self.dilation,
+                                  self.ceil_mode)
+
+    @classmethod
+    def from_module(cls, m: nn.MaxPool2d) -> MaxPool2dCompact:
+        return cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode)

@@ -1,0 +1,226 @@
+"""ReLU-family activations whose backward keeps a 1-bit mask instead of a full tensor.
+
+PyTorch's ``ReLU`` / ``LeakyReLU`` / ``Hardtanh`` / ``ReLU6`` save their input or output (2 or 4 bytes
+per element) for the backward pass, yet the backward only needs one bit per element: "does the
+gradient pass through here or not" (MONeT, Shah et al., ICLR 2021, section 4). The functions here save
+that bit, packed 8 per byte in a ``uint8`` tensor: 1/32 of a float32 activation, 1/16 of a bf16 one.
+
+Each backward calls the same ATen kernel as PyTorch (``threshold_backward``, ``leaky_relu_backward``)
+on the unpacked mask, so gradients are bit-for-bit PyTorch's, and the forward *is* PyTorch's op.
+Boundary conventions (checked against torch, reproduced exactly):
+
+* ``relu``: gradient passes iff ``not (x <= 0)``: 0 at ``x == 0`` and ``x == -0.0``, passes at NaN.
+* ``leaky_relu``: ``grad`` iff ``x > 0``, else ``grad * negative_slope`` (also at 0 and NaN).
+* ``hardtanh`` / ``relu6``: gradient passes iff ``min_val < x < max_val``: 0 at exactly ``min_val``
+  and ``max_val``; for half/bf16 the comparison is in float32, as in torch's kernel (the mask is
+  computed by ``aten.hardtanh_backward`` itself). In-place: torch decides on the original input (its
+  ``hardtanh_`` autograd keeps a full copy of it!); so does this one. NaN inputs: torch's CPU
+  ``hardtanh_backward`` is itself inconsistent (its vectorised loop gives 0, its scalar loop -- strided
+  tensors and the last ``numel % vector_width`` elements of contiguous ones -- passes the gradient),
+  so no mask can match it everywhere; here NaN always gives 0, like torch's vectorised path.
+
+``inplace=True`` writes the result into the input, like ``nn.ReLU(inplace=True)`` (the input is
+marked dirty, so autograd's version checks and view handling behave as for PyTorch's in-place op).
+The mask is computed from the input before it is overwritten, so in-place ``leaky_relu`` also works
+with a negative slope (PyTorch refuses that case in its backward).
+
+Packing (:func:`pack_mask`) uses pure torch ops: the boolean mask is laid out in the input's logical
+(row-major) order, padded with zeros to a multiple of 8 elements, and each group of 8 bytes (one
+``int64`` word, little-endian) is folded into one byte with three shift-or steps. :func:`unpack_mask`
+is the inverse. A portable (slower) multiply-and-sum path is used on big-endian hosts.
+
+All functions are ``once_differentiable`` (no double backward).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.fx
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "HardtanhMask",
+    "LeakyReLUMask",
+    "MaskedActivationFn",
+    "ReLU6Mask",
+    "ReLUMask",
+    "hardtanh_mask",
+    "leaky_relu_mask",
+    "pack_mask",
+    "relu6_mask",
+    "relu_mask",
+    "unpack_mask",
+]
+
+_LITTLE = sys.byteorder == "little"
+_FOLD = 0x0101010101010101  # one set bit at the bottom of each byte of an int64 word
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """Pack a boolean tensor (any shape / strides) into ``uint8``, 8 elements per byte.
+
+    Element ``i`` of ``mask.reshape(-1)`` becomes bit ``i % 8`` of byte ``i // 8``; the last byte is
+    zero-padded. Returns a 1-D contiguous ``uint8`` tensor of ``ceil(numel / 8)`` elements.
+    """
+    flat = mask.reshape(-1)
+    if flat.dtype != torch.bool:
+        flat = flat.ne(0)
+    n = flat.numel()
+    if n % 8:
+        flat = torch.cat([flat, flat.new_zeros(8 - n % 8)])
+    elif not flat.is_contiguous() or flat.storage_offset() % 8:
+        flat = flat.clone()
+    if _LITTLE:
+        v = flat.view(torch.uint8).view(torch.int64)  # 8 bytes (each 0 or 1) per word
+        v = v.bitwise_or(v >> 7)  # byte j: bits 0..1 = b_j, b_{j+1}
+        v.bitwise_or_(v >> 14)  # bits 0..3
+        v.bitwise_or_(v >> 28)  # bits 0..7 of byte 0 = b_0 .. b_7
+        return v.to(torch.uint8)  # keep the low byte (conversion wraps modulo 256)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+    return (flat.view(torch.uint8).view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: Tensor, numel: int) -> Tensor:
+    """Inverse of :func:`pack_mask`: a 1-D ``uint8`` tensor of ``numel`` zeros and ones."""
+    if _LITTLE:
+        v = packed.to(torch.int64)
+        v = v.bitwise_or(v << 28)
+        v.bitwise_or_(v << 14)
+        v.bitwise_or_(v << 7)  # bit j of the byte now sits at bit 8*j (and stray copies elsewhere)
+        v.bitwise_and_(_FOLD)
+        out = v.view(torch.uint8)
+    else:
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        out = packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).reshape(-1)
+    return out[:numel]
+
+
+_KINDS = ("relu", "leaky_relu", "hardtanh")
+
+
+class MaskedActivationFn(torch.autograd.Function):
+    """``torch.autograd.Function`` behind all the mask activations.
+
+    ``apply(x, kind, a, b, inplace)``: ``kind`` is ``"relu"`` (``a``, ``b`` unused), ``"leaky_relu"``
+    (``a`` = negative slope) or ``"hardtanh"`` (``a`` = min, ``b`` = max). Saves only the packed mask
+    (``ceil(numel / 8)`` bytes) through ``ctx.save_for_backward``, so saved-tensor hooks see it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kind: str, a: float, b: float, inplace: bool) -> Tensor:
+        if kind == "relu":
+            if inplace:
+                out = torch.relu_(x)
+            else:
+                out = torch.relu(x)
+            mask = out.bool()  # == not (out <= 0): out is >= 0 or NaN
+        elif kind == "leaky_relu":
+            mask = x > 0
+            if inplace:
+                out = torch.nn.functional.leaky_relu_(x, a)
+            else:
+                out = torch.nn.functional.leaky_relu(x, a)
+        elif kind == "hardtanh":
+            # Ask PyTorch's own backward kernel which elements pass (it compares in float for
+            # half/bf16, which a plain ``x <= min_val`` on a bf16 tensor need not do). Torch decides on
+            # the input in both the out-of-place and the in-place op (for ``hardtanh_`` autograd keeps a
+            # full copy of the original input), so the mask is taken before ``x`` is overwritten.
+            mask = torch.ops.aten.hardtanh_backward(x.new_ones(()).expand(x.shape), x, a, b).bool()
+            mask.logical_and_(x.eq(x))  # NaN -> 0 everywhere (torch: 0 on its vectorised path only)
+            if inplace:
+                out = torch.nn.functional.hardtanh_(x, a, b)
+            else:
+                out = torch.nn.functional.hardtanh(x, a, b)
+        else:
+            raise ValueError(f"unknown activation kind {kind!r}; expected one of {_KINDS}")
+        packed = pack_mask(mask)
+        del mask
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(packed)
+        ctx.kind, ctx.a, ctx.shape, ctx.numel = kind, a, x.shape, x.numel()
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (packed,) = ctx.saved_tensors
+        # 0/1 in the gradient's dtype, in the logical order of the input
+        m = unpack_mask(packed, ctx.numel).to(grad.dtype).view(ctx.shape)
+        if ctx.kind == "leaky_relu":
+            gx = torch.ops.aten.leaky_relu_backward(grad, m, ctx.a, False)  # m > 0 ? g : g * slope
+        else:
+            gx = torch.ops.aten.threshold_backward(grad, m, 0)  # m <= 0 ? 0 : g
+        return gx, None, None, None, None
+
+
+def relu_mask(x: Tensor, inplace: bool = False) -> Tensor:
+    """``torch.relu`` with a 1-bit saved mask."""
+    return MaskedActivationFn.apply(x, "relu", 0.0, 0.0, inplace)
+
+
+def leaky_relu_mask(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """``F.leaky_relu`` with a 1-bit saved mask."""
+    return MaskedActivationFn.apply(x, "leaky_relu", float(negative_slope), 0.0, inplace)
+
+
+def hardtanh_mask(x: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
+    """``F.hardtanh`` with a 1-bit saved mask."""
+    return MaskedActivationFn.apply(x, "hardtanh", float(min_val), float(max_val), inplace)
+
+
+def relu6_mask(x: Tensor, inplace: bool = False) -> Tensor:
+    """``F.relu6`` (= ``hardtanh(x, 0, 6)`` in torch) with a 1-bit saved mask."""
+    return MaskedActivationFn.apply(x, "hardtanh", 0.0, 6.0, inplace)
+
+
+# torch.fx.symbolic_trace records these as single call_function nodes instead of tracing into them.
+for _name in ("relu_mask", "leaky_relu_mask", "hardtanh_mask"):
+    torch.fx.wrap(_name)
+
+
+class ReLUMask(nn.ReLU):
+    """Drop-in ``nn.ReLU`` (a subclass) whose backward saves a 1-bit mask."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return relu_mask(input, self.inplace)
+
+    @classmethod
+    def from_module(cls, m: nn.ReLU) -> ReLUMask:
+        return cls(inplace=m.inplace)
+
+
+class LeakyReLUMask(nn.LeakyReLU):
+    """Drop-in ``nn.LeakyReLU`` (a subclass) whose backward saves a 1-bit mask."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return leaky_relu_mask(input, self.negative_slope, self.inplace)
+
+    @classmethod
+    def from_module(cls, m: nn.LeakyReLU) -> LeakyReLUMask:
+        return cls(negative_slope=m.negative_slope, inplace=m.inplace)
+
+
+class HardtanhMask(nn.Hardtanh):
+    """Drop-in ``nn.Hardtanh`` (a subclass) whose backward saves a 1-bit mask."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return hardtanh_mask(input, self.min_val, self.max_val, self.inplace)
+
+    @classmethod
+    def from_module(cls, m: nn.Hardtanh) -> HardtanhMask:
+        return cls(min_val=m.min_val, max_val=m.max_val, inplace=m.inplace)
+
+
+class ReLU6Mask(nn.ReLU6):
+    """Drop-in ``nn.ReLU6`` (a subclass) whose backward saves a 1-bit mask."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return hardtanh_mask(input, 0.0, 6.0, self.inplace)
+
+    @classmethod
+    def from_module(cls, m: nn.ReLU6) -> ReLU6Mask:
+        return cls(inplace=m.inplace)

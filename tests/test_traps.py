@@ -1,0 +1,84 @@
+"""Correctness traps known from the field (DESIGN.md): each compared with plain PyTorch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfit
+from memfit import zoo
+from memfit.bench.harness import fresh_copy
+
+
+def _grads(module):
+    return {k.removeprefix("gm."): p.grad.clone() for k, p in module.named_parameters() if p.grad is not None}
+
+
+def _same(a, b, tol=1e-5):
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=tol, rtol=0), k
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = zoo.build_model("resnet18").train()
+    images, target = zoo.example_batch("resnet18", 4, 32)
+    return model, images, target
+
+
+def _planned(model, images, strategy="chen"):
+    return memfit.optimize(fresh_copy(model), images, budget="100%", strategy=strategy)
+
+
+def test_autocast_carries_into_recomputation(setup):
+    model, images, target = setup
+    plain, planned = fresh_copy(model), _planned(model, images)
+    for m in (plain, planned):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(m(images), target)
+        loss.backward()
+    _same(_grads(plain), _grads(planned), tol=1e-3)
+
+
+def test_frozen_prefix(setup):
+    model, images, target = setup
+    frozen = fresh_copy(model)
+    for p in list(frozen.conv1.parameters()) + list(frozen.bn1.parameters()) + list(frozen.layer1.parameters()):
+        p.requires_grad_(False)
+    plain, planned = fresh_copy(frozen), _planned(frozen, images, "memfit")
+    for m in (plain, planned):
+        F.cross_entropy(m(images), target).backward()
+    g_plain, g_planned = _grads(plain), _grads(planned)
+    assert not any(k.startswith("layer1.") for k in g_planned)
+    _same(g_plain, g_planned)
+
+
+def test_retain_graph_backward_twice(setup):
+    model, images, target = setup
+    plain, planned = fresh_copy(model), _planned(model, images)
+    for m in (plain, planned):
+        loss = F.cross_entropy(m(images), target)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    _same(_grads(plain), _grads(planned))
+
+
+def test_autograd_grad(setup):
+    model, images, target = setup
+    plain, planned = fresh_copy(model), _planned(model, images, "checkpoint-all")
+    g1 = torch.autograd.grad(F.cross_entropy(plain(images), target), list(plain.parameters()))
+    g2 = torch.autograd.grad(F.cross_entropy(planned(images), target), list(planned.parameters()))
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_bn_statistics_updated_once_per_step(setup):
+    model, images, target = setup
+    plain, planned = fresh_copy(model), _planned(model, images, "checkpoint-all")
+    assert planned.plan.regions
+    for m in (plain, planned):
+        for _ in range(2):
+            F.cross_entropy(m(images), target).backward()
+    assert int(planned.gm.bn1.num_batches_tracked) == 2
+    for (k, a), (_, b) in zip(plain.named_buffers(), planned.gm.named_buffers()):
+        assert torch.allclose(a.float(), b.float(), atol=1e-6), k

@@ -1,0 +1,512 @@
+"""Operator variants (memfit.variants) against PyTorch's own modules: values, gradients, running
+statistics, and the bytes saved for backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from memfit.variants import (
+    VARIANTS,
+    BatchNorm2dFromOutput,
+    HardtanhMask,
+    LeakyReLUMask,
+    MaxPool2dCompact,
+    ReLU6Mask,
+    ReLUMask,
+    bn_from_module,
+    fuse_bn_leaky_relu,
+    leaky_relu_mask,
+    max_pool2d_compact,
+    pack_mask,
+    relu_mask,
+    unpack_mask,
+    variants_for,
+)
+
+F32_GRAD_TOL = 1e-5
+F32_OUT_TOL = 1e-6
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def saved_bytes(fn):
+    """(bytes of the distinct storages autograd saves while running ``fn``, fn's result); parameters
+    are skipped."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def layouts(x: torch.Tensor):
+    """The same values as contiguous, transposed-view and sliced-view tensors (non-leaf, so that in-place
+    ops are allowed); yields (name, leaf, make) where make(leaf) returns the tensor to feed."""
+    yield "contiguous", x.clone(), lambda leaf: leaf * 1
+    if x.dim() >= 2:
+        yield "transposed", x.transpose(0, -1).contiguous(), lambda leaf: (leaf * 1).transpose(0, -1)
+    pad = torch.cat([x, x[:1]], 0) if x.dim() >= 1 and x.shape[0] > 0 else None
+    if pad is not None:
+        yield "sliced", pad.clone(), lambda leaf: (leaf * 1)[: x.shape[0]]
+
+
+def with_specials(x: torch.Tensor, specials) -> torch.Tensor:
+    flat = x.reshape(-1).clone()
+    k = min(len(specials), flat.numel())
+    flat[:k] = torch.tensor(specials[:k], dtype=flat.dtype)
+    return flat[torch.randperm(flat.numel())].view(x.shape)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equal values (NaN == NaN), same dtype and shape."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.nan_to_num(0.123), b.nan_to_num(0.123))
+
+
+# ---------------------------------------------------------------- relu-mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 2**31 - 1))
+def test_pack_unpack_roundtrip(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(n, generator=g) > 0.5
+    p = pack_mask(m)
+    assert p.dtype == torch.uint8 and p.numel() == (n + 7) // 8
+    assert torch.equal(unpack_mask(p, n).bool(), m)
+
+
+def test_pack_bit_order_and_noncontiguous():
+    m = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    assert pack_mask(m).tolist() == [1 + 128, 3]
+    big = torch.rand(6, 10) > 0.3
+    view = big.t()[:, 1:5]  # non-contiguous, logical order differs from memory order
+    assert torch.equal(unpack_mask(pack_mask(view), view.numel()).bool().view(view.shape), view)
+
+
+ACTS = [
+    ("relu", lambda ip: nn.ReLU(ip), [0.0, -0.0, float("nan"), 1e-30, -1e-30]),
+    ("leaky", lambda ip: nn.LeakyReLU(0.1, ip), [0.0, -0.0, float("nan"), 1e-30]),
+    # no NaN for hardtanh: torch's own hardtanh_backward is layout-dependent there (see relu_mask docs)
+    ("relu6", lambda ip: nn.ReLU6(ip), [0.0, 6.0, -0.0, 5.99, 6.01, float("inf"), -float("inf")]),
+    ("hardtanh", lambda ip: nn.Hardtanh(-0.5, 0.25, ip), [-0.5, 0.25, 0.0]),
+    ("hardtanh-inexact-bound", lambda ip: nn.Hardtanh(0.1, 2.0, ip), [0.1, 0.0999, 0.1001, 2.0]),
+]
+SHAPES = [(1,), (7,), (3, 5, 7), (2, 3, 4, 5), (4, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name,make,specials", ACTS, ids=[a[0] for a in ACTS])
+def test_activation_mask_matches_torch(name, make, specials, inplace, dtype):
+    torch.manual_seed(0)
+    ref = make(inplace)
+    var = VARIANTS["relu-mask"].make(ref)
+    assert type(var).__mro__[1] is type(ref) and var.inplace == inplace
+    for shape in SHAPES:
+        x = with_specials(torch.randn(shape) * 3, specials).to(dtype)
+        for lay, leaf, feed in layouts(x):
+            outs, grads = [], []
+            g = None
+            for mod in (ref, var):
+                xl = leaf.clone().requires_grad_()
+                y = mod(feed(xl))
+                if g is None:
+                    g = torch.randn(y.shape).to(dtype)
+                (gx,) = torch.autograd.grad(y, xl, g)
+                outs.append(y)
+                grads.append(gx)
+            assert same(outs[0], outs[1]), (name, shape, lay)
+            assert same(grads[0], grads[1]), (name, shape, lay)
+
+
+def test_hardtanh_nan_is_deterministic():
+    """torch gives 0 at NaN on its vectorised path and passes the gradient on its scalar path; the
+    variant always gives 0."""
+    x = torch.full((64,), float("nan"))
+    g = torch.ones(64)
+    assert torch.ops.aten.hardtanh_backward(g, x, 0.0, 6.0)[0] == 0  # torch, contiguous
+    assert torch.ops.aten.hardtanh_backward(g[::2], x[::2], 0.0, 6.0)[0] == 1  # torch, strided
+    for t in (x, x[::2], x[:9]):
+        t = t.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(ReLU6Mask()(t), t, torch.ones_like(t))
+        assert (gx == 0).all()
+
+
+def test_leaky_negative_slope_and_functional():
+    x = torch.randn(5, 7, requires_grad=True)
+    for slope in (-0.3, 0.0, 1.0, 2.0):
+        ga = torch.autograd.grad(nn.functional.leaky_relu(x, slope), x, torch.ones(5, 7))[0]
+        gb = torch.autograd.grad(leaky_relu_mask(x, slope), x, torch.ones(5, 7))[0]
+        assert torch.equal(ga, gb)
+    y = relu_mask(x.detach().clone(), inplace=False)
+    assert torch.equal(y, torch.relu(x.detach()))
+
+
+def test_activation_mask_empty_and_inplace_semantics():
+    e = torch.zeros(0, 3, requires_grad=True)
+    y = ReLUMask()(e * 1)
+    y.sum().backward()
+    assert e.grad.shape == (0, 3)
+    # in-place: the result lives in the input's storage, the version counter moves, leafs are refused
+    x = torch.randn(4, 6, requires_grad=True)
+    h = x * 1
+    v0 = h._version
+    out = ReLU6Mask(inplace=True)(h)
+    assert out.data_ptr() == h.data_ptr() and h._version > v0
+    with pytest.raises(RuntimeError):
+        ReLUMask(inplace=True)(x)
+    # the input is not saved: modifying it after the forward does not disturb the backward
+    z = torch.randn(4, 6, requires_grad=True)
+    zz = z * 1
+    w = ReLUMask()(zz)
+    mask = zz > 0
+    zz.zero_()
+    (w * 2).sum().backward()
+    assert torch.equal(z.grad, mask.float() * 2)
+
+
+def test_activation_mask_saves_one_bit():
+    x = torch.randn(16, 64, 9, 9, requires_grad=True)  # 82944 elements
+    for ref in (nn.ReLU(), nn.LeakyReLU(0.2), nn.ReLU6(), nn.Hardtanh()):
+        var = VARIANTS["relu-mask"].make(ref)
+        b_ref, _ = saved_bytes(lambda ref=ref: ref(x))
+        b_var, _ = saved_bytes(lambda var=var: var(x))
+        assert b_ref == x.numel() * 4
+        assert b_var == (x.numel() + 7) // 8  # 1/32 of the float32 tensor
+    xb = torch.randn(1001, requires_grad=True).bfloat16()
+    b_var, _ = saved_bytes(lambda: relu_mask(xb))
+    assert b_var == 126
+
+
+# ---------------------------------------------------------------- bn-from-output
+
+
+def _init_bn(bn: nn.Module, seed: int, neg: bool = False) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if bn.weight is not None:
+            w = torch.rand(bn.num_features, generator=g) + 0.5
+            if neg:
+                w[::2] *= -1
+            bn.weight.copy_(w)
+            bn.bias.copy_(torch.rand(bn.num_features, generator=g) - 0.5)
+    return bn
+
+
+def _check_grads(pairs, dtype, what):
+    for a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype, what
+        d = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+        if dtype == torch.float32:
+            assert d <= F32_GRAD_TOL, (what, d)
+        else:  # bf16: the output is rounded to 8 bits, so x_hat recovered from it is too
+            scale = a.float().abs().max().item()
+            assert d <= 0.02 * max(scale, 1.0), (what, d, scale)
+
+
+BN_CASES = [
+    # (id, module factory, input shape, fused leaky slope or None, inplace, neg weights)
+    ("2d", lambda: nn.BatchNorm2d(6), (4, 6, 5, 3), None, False, False),
+    ("2d-negw", lambda: nn.BatchNorm2d(6), (4, 6, 5, 3), None, False, True),
+    ("2d-inplace", lambda: nn.BatchNorm2d(6), (4, 6, 5, 3), None, True, False),
+    ("1d-NC", lambda: nn.BatchNorm1d(5), (7, 5), None, False, False),
+    ("1d-NCL", lambda: nn.BatchNorm1d(5, momentum=None), (3, 5, 11), None, False, False),
+    ("2d-cumavg", lambda: nn.BatchNorm2d(4, momentum=None), (2, 4, 3, 3), None, False, False),
+    ("2d-noaffine", lambda: nn.BatchNorm2d(4, affine=False), (2, 4, 3, 5), None, False, False),
+    ("2d-notrack", lambda: nn.BatchNorm2d(4, track_running_stats=False), (2, 4, 3, 5), None, False, False),
+    ("2d-abn", lambda: nn.BatchNorm2d(6), (4, 6, 5, 3), 0.01, False, False),
+    ("2d-abn-inplace", lambda: nn.BatchNorm2d(6), (4, 6, 5, 3), 0.01, True, True),
+    ("1d-abn", lambda: nn.BatchNorm1d(5, momentum=0.3), (9, 5), 0.2, True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", BN_CASES, ids=[c[0] for c in BN_CASES])
+def test_bn_from_output_matches_torch(case, dtype):
+    cid, factory, shape, slope, inplace, neg = case
+    torch.manual_seed(1)
+    ref = _init_bn(factory(), 0, neg)
+    var = bn_from_module(copy.deepcopy(ref), activation=None if slope is None else "leaky_relu",
+                         negative_slope=0.01 if slope is None else slope, inplace=inplace)
+    act = (lambda t: t) if slope is None else nn.LeakyReLU(slope)
+    params_ref = [p for p in (ref.weight, ref.bias) if p is not None]
+    params_var = [p for p in (var.weight, var.bias) if p is not None]
+    for step in range(4):
+        if step == 3:  # last step in eval mode
+            ref.eval()
+            var.eval()
+        x = (torch.randn(shape) * 2 + 0.3).to(dtype)
+        for lay, leaf, feed in layouts(x):
+            if x.dim() == 4 and lay == "contiguous" and step == 1:
+                leaf = leaf.contiguous(memory_format=torch.channels_last)
+            state = copy.deepcopy(ref.state_dict())
+            var.load_state_dict(state)  # both start every run from the same running statistics
+            outs, grads = [], []
+            g = None
+            for mod, params in ((ref, params_ref), (var, params_var)):
+                xl = leaf.clone().requires_grad_()
+                y = act(mod(feed(xl))) if mod is ref else mod(feed(xl))  # var has the activation fused
+                if g is None:
+                    g = torch.randn(y.shape).to(dtype)
+                gr = torch.autograd.grad(y, [xl] + params, g)
+                outs.append(y)
+                grads.append(gr)
+            what = (cid, step, lay, str(dtype))
+            assert outs[0].dtype == outs[1].dtype
+            d = (outs[0].float() - outs[1].float()).abs().max().item()
+            assert d <= (F32_OUT_TOL if dtype == torch.float32 else 0.0), (what, d)
+            _check_grads(zip(grads[0], grads[1]), dtype, what)
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                a, b = getattr(ref, name), getattr(var, name)
+                assert (a is None and b is None) or torch.equal(a, b), (what, name)
+
+
+def test_bn_running_stats_identical_over_steps():
+    """Several training steps, no state copying: running stats and counters must stay identical."""
+    torch.manual_seed(2)
+    for factory in (lambda: nn.BatchNorm2d(8), lambda: nn.BatchNorm2d(8, momentum=None),
+                    lambda: nn.BatchNorm1d(8, momentum=0.5)):
+        ref = _init_bn(factory(), 3)
+        var = bn_from_module(copy.deepcopy(ref))
+        for _ in range(5):
+            x = torch.randn(4, 8, 3, 3) if isinstance(ref, nn.BatchNorm2d) else torch.randn(6, 8)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ref(xa).square().sum().backward()
+            var(xb).square().sum().backward()
+            assert (xa.grad - xb.grad).abs().max() <= F32_GRAD_TOL
+        assert torch.equal(ref.running_mean, var.running_mean)
+        assert torch.equal(ref.running_var, var.running_var)
+        assert ref.num_batches_tracked.item() == var.num_batches_tracked.item() == 5
+        assert (ref.weight.grad - var.weight.grad).abs().max() <= 1e-4  # summed over 5 steps
+
+
+def test_bn_shares_parameters_and_buffers():
+    bn = nn.BatchNorm2d(3)
+    v = VARIANTS["bn-from-output"].make(bn)
+    assert isinstance(v, nn.BatchNorm2d) and isinstance(v, BatchNorm2dFromOutput)
+    assert v.weight is bn.weight and v.bias is bn.bias
+    assert v.running_mean is bn.running_mean and v.running_var is bn.running_var
+    assert v.num_batches_tracked is bn.num_batches_tracked
+    assert list(v.state_dict()) == list(bn.state_dict())
+    v(torch.randn(4, 3, 2, 2))
+    assert bn.num_batches_tracked.item() == 1
+    bn.eval()
+    assert VARIANTS["bn-from-output"].make(bn).training is False
+
+
+def test_bn_from_output_inplace_consumer_is_detected():
+    """bn-from-output saves y: an in-place op on y afterwards must fail loudly, never silently."""
+    v = bn_from_module(nn.BatchNorm2d(3))
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    y = v(x)
+    nn.ReLU(inplace=True)(y)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+    assert "in place" in VARIANTS["bn-from-output"].caveat
+
+
+def test_bn_zero_weight_and_relu_refused():
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight[1] = 0.0
+    v = bn_from_module(bn)
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    y = v(x)
+    with pytest.raises(RuntimeError, match="non-zero"):
+        y.sum().backward()
+    with pytest.raises(ValueError, match="ReLU"):
+        bn_from_module(nn.BatchNorm2d(3), activation="relu")
+    with pytest.raises(ValueError):
+        fuse_bn_leaky_relu(nn.BatchNorm2d(3), nn.LeakyReLU(0.0))
+
+
+def test_bn_from_output_saves_less_in_a_chain():
+    """Alone, BN saves y instead of x (same size); in BN -> conv, the conv saves y too, so the pair
+    keeps one activation instead of two. Fused BN+LeakyReLU keeps one instead of two."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 12, 12, requires_grad=True)
+    act_bytes = x.numel() * 4
+    bn, conv = nn.BatchNorm2d(16), nn.Conv2d(16, 16, 3, padding=1)
+    b_ref, _ = saved_bytes(lambda: conv(bn(x * 1)))
+    vbn = bn_from_module(copy.deepcopy(bn))
+    b_var, _ = saved_bytes(lambda: conv(vbn(x * 1)))
+    assert b_ref >= 2 * act_bytes and b_var < b_ref - act_bytes * 0.99
+
+    leaky = nn.LeakyReLU(0.01)
+    b_ref, y_ref = saved_bytes(lambda: leaky(bn(x * 1)))
+    fused = fuse_bn_leaky_relu(copy.deepcopy(bn), leaky)
+    b_var, y_var = saved_bytes(lambda: fused(x * 1))
+    assert b_ref >= 2 * act_bytes and b_var < act_bytes * 1.01
+    assert torch.equal(y_ref, y_var)
+
+
+# ---------------------------------------------------------------- maxpool-compact
+
+
+POOLS = [
+    {"kernel_size": 3, "stride": 2, "padding": 1},  # ResNet stem: overlapping windows
+    {"kernel_size": 2},
+    {"kernel_size": 3, "stride": 2, "padding": 1, "ceil_mode": True},
+    {"kernel_size": (3, 2), "stride": (1, 2), "padding": (1, 1)},
+    {"kernel_size": 3, "stride": 1, "padding": 1},
+    {"kernel_size": (2, 3), "stride": 2, "dilation": (2, 1), "ceil_mode": True},
+    {"kernel_size": 16, "stride": 5, "padding": 8},  # 256-element window
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", POOLS, ids=[str(i) for i in range(len(POOLS))])
+def test_maxpool_compact_matches_torch(cfg, dtype):
+    torch.manual_seed(3)
+    ref = nn.MaxPool2d(**cfg)
+    var = VARIANTS["maxpool-compact"].make(ref)
+    assert isinstance(var, MaxPool2dCompact)
+    for shape in [(2, 3, 9, 11), (1, 2, 16, 16), (3, 17, 5)]:
+        x = torch.randn(shape)
+        x = (x * 2).round() if dtype == torch.bfloat16 else x  # many ties in bf16
+        x = x.to(dtype)
+        variants = list(layouts(x))
+        if x.dim() == 4:
+            variants.append(("channels_last", x.contiguous(memory_format=torch.channels_last), lambda t: t * 1))
+        for lay, leaf, feed in variants:
+            res = []
+            g = None
+            for mod in (ref, var):
+                xl = leaf.clone().requires_grad_()
+                y = mod(feed(xl))
+                if g is None:
+                    g = torch.randn(y.shape).to(dtype)
+                res.append((y, torch.autograd.grad(y, xl, g)[0]))
+            assert same(res[0][0], res[1][0]), (cfg, shape, lay)
+            assert same(res[0][1], res[1][1]), (cfg, shape, lay)
+
+
+def test_maxpool_compact_saves_uint8_offsets():
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    ref = nn.MaxPool2d(3, 2, 1)
+    b_ref, y = saved_bytes(lambda: ref(x))
+    b_var, _ = saved_bytes(lambda: max_pool2d_compact(x, 3, 2, 1))
+    assert b_var == y.numel()  # one byte per output element
+    assert b_ref >= 8 * y.numel()  # int64 indices (torch also keeps the input)
+
+
+def test_maxpool_registry_limits():
+    spec = VARIANTS["maxpool-compact"]
+    assert spec.applies(nn.MaxPool2d(3))
+    assert not spec.applies(nn.MaxPool2d(17))
+    assert not spec.applies(nn.MaxPool2d(2, return_indices=True))
+    with pytest.raises(TypeError):
+        spec.make(nn.MaxPool2d(2, return_indices=True))
+
+
+# ---------------------------------------------------------------- registry and whole models
+
+
+def test_registry_specs():
+    assert set(VARIANTS) == {"relu-mask", "bn-from-output", "maxpool-compact"}
+    for spec in VARIANTS.values():
+        assert spec.saves and spec.module_types
+    assert [s.name for s in variants_for(nn.ReLU())] == ["relu-mask"]
+    assert [s.name for s in variants_for(nn.ReLU6())] == ["relu-mask"]
+    assert [s.name for s in variants_for(nn.BatchNorm1d(3))] == ["bn-from-output"]
+    assert variants_for(nn.Conv2d(1, 1, 1)) == []
+    # already-converted modules (subclasses) are not converted again
+    assert variants_for(ReLUMask()) == [] and variants_for(bn_from_module(nn.BatchNorm2d(2))) == []
+    assert isinstance(VARIANTS["relu-mask"].make(nn.Hardtanh(-2, 3)), HardtanhMask)
+    lk = VARIANTS["relu-mask"].make(nn.LeakyReLU(0.3, inplace=True))
+    assert isinstance(lk, LeakyReLUMask) and lk.negative_slope == 0.3 and lk.inplace
+
+
+def _small_net() -> nn.Sequential:
+    # no in-place op right after a BatchNorm: bn-from-output saves its output (see its caveat)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 10), nn.BatchNorm1d(10), nn.LeakyReLU(0.1),
+    )
+
+
+def _convert(model: nn.Module) -> nn.Module:
+    for name, child in list(model.named_children()):
+        specs = variants_for(child)
+        if specs:
+            setattr(model, name, specs[0].make(child))
+        else:
+            _convert(child)
+    return model
+
+
+def test_whole_model_training_steps():
+    torch.manual_seed(4)
+    ref = _small_net()
+    var = _convert(copy.deepcopy(ref))
+    assert sum(type(m).__module__.startswith("memfit.variants") for m in var.modules()) == 9
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_v = torch.optim.SGD(var.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(6, 3, 16, 16)
+        for model, opt in ((ref, opt_r), (var, opt_v)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for (n, a), b in zip(ref.state_dict().items(), var.state_dict().values()):
+        assert (a.float() - b.float()).abs().max() <= 1e-5, n
+
+
+def test_fx_capture_then_swap():
+    """The integration path: capture the plain model, then swap variants into the GraphModule (node
+    targets stay); stateless variants can also be traced through, BatchNorm variants refuse (tracing
+    would freeze their train/eval mode)."""
+    torch.manual_seed(5)
+    ref = _small_net()
+    gm = torch.fx.symbolic_trace(copy.deepcopy(ref))
+    targets_before = [n.target for n in gm.graph.nodes]
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            sub = gm.get_submodule(n.target)
+            specs = variants_for(sub)
+            if specs:
+                parent, _, attr = n.target.rpartition(".")
+                setattr(gm.get_submodule(parent) if parent else gm, attr, specs[0].make(sub))
+    assert [n.target for n in gm.graph.nodes] == targets_before
+    x = torch.randn(4, 3, 16, 16)
+    for mode in ("train", "eval"):
+        getattr(ref, mode)()
+        getattr(gm, mode)()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = ref(xa), gm(xb)
+        assert (ya - yb).abs().max() <= F32_OUT_TOL
+        ya.sum().backward()
+        yb.sum().backward()
+        assert (xa.grad - xb.grad).abs().max() <= F32_GRAD_TOL
+    stateless = nn.Sequential(nn.Conv2d(3, 4, 3), ReLUMask(), MaxPool2dCompact(3, 2, 1), ReLU6Mask(),
+                              LeakyReLUMask(0.2), HardtanhMask(-1, 2))
+    traced = torch.fx.symbolic_trace(stateless)
+    names = {getattr(n.target, "__name__", "") for n in traced.graph.nodes if n.op == "call_function"}
+    assert {"relu_mask", "max_pool2d_compact", "hardtanh_mask", "leaky_relu_mask"} <= names
+    x = torch.randn(2, 3, 9, 9)
+    assert torch.equal(traced(x), stateless(x))
+    with pytest.raises(Exception, match="swap the variant"):
+        torch.fx.symbolic_trace(nn.Sequential(bn_from_module(nn.BatchNorm2d(3))))
+
+
+def test_make_shares_parameter_objects_for_all_variants():
+    model = _small_net()
+    before = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
+    conv = _convert(model)
+    after = {id(p) for p in conv.parameters()} | {id(b) for b in conv.buffers()}
+    assert before == after
