@@ -22,6 +22,8 @@ made by p (a region keeps its inputs); forward peak after each node and backward
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ import numpy as np
 from memfit.solve.accounting import Accounting
 
 INF = highspy.kHighsInf
+UNIT = 2.0**20  # bytes per MiB
 
 
 @dataclass
@@ -64,8 +67,25 @@ class _Model:
         self.rows.append((lo, hi, terms))
 
 
+def _quiet_highs() -> highspy.Highs:
+    """A HiGHS instance that prints nothing (its banner is written by C code at construction)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            hs = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    hs.setOptionValue("output_flag", False)
+    return hs
+
+
 def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 20.0,
-                  mip_gap: float = 0.01, minimize_peak: bool = False) -> IlpResult:
+                  mip_gap: float = 0.01, minimize_peak: bool = False,
+                  fix_spans: list[tuple[int, int]] | None = None,
+                  start_spans: list[tuple[int, int]] | None = None) -> IlpResult:
     """Solve the integer program.
 
     Args:
@@ -75,6 +95,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         mip_gap: relative gap at which HiGHS stops.
         minimize_peak: ignore the budget and minimize the modelled peak instead (to find the smallest
             feasible budget).
+        fix_spans: pin the regions to these spans (to read the program's modelled peak of a given plan).
+        start_spans: a known plan to start the search from (HiGHS completes the other variables).
 
     Returns:
         :class:`IlpResult`; ``spans`` is ``None`` when no plan fits (status says why).
@@ -84,6 +106,12 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     m = _Model()
     r = [m.var(integer=True, cost=acc.fwd_seconds[i] + 1e-9) for i in range(n)]
     c = [m.var(integer=True, cost=1e-7) for i in range(n)]
+    if fix_spans is not None:
+        inside = {i for lo, hi in fix_spans for i in range(lo, hi + 1)}
+        starts = {lo for lo, _ in fix_spans}
+        for i in range(n):
+            m.lb[r[i]] = m.ub[r[i]] = float(i in inside)
+            m.lb[c[i]] = m.ub[c[i]] = float(i in starts and i - 1 in inside)
     peak = m.var(lb=0, ub=INF, cost=1.0) if minimize_peak else None
     if minimize_peak:  # memory only, so that the answer does not depend on noisy timings
         for i in range(n):
@@ -126,19 +154,21 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         if acc.producer[s] < 0 and s in mutated:
             for q in acc.consumers[s]:
                 m.row({r[q]: 1.0}, hi=0.0)
-    budget = float(activation_budget)
+    # bytes enter the program in MiB: coefficients near 1 keep HiGHS numerically sound
+    nb = {s: acc.nbytes[s] / UNIT for s in acc.nbytes}
+    budget = activation_budget / UNIT
     # forward peak at node i
     for i in range(n):
-        const = acc.fwd_ws[i]
+        const = acc.fwd_ws[i] / UNIT
         terms: dict[int, float] = {}
         for s in acts:
             p = acc.producer[s]
             if p > i:
                 continue
             if acc.fwd_last[s] >= i:
-                const += acc.nbytes[s]
+                const += nb[s]
             else:
-                terms[h[s]] = terms.get(h[s], 0.0) + acc.nbytes[s]
+                terms[h[s]] = terms.get(h[s], 0.0) + nb[s]
         if minimize_peak:
             terms[peak] = -1.0
             m.row(terms, hi=-const)
@@ -150,7 +180,7 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         cands = [acc.producer[s] + 1] + list(acc.savers[s])
         first_holder[s] = min(cands)
     a = [m.var(lb=0.0, ub=INF) for _ in range(n)]
-    big = float(sum(acc.nbytes.values()) + 1)
+    cum = 0.0  # big-M of row i: everything a region ending at i could have rematerialized
     copies_at: list[list[int]] = [[] for _ in range(n)]
     for s in acts:
         if acc.savers[s]:
@@ -161,10 +191,12 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for s in copies_at[i]:
             p = acc.producer[s]
             if p == i:
-                own_const += acc.nbytes[s]
+                own_const += nb[s]
             elif p >= 0:
                 v = same_region(p, i)
-                own[v] = own.get(v, 0.0) + acc.nbytes[s]
+                own[v] = own.get(v, 0.0) + nb[s]
+        cum += own_const + sum(own.values())
+        big = cum + 1.0
         # a_i >= a_{i-1} + own - big (1 - r_i) - big c_i
         terms = {a[i]: 1.0, r[i]: -big - own_const, c[i]: big}
         for v, b in own.items():
@@ -177,18 +209,17 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for v, b in own.items():
             terms[v] = terms.get(v, 0.0) - b
         m.row(terms, lo=0.0)
-        terms = {a[i]: 1.0, r[i]: float(acc.fwd_ws[i])}
+        terms = {a[i]: 1.0, r[i]: acc.fwd_ws[i] / UNIT}
         for s in acts:
             if first_holder[s] <= i:
-                terms[h[s]] = terms.get(h[s], 0.0) + acc.nbytes[s]
-        const = acc.grad_during[i] + acc.bwd_ws[i]
+                terms[h[s]] = terms.get(h[s], 0.0) + nb[s]
+        const = (acc.grad_during[i] + acc.bwd_ws[i]) / UNIT
         if minimize_peak:
             terms[peak] = -1.0
             m.row(terms, hi=-const)
         else:
             m.row(terms, hi=budget - const)
-    hs = highspy.Highs()
-    hs.setOptionValue("output_flag", False)
+    hs = _quiet_highs()
     hs.setOptionValue("time_limit", float(time_limit))
     hs.setOptionValue("mip_rel_gap", float(mip_gap))
     hs.setOptionValue("threads", 1)
@@ -211,11 +242,18 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                 values.append(v)
     hs.addRows(len(m.rows), lo, hi, len(indices), np.array(starts, dtype=np.int32),
                np.array(indices, dtype=np.int32), np.array(values))
+    if start_spans is not None:
+        inside = {i for lo, hi in start_spans for i in range(lo, hi + 1)}
+        starts = {lo for lo, _ in start_spans}
+        idx = np.array(r + c, dtype=np.int32)
+        val = np.array([float(i in inside) for i in range(n)]
+                       + [float(i in starts and i - 1 in inside) for i in range(n)])
+        hs.setSolution(len(idx), idx, val)
     hs.run()
     status = hs.modelStatusToString(hs.getModelStatus())
     info = hs.getInfo()
     seconds = time.perf_counter() - t0
-    if info.primal_solution_status != 2:  # no feasible solution
+    if info.primal_solution_status != 2:  # no feasible solution (status tells infeasible or out of time)
         return IlpResult(spans=None, status=status, mip_gap=None, seconds=seconds, objective=None)
     sol = np.array(hs.getSolution().col_value)
     rv = [sol[r[i]] > 0.5 for i in range(n)]
@@ -233,4 +271,4 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     if start is not None:
         spans.append((start, n - 1))
     return IlpResult(spans=spans, status=status, mip_gap=float(info.mip_gap), seconds=seconds,
-                     objective=float(info.objective_function_value))
+                     objective=float(info.objective_function_value) * (UNIT if minimize_peak else 1.0))

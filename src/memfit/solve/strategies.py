@@ -99,14 +99,22 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     # budget by the replay's error (down when over the limit, up to use slack), bisecting between the
     # largest program budget that replayed under the limit and the smallest that did not.
     deadline = time.perf_counter() + time_limit
-    target, ok_target, bad_target = limit - fixed, None, None
     best: Plan | None = None
+    for spans in (chen_spans(acc), block_spans(graph)):  # cheap incumbents to start the search from
+        plan = _finish(strategy, acc, names, spans, fixed, budget_bytes, t0)
+        if plan.predicted_peak_bytes <= limit and (best is None or
+                                                   plan.predicted_step_seconds < best.predicted_step_seconds):
+            best = plan
+    target, ok_target, bad_target = limit - fixed, None, None
     for _ in range(8):
         remaining = deadline - time.perf_counter()
         if target <= 0 or remaining <= 0.5:
             break
-        res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2))
+        res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2),
+                            start_spans=best.region_spans() if best is not None else None)
         if res.spans is None:
+            if "nfeasible" not in res.status:
+                break  # out of time without a solution: keep what we have
             bad_target = target
         else:
             plan = _finish(strategy, acc, names, res.spans, fixed, budget_bytes, t0, gap=res.mip_gap)
@@ -122,7 +130,7 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
             step = (plan.predicted_peak_bytes - limit) if res.spans is not None else target // 4
             target -= max(step, 2**16)
         elif bad_target is None:
-            target = ok_target + max(limit - best.predicted_peak_bytes, 2**16)
+            target = ok_target + max(limit - plan.predicted_peak_bytes, 2**16)
         elif bad_target - ok_target <= margin // 2:
             break
         else:

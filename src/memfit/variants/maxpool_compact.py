@@ -46,6 +46,8 @@ class MaxPool2dCompactFn(torch.autograd.Function):
         kh, kw = kernel_size
         if kh * kw > 256:
             raise ValueError(f"kernel area {kh * kw} > 256 does not fit a uint8 offset")
+        if not ctx.needs_input_grad[0]:  # no backward will run
+            return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
         out, idx = F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
         W = x.shape[-1]
         h0, w0 = window_bases(out.shape[-2], out.shape[-1], stride, padding, x.device)

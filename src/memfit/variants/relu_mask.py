@@ -111,6 +111,16 @@ class MaskedActivationFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, kind: str, a: float, b: float, inplace: bool) -> Tensor:
+        if not ctx.needs_input_grad[0]:  # no backward will run: plain torch op, nothing packed
+            fn = {"relu": lambda: torch.relu_(x) if inplace else torch.relu(x),
+                  "leaky_relu": lambda: torch.nn.functional.leaky_relu(x, a, inplace),
+                  "hardtanh": lambda: torch.nn.functional.hardtanh(x, a, b, inplace)}.get(kind)
+            if fn is None:
+                raise ValueError(f"unknown activation kind {kind!r}; expected one of {_KINDS}")
+            out = fn()
+            if inplace:
+                ctx.mark_dirty(x)
+            return out
         if kind == "relu":
             if inplace:
                 out = torch.relu_(x)
