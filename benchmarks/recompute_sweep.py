@@ -1,10 +1,11 @@
-"""Benchmark for issue 2: memfit vs chen vs checkpoint-all at activation budgets of 50% and 33% of plain.
+"""Benchmark for issue 2: plain PyTorch vs chen, checkpoint-all and memfit at several activation budgets.
 
 Run:  OMP_WAIT_POLICY=PASSIVE python benchmarks/recompute_sweep.py --model resnet50 --batch 16 --image-size 128
 
-Everything is measured in one process by the same harness (memfit.bench): plain PyTorch first, then each
-strategy; the budget is fixed bytes + the given fraction of plain PyTorch's measured activation peak.
-Prints one JSON line per row and a table; writes --out (JSON list).
+Everything is measured in one process by the same harness (memfit.bench): memory with the exact tracker,
+gradients against plain PyTorch, and step times interleaved with plain PyTorch's (ratio of medians).
+The budget is fixed bytes + the given fraction of plain PyTorch's measured activation peak.
+Prints one JSON line per row and a markdown table; writes --out (JSON list).
 """
 
 from __future__ import annotations
@@ -17,68 +18,64 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
-from memfit import zoo  # noqa: E402
-from memfit.api import plan as make_plan  # noqa: E402
-from memfit.bench.harness import compare, fresh_copy, measure_training  # noqa: E402
-from memfit.budget import fmt_bytes  # noqa: E402
-from memfit.runtime.planned import PlannedModule  # noqa: E402
-from memfit.solve.strategies import InfeasibleBudgetError  # noqa: E402
+from memfit import zoo
+from memfit.bench.job import measure_plain, measure_strategy
+from memfit.budget import fmt_bytes
+from memfit.solve.strategies import InfeasibleBudgetError
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--image-size", type=int, default=128)
-    ap.add_argument("--fractions", default="0.5,0.33")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--image-size", type=int, default=None)
+    ap.add_argument("--fractions", default="0.7,0.5,0.4,0.33")
     ap.add_argument("--strategies", default="chen,checkpoint-all,memfit")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    batch, size = zoo.default_size(args.model)
+    batch, size = args.batch or batch, args.image_size or size
     model = zoo.build_model(args.model).train()
-    images, target = zoo.example_batch(args.model, args.batch, args.image_size)
+    images, target = zoo.example_batch(args.model, batch, size)
     loss_fn = zoo.loss_for(args.model)
-    base_model = fresh_copy(model)
-    base = measure_training(base_model, base_model, (images,), target, loss_fn, args.steps)
-    del base_model
-    print(f"# {args.model} batch {args.batch} {args.image_size}px on {platform.processor() or platform.machine()}"
-          f", {args.threads} thread(s), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    base = measure_plain(model, (images,), target, loss_fn)
+    print(f"# {args.model} batch {batch} {size}px, {platform.machine()}, {args.threads} thread(s), "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"# plain: peak {fmt_bytes(base.peak_bytes)}, fixed {fmt_bytes(base.fixed_bytes)}, activation "
-          f"{fmt_bytes(base.activation_peak_bytes)}, step {base.step_seconds:.3f} s")
+          f"{fmt_bytes(base.activation_peak_bytes)}")
     rows = []
     for frac in [float(f) for f in args.fractions.split(",")]:
         budget = base.fixed_bytes + int(frac * base.activation_peak_bytes)
         for strategy in args.strategies.split(","):
-            m = fresh_copy(model)
-            opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
             try:
-                plan, captured, _ = make_plan(m, (images,), budget, strategy=strategy, optimizer=opt)
+                r = measure_strategy(model, (images,), target, loss_fn, base, strategy, budget, args.steps)
             except InfeasibleBudgetError as exc:
-                print(f"{frac} {strategy}: infeasible: {exc}")
-                continue
-            pm = PlannedModule(captured, plan)
-            fig = measure_training(pm, pm, (images,), target, loss_fn, args.steps)
-            row = {"model": args.model, "fraction": frac, "strategy": strategy, "budget_bytes": budget,
-                   "activation_peak_bytes": fig.activation_peak_bytes, "peak_bytes": fig.peak_bytes,
-                   "predicted_peak_bytes": plan.predicted_peak_bytes,
-                   "activation_ratio": fig.activation_peak_bytes / base.activation_peak_bytes,
-                   "overhead": fig.step_seconds / base.step_seconds, "step_seconds": fig.step_seconds,
-                   "baseline_step_seconds": base.step_seconds, "solve_seconds": plan.solve_seconds,
-                   "mip_gap": plan.mip_gap, "under_budget": fig.peak_bytes <= budget, **compare(base, fig)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n| budget (act. fraction) | strategy | activation peak | of plain | predicted err | overhead | "
-          f"under budget | grads match |")
-    print("|---|---|---|---|---|---|---|---|")
+                r = {"strategy": strategy, "infeasible": str(exc),
+                     "smallest_feasible_bytes": exc.smallest_feasible_bytes}
+            r.update(model=args.model, fraction=frac, budget_bytes=budget)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print("\n| act. budget | strategy | activation peak | of plain | under budget | predicted err | overhead "
+          "| predicted overhead | solve s | grads, BN match |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        err = (r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
-        print(f"| {r['fraction']:.0%} | {r['strategy']} | {fmt_bytes(r['activation_peak_bytes'])} | "
-              f"{r['activation_ratio']:.2f} | {err:+.1%} | {r['overhead']:.2f}x | {r['under_budget']} | "
-              f"{r['gradients_match']} |")
+        if "infeasible" in r:
+            low = (r["smallest_feasible_bytes"] - base.fixed_bytes) / base.activation_peak_bytes
+            print(f"| {r['fraction']:.0%} | {r['strategy']} | infeasible (smallest feasible: {low:.1%} of plain "
+                  f"activation) | | | | | | | |")
+            continue
+        p = r["planned"]
+        err = (p["predicted_peak_bytes"] - p["peak_bytes"]) / p["peak_bytes"]
+        pred_over = p["predicted_step_seconds"] / r["baseline"]["predicted_step_seconds"]
+        print(f"| {r['fraction']:.0%} | {r['strategy']} | {fmt_bytes(p['activation_peak_bytes'])} | "
+              f"{p['activation_peak_bytes'] / base.activation_peak_bytes:.2f} | "
+              f"{p['peak_bytes'] <= r['budget_bytes']} | {err:+.2%} | {r['overhead']:.2f}x | {pred_over:.2f}x | "
+              f"{r['solve_seconds']:.1f} | {r['gradients_match'] and r['bn_stats_match']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -12,8 +12,9 @@ from memfit.graph.capture import Captured, capture
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.planned import PlannedModule
+from memfit.solve.accounting import Accounting
 from memfit.solve.plan import Plan
-from memfit.solve.strategies import make_plan
+from memfit.solve.strategies import make_plan, smallest_feasible
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
@@ -49,7 +50,8 @@ def plan(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "mem
         example_inputs: a tensor or a tuple of the forward's positional inputs, e.g. images
             ``[B, C, H, W]``, on the model's device. Plans are specific to these shapes.
         budget: total peak bound: bytes (``"2GiB"``, ``"512MB"``, int) or a percentage of the plain
-            PyTorch peak (``"40%"``). See :class:`memfit.Budget`.
+            PyTorch peak (``"40%"``), or ``"min"`` for the least memory memfit can reach.
+            See :class:`memfit.Budget`.
         strategy: ``memfit`` (integer program), ``chen``, ``checkpoint-all`` or ``none``.
         optimizer: the optimizer you will train with, so its state is counted in the fixed bytes.
         time_limit: solver time limit in seconds.
@@ -71,7 +73,10 @@ def plan(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "mem
     costs = profile_graph(captured, inputs)
     fixed = costs.fixed_bytes + optimizer_state_bytes(optimizer, list(model.parameters()))
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
-    budget_bytes = budget.resolve(plain.predicted_peak_bytes)
+    lowest = None
+    if budget.minimum and strategy == "memfit":
+        lowest = smallest_feasible(Accounting.build(captured.graph, costs), captured.graph, fixed, time_limit)
+    budget_bytes = budget.resolve(plain.predicted_peak_bytes, lowest or plain.predicted_peak_bytes)
     result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit)
     return result, captured, costs
 

@@ -16,14 +16,16 @@ class Budget:
     Attributes:
         nbytes: absolute bound on the total peak (bytes), or ``None`` when given as a fraction.
         fraction: fraction of the plain PyTorch total peak (``0.4`` for ``"40%"``), or ``None``.
+        minimum: ``"min"``: the smallest budget memfit can plan for (the least memory, whatever the time).
     """
 
     nbytes: int | None = None
     fraction: float | None = None
+    minimum: bool = False
 
     @classmethod
     def parse(cls, spec) -> Budget:
-        """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``123456789`` (bytes) or ``"40%"``.
+        """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``123456789`` (bytes), ``"40%"`` or ``"min"``.
 
         Raises:
             ValueError: the text is not a size or a percentage in (0, 100].
@@ -35,6 +37,8 @@ class Budget:
                 raise ValueError(f"budget must be positive, got {spec}")
             return cls(nbytes=int(spec))
         text = str(spec).strip()
+        if text.lower() == "min":
+            return cls(minimum=True)
         if text.endswith("%"):
             try:
                 pct = float(text[:-1])
@@ -46,11 +50,16 @@ class Budget:
         match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", text)
         if not match or match.group(2).upper() not in _UNITS:
             raise ValueError(f"budget {spec!r}: expected bytes such as '2GiB', '512MB', 1000000 or a "
-                             "percentage such as '40%'")
+                             "percentage such as '40%', or 'min'")
         return cls(nbytes=int(float(match.group(1)) * _UNITS[match.group(2).upper()]))
 
-    def resolve(self, plain_peak_bytes: int) -> int:
-        """The budget in bytes, given the plain PyTorch total peak (bytes)."""
+    def resolve(self, plain_peak_bytes: int, smallest_feasible: int | None = None) -> int:
+        """The budget in bytes, given the plain PyTorch total peak and, for ``"min"``, the smallest feasible
+        budget (bytes)."""
+        if self.minimum:
+            if smallest_feasible is None:
+                raise ValueError("budget 'min' needs the smallest feasible budget")
+            return smallest_feasible
         if self.nbytes is not None:
             return self.nbytes
         return int(self.fraction * plain_peak_bytes)

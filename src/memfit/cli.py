@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported: no busy-waiting threads
+
 import argparse
 import json
-import os
 import sys
 
 from rich.console import Console
@@ -20,8 +23,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="resnet18", choices=zoo.MODELS, help="model from the zoo")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the model's CPU default)")
     p.add_argument("--image-size", type=int, default=None, help="image side in pixels")
-    p.add_argument("--budget", default="50%", help="total peak budget: '2GiB', '512MB', bytes, or '40%%' "
-                   "of the plain PyTorch peak")
+    p.add_argument("--budget", default="min", help="total peak budget: '2GiB', '512MB', bytes, '40%%' of "
+                   "the plain PyTorch total peak (fixed bytes included), or 'min' for the least memory memfit "
+                   "can reach (default)")
     p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="measure plain PyTorch, solve, train with the plan, compare")
     _common(p)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per setup")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per setup (interleaved with plain)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="solve only and save the plan as JSON")
@@ -126,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.set_defaults(func=cmd_train)
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     if args.threads:

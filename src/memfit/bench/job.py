@@ -13,6 +13,7 @@ from memfit.api import plan as make_plan_for
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.graph.capture import capture
 from memfit.runtime.planned import PlannedModule
+from memfit.solve.strategies import make_plan
 
 
 def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, seed: int = 0) -> StepFigures:
@@ -42,8 +43,9 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     captured = capture(planned_model)
     opt_probe = torch.optim.SGD(planned_model.parameters(), lr=0.01, momentum=0.9)
     t0 = time.perf_counter()
-    plan, captured, _ = make_plan_for(planned_model, inputs, budget, strategy=strategy, optimizer=opt_probe,
-                                      time_limit=time_limit, _captured=captured)
+    plan, captured, costs = make_plan_for(planned_model, inputs, budget, strategy=strategy,
+                                          optimizer=opt_probe, time_limit=time_limit, _captured=captured)
+    plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes)
     solve_wall = time.perf_counter() - t0
     del opt_probe
     if plan_out:
@@ -61,7 +63,8 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
         "model": type(model).__name__, "batch_size": int(images.shape[0]), "input_shape": list(images.shape),
         "device": device.type, "strategy": strategy, "budget_bytes": plan.budget_bytes,
         "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
-                     "activation_peak_bytes": baseline.activation_peak_bytes, "step_seconds": plain_s},
+                     "activation_peak_bytes": baseline.activation_peak_bytes, "step_seconds": plain_s,
+                     "predicted_step_seconds": plain_predicted.predicted_step_seconds},
         "planned": {"peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
                     "predicted_peak_bytes": plan.predicted_peak_bytes, "step_seconds": planned_s,
                     "predicted_step_seconds": plan.predicted_step_seconds},
