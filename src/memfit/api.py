@@ -12,7 +12,6 @@ from memfit.graph.capture import Captured, capture
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.planned import PlannedModule
-from memfit.solve.accounting import Accounting
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import make_plan, smallest_feasible
 
@@ -39,8 +38,8 @@ def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
-def plan(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "memfit",
-         optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0,
+def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
+         optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0, variants: bool = True,
          _captured: Captured | None = None) -> tuple[Plan, Captured, Costs]:
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
@@ -55,6 +54,9 @@ def plan(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "mem
         strategy: ``memfit`` (integer program), ``chen``, ``checkpoint-all`` or ``none``.
         optimizer: the optimizer you will train with, so its state is counted in the fixed bytes.
         time_limit: solver time limit in seconds.
+        variants: let ``memfit`` choose memory-efficient operator implementations (ReLU with a 1-bit
+            mask, max-pooling with compact indices, BatchNorm backward from its output) jointly with
+            recomputation (MONeT, Shah et al., ICLR 2021, section 4).
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -70,20 +72,21 @@ def plan(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "mem
     if not model.training:
         raise ValueError("memfit plans a training step: call model.train() first")
     captured = _captured or capture(model)
-    costs = profile_graph(captured, inputs)
+    costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit")
     fixed = costs.fixed_bytes + optimizer_state_bytes(optimizer, list(model.parameters()))
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     lowest = None
-    if budget.minimum and strategy == "memfit":
-        lowest = smallest_feasible(Accounting.build(captured.graph, costs), captured.graph, fixed, time_limit)
+    if budget.minimum and strategy in ("memfit", "remat-ilp"):
+        lowest = smallest_feasible(captured.graph, costs, fixed, time_limit, use_variants=variants)
     budget_bytes = budget.resolve(plain.predicted_peak_bytes, lowest or plain.predicted_peak_bytes)
-    result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit)
+    result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit,
+                       use_variants=variants)
     return result, captured, costs
 
 
-def optimize(model: nn.Module, example_inputs, budget="50%", *, strategy: str = "memfit",
+def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
              optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
-             time_limit: float = 20.0, plan_: Plan | None = None) -> PlannedModule:
+             time_limit: float = 20.0, variants: bool = True, plan_: Plan | None = None) -> PlannedModule:
     """Make ``model`` train under a memory budget.
 
     Example::
@@ -98,7 +101,7 @@ def optimize(model: nn.Module, example_inputs, budget="50%", *, strategy: str = 
     ``planned.report`` the predicted figures (bytes, seconds).
 
     Args:
-        model, example_inputs, budget, strategy, optimizer, time_limit: as in :func:`plan`.
+        model, example_inputs, budget, strategy, optimizer, time_limit, variants: as in :func:`plan`.
         loss_fn: accepted for API symmetry with the CLI; the loss runs outside the planned module and
             costs little memory next to the activations.
         plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
@@ -115,6 +118,7 @@ def optimize(model: nn.Module, example_inputs, budget="50%", *, strategy: str = 
         captured = capture(model)
         return PlannedModule(captured, plan_, report=_report(plan_))
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
+                               variants=variants,
                                time_limit=time_limit)
     return PlannedModule(captured, result, report=_report(result))
 

@@ -1,4 +1,4 @@
-"""The ``memfit`` command line: ``run``, ``plan`` and ``train`` (argparse + rich)."""
+"""The ``memfit`` command line: ``run``, ``plan``, ``train``, ``bench`` and ``max-batch`` (argparse + rich)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
+    p.add_argument("--no-variants", action="store_true", help="memfit strategy: recomputation only, no "
+                   "memory-efficient operator variants (the remat-ilp ablation)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -58,6 +60,8 @@ def _report_table(r: dict) -> Table:
     t.add_row("overhead", "1.00x", f"{r['overhead']:.2f}x", "")
     d = r["decisions"]
     t.add_row("decisions", "", f"keep {d['keep']} / recompute {d['recompute']} / offload {d['offload']}", "")
+    if d["variants"]:
+        t.add_row("operator variants", "", ", ".join(f"{k} x{v}" for k, v in sorted(d["variants"].items())), "")
     gap = "-" if r["mip_gap"] is None else f"{r['mip_gap']:.3f}"
     t.add_row("solve", "", f"{r['solve_seconds']:.2f} s (gap {gap})", "")
     ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
@@ -73,7 +77,7 @@ def cmd_run(args) -> int:
     console = Console()
     with console.status(f"measuring plain PyTorch, profiling and solving {args.model} ..."):
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
-                         args.time_limit, args.seed)
+                         args.time_limit, args.seed, variants=not args.no_variants)
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -93,7 +97,7 @@ def cmd_plan(args) -> int:
     images, _ = zoo.example_batch(args.model, batch, size, device=args.device, seed=args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
-                        time_limit=args.time_limit)
+                        time_limit=args.time_limit, variants=not args.no_variants)
     result.save(args.out)
     c = result.counts()
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
@@ -107,6 +111,133 @@ def cmd_train(args) -> int:
     from memfit.train import train_side_by_side
 
     return train_side_by_side(args)
+
+
+def _wide_console() -> Console:
+    """A console for wide tables: the terminal's width, or 200 columns when writing to a file or pipe."""
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=200)
+
+
+def cmd_bench(args) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memfit.bench import peers
+    from memfit.bench.sweep import parse_fractions, results_table, sweep, write_results, zoo_workload
+
+    batch, size = _sizes(args)
+    budgets = parse_fractions(args.budgets)
+    torch_budgets = parse_fractions(args.torch_budgets)
+    backends = [peers.AOT_EAGER] + ([peers.INDUCTOR] if args.inductor else [])
+    console = _wide_console()
+    work = zoo_workload(args.model, batch, size, args.device, args.seed)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("memfit bench", total=None)
+
+        def progress(text: str, done: int, total: int) -> None:
+            bar.update(task, description=text, completed=done, total=total)
+
+        baseline, rows = sweep(work, budgets, args.strategies.split(","), steps=args.steps,
+                               torch_budgets=torch_budgets, torch_backends=backends, time_limit=args.time_limit,
+                               seed=args.seed, progress=progress)
+    from memfit.bench.sweep import machine_line
+
+    out = args.out or f"bench-{args.model}-b{batch}-{size}px"
+    paths = write_results(rows, baseline, out, title=f"{args.model} batch {batch} {size}x{size} on {args.device}"
+                          f" ({machine_line()})")
+    console.print(results_table(rows, baseline))
+    console.print(f"{machine_line()}; wrote {paths['json']}, {paths['csv']}, {paths['png']}")
+    own = [r for r in rows if r["backend"] == "eager" and r["planned"] is not None]
+    return 0 if all(r["gradients_match"] and r["bn_stats_match"] for r in own) else 1
+
+
+def cmd_max_batch(args) -> int:
+    from memfit import zoo
+    from memfit.bench import peers
+    from memfit.bench.maxbatch import max_batch_table, plain_peak_bytes, zoo_max_batch
+    from memfit.budget import Budget
+
+    size = args.image_size or zoo.default_size(args.model)[1]
+    console = _wide_console()
+    if (args.budget is None) == (args.budget_from_batch is None):
+        raise ValueError("give exactly one of --budget (bytes, e.g. '2GiB') and --budget-from-batch N")
+    if args.budget is not None:
+        budget = Budget.parse(args.budget)
+        if budget.nbytes is None:
+            raise ValueError("max-batch needs a budget in bytes ('2GiB', '512MB'), not a percentage")
+        budget_bytes = budget.nbytes
+    else:
+        with console.status(f"measuring plain PyTorch at batch {args.budget_from_batch} ..."):
+            budget_bytes = plain_peak_bytes(args.model, args.budget_from_batch, size, args.device, args.seed)
+        console.print(f"budget = plain PyTorch's measured total peak at batch {args.budget_from_batch}: "
+                      f"{budget_bytes} bytes ({fmt_bytes(budget_bytes)})")
+    backend = peers.INDUCTOR if args.inductor else peers.AOT_EAGER
+    with console.status("searching ...") as status:
+        results = zoo_max_batch(args.model, size, budget_bytes, [s for s in args.strategies.split(",") if s],
+                                device=args.device, seed=args.seed, start=args.start_batch,
+                                limit=args.batch_limit, backend=backend, time_limit=args.time_limit,
+                                progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
+    console.print(max_batch_table(results, budget_bytes, title=f"memfit max-batch: {args.model} {size}x{size} "
+                                  f"on {args.device}, budget {fmt_bytes(budget_bytes)} (total peak, measured)"))
+    if args.json:
+        report = {"model": args.model, "image_size": size, "device": args.device, "budget_bytes": budget_bytes,
+                  "budget_from_batch": args.budget_from_batch,
+                  "results": [r.to_dict() for r in results]}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _add_bench_commands(sub) -> None:
+    from memfit import zoo
+    from memfit.bench.maxbatch import MAXBATCH_STRATEGIES
+    from memfit.bench.sweep import ALL_STRATEGIES, BENCH_STRATEGIES
+
+    p = sub.add_parser("bench", help="sweep strategies x budgets (and PyTorch's own budget) and measure each "
+                       "one; budgets are %% of plain PyTorch's ACTIVATION peak",
+                       description="Measure every strategy at every budget side by side with plain PyTorch. "
+                       "Budgets are percentages of plain PyTorch's measured ACTIVATION peak, not of the total "
+                       "peak as in `memfit run --budget`: a budget f becomes the total-peak bound fixed bytes "
+                       "+ f x plain activation peak. Writes results.json, results.csv and pareto.png to --out.")
+    p.add_argument("--model", default="resnet50", choices=zoo.MODELS, help="model from the zoo")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the model's CPU default)")
+    p.add_argument("--image-size", type=int, default=None, help="image side in pixels")
+    p.add_argument("--budgets", default="100%,70%,50%,40%,33%,25%",
+                   help="percentages of plain PyTorch's ACTIVATION peak (total = fixed + %% x activation peak)")
+    p.add_argument("--strategies", default=",".join(BENCH_STRATEGIES),
+                   help=f"comma-separated, from {', '.join(ALL_STRATEGIES)}")
+    p.add_argument("--torch-budgets", default="1.0,0.5,0.3,0.1,0.0",
+                   help="values of torch._functorch.config.activation_memory_budget for torch-budget")
+    p.add_argument("--inductor", action="store_true",
+                   help="also run torch-budget with torch.compile's inductor backend (minutes of compiling)")
+    p.add_argument("--out", default=None, help="output folder (default bench-MODEL-bBATCH-SIZEpx)")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds per row, interleaved with plain PyTorch")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("max-batch", help="the largest batch each strategy trains within a total-peak budget, "
+                       "found by measuring")
+    p.add_argument("--model", default="resnet50", choices=zoo.MODELS, help="model from the zoo")
+    p.add_argument("--image-size", type=int, default=None, help="image side in pixels")
+    p.add_argument("--budget", default=None, help="total peak bound in bytes: '2GiB', '512MB', 1000000")
+    p.add_argument("--budget-from-batch", type=int, default=None, metavar="N",
+                   help="instead of --budget: plain PyTorch's measured total peak at batch N")
+    p.add_argument("--strategies", default=",".join(MAXBATCH_STRATEGIES),
+                   help="comma-separated: none, chen, checkpoint-all, memfit, torch-budget[:K] (plain PyTorch "
+                   "is always measured as the reference)")
+    p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
+    p.add_argument("--start-batch", type=int, default=1, help="first batch probed")
+    p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_max_batch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.set_defaults(func=cmd_train)
+    _add_bench_commands(sub)
     args = parser.parse_args(argv)
     import torch
 

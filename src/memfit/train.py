@@ -34,7 +34,7 @@ def train_side_by_side(args) -> int:
     images, _ = next(iter(loader))
     opt_plan = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     plan, captured, _ = make_plan(model, (images.to(device),), args.budget, strategy=args.strategy,
-                                  optimizer=opt_plan, time_limit=args.time_limit)
+                                  optimizer=opt_plan, time_limit=args.time_limit, variants=not args.no_variants)
     planned = PlannedModule(captured, plan)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = zoo.loss_for(args.model)

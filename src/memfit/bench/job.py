@@ -24,13 +24,15 @@ def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, se
 
 def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable, baseline: StepFigures,
                      strategy: str, budget, steps: int = 5, time_limit: float = 20.0, seed: int = 0,
-                     plan_out: str | None = None) -> dict:
+                     plan_out: str | None = None, variants: bool = True) -> dict:
     """Solve ``strategy`` for ``budget`` on a copy of ``model``, train with the plan, and report.
 
     Memory and gradients come from :func:`measure_training` (3 steps from the same initial weights as
     ``baseline``); the step times of plain PyTorch and of the plan come from
     :func:`interleaved_step_seconds` over ``steps`` rounds, so ``overhead`` is a ratio of medians measured
     at the same time.
+
+    ``variants=False`` keeps the ``memfit`` strategy from using operator variants.
 
     Returns:
         The report dict of ``memfit run --json`` (see the README).
@@ -44,7 +46,8 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     opt_probe = torch.optim.SGD(planned_model.parameters(), lr=0.01, momentum=0.9)
     t0 = time.perf_counter()
     plan, captured, costs = make_plan_for(planned_model, inputs, budget, strategy=strategy,
-                                          optimizer=opt_probe, time_limit=time_limit, _captured=captured)
+                                          optimizer=opt_probe, time_limit=time_limit, variants=variants,
+                                          _captured=captured)
     plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes)
     solve_wall = time.perf_counter() - t0
     del opt_probe
@@ -76,7 +79,7 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
 
 def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", strategy: str = "memfit",
             steps: int = 5, device: str = "cpu", time_limit: float = 20.0, seed: int = 0,
-            plan_out: str | None = None) -> dict:
+            plan_out: str | None = None, variants: bool = True) -> dict:
     """``memfit run``: measure plain PyTorch, solve, train with the plan, check gradients.
 
     Args:
@@ -89,6 +92,7 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
         time_limit: solver time limit (seconds).
         seed: weights, batch and dropout seed.
         plan_out: also write the plan as JSON here.
+        variants: let ``memfit`` use operator variants.
 
     Returns:
         The report dict documented in the README (``memfit run --json``).
@@ -99,6 +103,6 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
     loss_fn = zoo.loss_for(model_name)
     baseline = measure_plain(model, (images,), target, loss_fn, seed)
     report = measure_strategy(model, (images,), target, loss_fn, baseline, strategy, budget, steps, time_limit,
-                              seed, plan_out)
+                              seed, plan_out, variants)
     report["model"] = model_name
     return report

@@ -8,15 +8,17 @@ from typing import Any
 from torch import fx
 
 
-def node_fn(gm: fx.GraphModule, node: fx.Node) -> Callable[[dict[str, Any]], Any]:
-    """Return ``f(env) -> value`` that evaluates ``node`` reading its arguments from ``env`` (name -> value)."""
+def node_fn(gm: fx.GraphModule, node: fx.Node, module=None) -> Callable[[dict[str, Any]], Any]:
+    """Return ``f(env) -> value`` that evaluates ``node`` reading its arguments from ``env`` (name -> value).
+
+    ``module`` replaces the called submodule of a ``call_module`` node (an operator variant)."""
     args, kwargs = node.args, node.kwargs
 
     def load(env):
         return (fx.node.map_arg(args, lambda a: env[a.name]), fx.node.map_arg(kwargs, lambda a: env[a.name]))
 
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = module if module is not None else gm.get_submodule(node.target)
 
         def run(env):
             a, k = load(env)

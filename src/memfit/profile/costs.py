@@ -41,6 +41,25 @@ class Storage:
 
 
 @dataclass
+class VariantCost:
+    """Measured costs of one memory-efficient implementation of a node (``memfit.variants``).
+
+    Attributes:
+        saves: storage ids it saves for backward (existing ids for the node's inputs and outputs).
+        creates: storage ids of what it saves that nothing else holds (kind ``"variant"``: e.g. a packed
+            1-bit mask); they exist only when the variant is chosen.
+        fwd_seconds, bwd_seconds, fwd_workspace, bwd_workspace: as in :class:`NodeCost`.
+    """
+
+    saves: list[int] = field(default_factory=list)
+    creates: list[int] = field(default_factory=list)
+    fwd_seconds: float = 0.0
+    bwd_seconds: float = 0.0
+    fwd_workspace: int = 0
+    bwd_workspace: int = 0
+
+
+@dataclass
 class NodeCost:
     """Measured costs of one node (all sizes in bytes, times in seconds, medians).
 
@@ -61,6 +80,7 @@ class NodeCost:
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
+        variants: operator variants that can replace this node, by name, with their measured costs.
     """
 
     name: str
@@ -75,6 +95,7 @@ class NodeCost:
     bwd_workspace: int = 0
     grad_in_bytes: int = 0
     grad_alias: bool = False
+    variants: dict[str, VariantCost] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,8 +120,43 @@ class Costs:
 
     @classmethod
     def from_dict(cls, d: dict) -> Costs:
-        return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]],
-                   nodes=[NodeCost(**n) for n in d["nodes"]], fixed_bytes=d["fixed_bytes"])
+        nodes = []
+        for n in d["nodes"]:
+            n = dict(n)
+            n["variants"] = {k: VariantCost(**v) for k, v in n.get("variants", {}).items()}
+            nodes.append(NodeCost(**n))
+        return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
+                   fixed_bytes=d["fixed_bytes"])
+
+    def with_variants(self, choice: dict[str, str]) -> Costs:
+        """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
+        name, ``"default"`` for PyTorch's own): a copy in which those nodes save, allocate and cost what
+        the variant does. The simulator and the program read plans through this.
+
+        Raises:
+            ValueError: a node has no such variant.
+        """
+        nodes = []
+        kinds = {s.id: s.kind for s in self.storages}
+        for c in self.nodes:
+            name = choice.get(c.name, "default")
+            if name == "default":
+                nodes.append(c)
+                continue
+            if name not in c.variants:
+                raise ValueError(f"node {c.name} has no variant {name!r} (it has: {', '.join(c.variants)})")
+            v = c.variants[name]
+            outs = set(c.outputs)
+            for sid in v.creates:
+                kinds[sid] = "internal"
+            nodes.append(NodeCost(
+                name=c.name, outputs=list(c.outputs), creates=[x for x in c.creates if x in outs] + list(v.creates),
+                saves=list(v.saves), mutates=list(c.mutates), grad_bytes=c.grad_bytes,
+                fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
+                bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias))
+        storages = [Storage(id=s.id, nbytes=s.nbytes, producer=s.producer, kind=kinds[s.id],
+                            requires_grad=s.requires_grad) for s in self.storages]
+        return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes)
 
     @property
     def step_seconds(self) -> float:
@@ -128,7 +184,8 @@ def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(b, b.detach().clone()) for b in model.buffers()]
 
 
-def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3) -> Costs:
+def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
+                  with_variants: bool = True) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
 
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
@@ -141,6 +198,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3) -
         example_inputs: the model's positional inputs (tensors on the target device), e.g. a batch
             ``[B, C, H, W]``.
         repeats: timing repetitions per node (the median is kept).
+        with_variants: also profile the memory-efficient operator variants that apply to each node
+            (``memfit.variants``; MONeT, Shah et al., ICLR 2021, section 4).
 
     Returns:
         :class:`Costs`.
@@ -155,7 +214,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3) -
     devices = [device.index or 0] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
-            costs = _structure(gm, inputs, fixed_ptrs)
+            costs = _structure(gm, inputs, fixed_ptrs, with_variants)
             _time_nodes(gm, inputs, costs, device, repeats)
             _measure_workspace(gm, inputs, costs, device)
     finally:
@@ -171,7 +230,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3) -
     return costs
 
 
-def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int]) -> Costs:
+def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True) -> Costs:
     """One forward pass, node by node, holding every value: storages, outputs and saved tensors per node."""
     storages: list[Storage] = []
     by_ptr: dict[int, int] = {}
@@ -233,8 +292,57 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int]) -> Costs
                 cost.creates.append(sid)
             if sid not in cost.saves:
                 cost.saves.append(sid)
+        if with_variants and node.op == "call_module":
+            _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
         nodes.append(cost)
+    mutated = {sid for c in nodes for sid in c.mutates}
+    for c in nodes:  # backward from the output fails if a later in-place op rewrites that output
+        if "bn-from-output" in c.variants and mutated & set(c.outputs):
+            del c.variants["bn-from-output"]
     return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+
+
+def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:
+    """What each applicable operator variant of ``node`` saves, in the storage ids of the default run."""
+    from memfit.variants import variants_for
+
+    module = gm.get_submodule(node.target)
+    for spec in variants_for(module):
+        if not spec.exact:
+            # gradients equal PyTorch's only to rounding, which ill-conditioned layers (BatchNorm over a
+            # few values per channel) amplify over steps: not offered to the planner
+            continue
+        vmod = spec.make(module)
+        inplace = bool(getattr(vmod, "inplace", False))
+        local = dict(env)
+        alias: dict[int, int] = {}
+        for a in node.all_input_nodes:
+            v = local[a.name]
+            if inplace and isinstance(v, torch.Tensor):
+                copy = v.detach().clone().requires_grad_(v.requires_grad)
+                copy = copy.clone() if copy.requires_grad else copy  # a non-leaf can be updated in place
+                alias[copy.untyped_storage().data_ptr()] = by_ptr.get(v.untyped_storage().data_ptr(), -1)
+                local[a.name] = copy
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t), t)[1],
+                                                      lambda t: t):
+            out = node_fn(gm, node, module=vmod)(local)
+        for t, sid in zip(tensors_in(out), cost.outputs):
+            alias[t.untyped_storage().data_ptr()] = sid
+        vc = VariantCost()
+        for t in saved:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in alias:
+                sid = alias[ptr]
+            else:
+                n_before = len(storages)
+                sid = register(t, node.name, "variant")
+                if sid is not None and len(storages) > n_before:
+                    vc.creates.append(sid)
+            if sid is not None and sid >= 0 and sid not in vc.saves:
+                vc.saves.append(sid)
+        keep_alive.append((saved, out, local))
+        cost.variants[spec.name] = vc
 
 
 def _isolated(gm: fx.GraphModule, inputs: tuple):
@@ -266,59 +374,82 @@ def _isolated(gm: fx.GraphModule, inputs: tuple):
             env[node.name] = fn(env)
 
 
+def _implementations(gm: fx.GraphModule, node: fx.Node, fn, cost: NodeCost) -> list[tuple[str, object, object]]:
+    """``(label, fn, record)`` for PyTorch's implementation of ``node`` and each profiled variant; measured
+    times and workspaces are written to ``record`` (the :class:`NodeCost` or its :class:`VariantCost`)."""
+    out = [("", fn, cost)]
+    if cost.variants:
+        from memfit.variants import VARIANTS
+
+        module = gm.get_submodule(node.target)
+        for name, vc in cost.variants.items():
+            out.append((f":{name}", node_fn(gm, node, module=VARIANTS[name].make(module)), vc))
+    return out
+
+
 def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device) -> None:
-    """Transient bytes of each node's forward and backward, run in isolation under the memory tracker."""
+    """Transient bytes of each node's forward and backward (and of its variants'), run in isolation under
+    the memory tracker."""
     cpu = device.type != "cuda"
     outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
     leaf_bytes: dict[str, int] = {}
+    records: list[tuple[str, object]] = []
     with outer as tracker:
-        for (node, fn, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
-            local, leaves = make_env(clone=bool(cost.mutates))
-            part = tracker.mark(f"{node.name}:f") if cpu else MemoryTracker(device)
-            with part:
-                outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
-            if not cpu:
-                cost.fwd_workspace = max(0, part.peak_bytes - part.net_bytes)
-            outs = [t for t in outs if t.requires_grad]
-            if not outs:
-                continue
-            seeds = [torch.ones_like(t) for t in outs]
-            part = tracker.mark(f"{node.name}:b") if cpu else MemoryTracker(device)
-            with part:
-                grads = torch.autograd.grad(outs, leaves + params, seeds, allow_unused=True)
-            seed_ptrs = {t.untyped_storage().data_ptr() for t in seeds}
-            fresh = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                     for g in grads[:len(leaves)] if g is not None}
-            cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
-            cost.grad_in_bytes = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs)
-            if not cpu:
-                cost.bwd_workspace = max(0, part.peak_bytes - cost.grad_in_bytes)
-            del grads, outs, seeds, local, leaves
-            leaf_bytes[node.name] = cost.grad_in_bytes
+        for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
+            for suffix, fn, record in _implementations(gm, node, fn0, cost):
+                label = node.name + suffix
+                records.append((label, record))
+                local, leaves = make_env(clone=bool(cost.mutates))
+                part = tracker.mark(f"{label}:f") if cpu else MemoryTracker(device)
+                with part:
+                    outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
+                if not cpu:
+                    record.fwd_workspace = max(0, part.peak_bytes - part.net_bytes)
+                outs = [t for t in outs if t.requires_grad]
+                if not outs:
+                    continue
+                seeds = [torch.ones_like(t) for t in outs]
+                part = tracker.mark(f"{label}:b") if cpu else MemoryTracker(device)
+                with part:
+                    grads = torch.autograd.grad(outs, leaves + params, seeds, allow_unused=True)
+                seed_ptrs = {t.untyped_storage().data_ptr() for t in seeds}
+                fresh = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                         for g in grads[:len(leaves)] if g is not None}
+                grad_in = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs)
+                if record is cost:
+                    cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
+                    cost.grad_in_bytes = grad_in
+                if not cpu:
+                    record.bwd_workspace = max(0, part.peak_bytes - grad_in)
+                del grads, outs, seeds, local, leaves
+                leaf_bytes[label] = grad_in
     if cpu:
-        for cost in costs.nodes:
-            peak, net = tracker.range_peak(f"{cost.name}:f")
-            cost.fwd_workspace = max(0, peak - net)
-            if f"{cost.name}:b" in tracker.ranges:
-                peak, _ = tracker.range_peak(f"{cost.name}:b")
-                cost.bwd_workspace = max(0, peak - leaf_bytes.get(cost.name, 0))
+        for label, record in records:
+            peak, net = tracker.range_peak(f"{label}:f")
+            record.fwd_workspace = max(0, peak - net)
+            if f"{label}:b" in tracker.ranges:
+                peak, _ = tracker.range_peak(f"{label}:b")
+                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
 
 
 def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int) -> None:
-    """Median forward and backward time of each node, run in isolation on detached copies of its inputs."""
-    for (node, fn, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
+    """Median forward and backward time of each node (and of its variants), run in isolation on detached
+    copies of its inputs."""
+    for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
         clone = bool(cost.mutates)
+        for _, fn, record in _implementations(gm, node, fn0, cost):
 
-        def forward(fn=fn, make_env=make_env, clone=clone):
-            return fn(make_env(clone=clone)[0])
+            def forward(fn=fn, make_env=make_env, clone=clone):
+                return fn(make_env(clone=clone)[0])
 
-        cost.fwd_seconds = _median_seconds(forward, device, repeats)
-        if not any(t.requires_grad for t in tensors_in(forward())):
-            continue
+            record.fwd_seconds = _median_seconds(forward, device, repeats)
+            if not any(t.requires_grad for t in tensors_in(forward())):
+                continue
 
-        def backward(fn=fn, make_env=make_env, params=params, clone=clone):
-            local, leaves = make_env(clone=clone)
-            outs = [t for t in tensors_in(fn(local)) if t.requires_grad]
-            torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+            def backward(fn=fn, make_env=make_env, params=params, clone=clone):
+                local, leaves = make_env(clone=clone)
+                outs = [t for t in tensors_in(fn(local)) if t.requires_grad]
+                torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs],
+                                    allow_unused=True)
 
-        cost.bwd_seconds = max(0.0, _median_seconds(backward, device, repeats) - cost.fwd_seconds)
+            record.bwd_seconds = max(0.0, _median_seconds(backward, device, repeats) - record.fwd_seconds)

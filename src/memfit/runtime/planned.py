@@ -116,7 +116,7 @@ class PlannedModule(nn.Module):
         for k, (kind, payload) in enumerate(steps):
             frees = [name for name, last in last_step.items() if last == k and name not in keep_forever]
             if kind == "node":
-                self._steps.append(("node", payload.name, node_fn(gm, payload), frees))
+                self._steps.append(("node", payload.name, self._fn(payload), frees))
                 continue
             group = payload
             inside = {n.name for n in group}
@@ -134,9 +134,21 @@ class PlannedModule(nn.Module):
                     mod = gm.get_submodule(n.target)
                     if isinstance(mod, _BatchNorm):
                         buffers += [b for b in mod.buffers()]
-            region = _Region(names=[n.name for n in group], fns=[node_fn(gm, n) for n in group],
+            region = _Region(names=[n.name for n in group], fns=[self._fn(n) for n in group],
                              inputs=sorted(reads[k]), outputs=outputs, frees=frees_local, buffers=buffers)
             self._steps.append(("region", region, None, frees))
+
+    def _fn(self, node: fx.Node):
+        """The call for ``node``: PyTorch's module, or the operator variant the plan chose for it (built on
+        the same parameters and buffers)."""
+        variant = self.plan.variants.get(node.name, "default")
+        if variant == "default":
+            return node_fn(self.gm, node)
+        from memfit.variants import VARIANTS
+
+        if variant not in VARIANTS or node.op != "call_module":
+            raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply")
+        return node_fn(self.gm, node, module=VARIANTS[variant].make(self.gm.get_submodule(node.target)))
 
     def forward(self, *args):
         if len(args) != len(self._placeholders):

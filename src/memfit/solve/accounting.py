@@ -103,7 +103,7 @@ class Accounting:
             internal=internal, creates=[list(c.creates) for c in costs.nodes], inputs=inputs,
             in_storages=in_storages, grad_bytes=[c.grad_bytes for c in costs.nodes],
             output_storages=output_storages,
-            activation=[s for s in nbytes if producer[s] >= 0],
+            activation=[s.id for s in costs.storages if producer[s.id] >= 0 and s.kind != "variant"],
             fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],

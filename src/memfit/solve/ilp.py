@@ -45,6 +45,7 @@ class IlpResult:
     mip_gap: float | None
     seconds: float
     objective: float | None
+    variants: dict[int, str] | None = None
 
 
 class _Model:
@@ -85,7 +86,8 @@ def _quiet_highs() -> highspy.Highs:
 def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 20.0,
                   mip_gap: float = 0.01, minimize_peak: bool = False,
                   fix_spans: list[tuple[int, int]] | None = None,
-                  start_spans: list[tuple[int, int]] | None = None) -> IlpResult:
+                  start_spans: list[tuple[int, int]] | None = None,
+                  variants: list[dict[str, object]] | None = None) -> IlpResult:
     """Solve the integer program.
 
     Args:
@@ -97,6 +99,9 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             feasible budget).
         fix_spans: pin the regions to these spans (to read the program's modelled peak of a given plan).
         start_spans: a known plan to start the search from (HiGHS completes the other variables).
+        variants: per node, the operator variants it may use (name -> :class:`VariantCost`); ``None``
+            plans recomputation only. A variant changes what the node saves, allocates and costs
+            (MONeT, section 4); the program picks at most one per node, jointly with the regions.
 
     Returns:
         :class:`IlpResult`; ``spans`` is ``None`` when no plan fits (status says why).
@@ -117,7 +122,19 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for i in range(n):
             m.cost[r[i]] = 0.0
             m.cost[c[i]] = 0.0
-    acts = [s for s in acc.activation]
+    # operator variants: v[i][name] in {0,1}, at most one per node; "default" is implied by none
+    options = variants or [{} for _ in range(n)]
+    v: list[dict[str, int]] = []
+    for i in range(n):
+        v.append({})
+        base_t = acc.fwd_seconds[i] + acc.bwd_seconds[i]
+        for name, vc in options[i].items():
+            dt = vc.fwd_seconds + vc.bwd_seconds - base_t
+            v[i][name] = m.var(integer=True, cost=0.0 if minimize_peak else dt + 1e-6)
+        if v[i]:
+            m.row({x: 1.0 for x in v[i].values()}, hi=1.0)
+    variant_storage = {sid: (i, name) for i in range(n) for name, vc in options[i].items() for sid in vc.creates}
+    acts = [s for s in acc.activation] + sorted(variant_storage)
     h = {s: m.var() for s in acts}
     z: dict[tuple[int, int], int] = {}
 
@@ -139,17 +156,29 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         return z[(p, q)]
 
     mutated = {s for i in range(n) for s in acc.mutates[i]}
+    # a node that saves s under its chosen implementation holds s unless it is recomputed
+    for q in range(n):
+        default = set(acc.saves[q])
+        every = default.union(*[set(vc.saves) for vc in options[q].values()])
+        for s in every:
+            if s not in h:
+                continue
+            terms = {h[s]: 1.0, r[q]: 1.0}
+            for name, vc in options[q].items():
+                if s in default and s not in vc.saves:
+                    terms[v[q][name]] = 1.0
+                elif s not in default and s in vc.saves:
+                    terms[v[q][name]] = -1.0
+            m.row(terms, lo=1.0 if s in default else 0.0)
     for s in acts:
         p = acc.producer[s]
-        for q in acc.savers[s]:
-            m.row({h[s]: 1.0, r[q]: 1.0}, lo=1.0)
         for q in acc.consumers[s]:
             if q == p:
                 continue
-            v = same_region(p, q)
-            m.row({h[s]: 1.0, r[q]: -1.0, v: 1.0}, lo=0.0)
+            zv = same_region(p, q)
+            m.row({h[s]: 1.0, r[q]: -1.0, zv: 1.0}, lo=0.0)
             if s in mutated:
-                m.row({r[q]: 1.0, v: -1.0}, hi=0.0)
+                m.row({r[q]: 1.0, zv: -1.0}, hi=0.0)
     for s in acc.nbytes:
         if acc.producer[s] < 0 and s in mutated:
             for q in acc.consumers[s]:
@@ -158,14 +187,24 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     nb = {s: acc.nbytes[s] / UNIT for s in acc.nbytes}
     budget = activation_budget / UNIT
     # forward peak at node i
+    internal_of = [set(acc.internal[i]) for i in range(n)]
     for i in range(n):
         const = acc.fwd_ws[i] / UNIT
         terms: dict[int, float] = {}
+        for name, vc in options[i].items():  # the chosen implementation's workspace
+            terms[v[i][name]] = (vc.fwd_workspace - acc.fwd_ws[i]) / UNIT
         for s in acts:
-            p = acc.producer[s]
+            p = acc.producer[s] if s not in variant_storage else variant_storage[s][0]
             if p > i:
                 continue
-            if acc.fwd_last[s] >= i:
+            if p == i and s in variant_storage:  # exists only if its variant is chosen
+                x = v[i][variant_storage[s][1]]
+                terms[x] = terms.get(x, 0.0) + nb[s]
+            elif p == i and s in internal_of[i] and v[i]:  # a default internal: gone with any variant
+                const += nb[s]
+                for x in v[i].values():
+                    terms[x] = terms.get(x, 0.0) - nb[s]
+            elif s not in variant_storage and acc.fwd_last[s] >= i:
                 const += nb[s]
             else:
                 terms[h[s]] = terms.get(h[s], 0.0) + nb[s]
@@ -177,7 +216,11 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     # backward peak at node i
     first_holder = {}
     for s in acts:
+        if s in variant_storage:
+            first_holder[s] = variant_storage[s][0]
+            continue
         cands = [acc.producer[s] + 1] + list(acc.savers[s])
+        cands += [q for q in (acc.producer[s],) if q >= 0 and any(s in vc.saves for vc in options[q].values())]
         first_holder[s] = min(cands)
     a = [m.var(lb=0.0, ub=INF) for _ in range(n)]
     cum = 0.0  # big-M of row i: everything a region ending at i could have rematerialized
@@ -193,23 +236,32 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             if p == i:
                 own_const += nb[s]
             elif p >= 0:
-                v = same_region(p, i)
-                own[v] = own.get(v, 0.0) + nb[s]
-        cum += own_const + sum(own.values())
+                zv = same_region(p, i)
+                own[zv] = own.get(zv, 0.0) + nb[s]
+        # a variant rematerializes what it saves of its own making instead of what the default does
+        delta: dict[int, float] = {}
+        default = set(acc.saves[i])
+        for name, vc in options[i].items():
+            made = {x for x in vc.saves if x in variant_storage or acc.producer.get(x) == i}
+            dropped = sum(nb[x] for x in default - set(vc.saves) if acc.producer.get(x) == i and x in copies_at[i])
+            delta[v[i][name]] = sum(nb[x] for x in made - default) - dropped
+        cum += own_const + sum(own.values()) + max([0.0] + list(delta.values()))
         big = cum + 1.0
         # a_i >= a_{i-1} + own - big (1 - r_i) - big c_i
-        terms = {a[i]: 1.0, r[i]: -big - own_const, c[i]: big}
-        for v, b in own.items():
-            terms[v] = terms.get(v, 0.0) - b
+        terms = {a[i]: 1.0, r[i]: -big, c[i]: big}
+        for x, b in list(own.items()) + list(delta.items()):
+            terms[x] = terms.get(x, 0.0) - b
         if i > 0:
             terms[a[i - 1]] = -1.0
-        m.row(terms, lo=-big)
+        m.row(terms, lo=own_const - big)
         # a_i >= own (region start)
-        terms = {a[i]: 1.0, r[i]: -own_const}
-        for v, b in own.items():
-            terms[v] = terms.get(v, 0.0) - b
-        m.row(terms, lo=0.0)
+        terms = {a[i]: 1.0, r[i]: -big}
+        for x, b in list(own.items()) + list(delta.items()):
+            terms[x] = terms.get(x, 0.0) - b
+        m.row(terms, lo=own_const - big)
         terms = {a[i]: 1.0, r[i]: acc.fwd_ws[i] / UNIT}
+        for name, vc in options[i].items():
+            terms[v[i][name]] = (vc.bwd_workspace - acc.bwd_ws[i]) / UNIT
         for s in acts:
             if first_holder[s] <= i:
                 terms[h[s]] = terms.get(h[s], 0.0) + nb[s]
@@ -236,10 +288,10 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     starts, indices, values = [], [], []
     for _, _, terms in m.rows:
         starts.append(len(indices))
-        for k, v in terms.items():
-            if v != 0.0:
+        for k, coef in terms.items():
+            if coef != 0.0:
                 indices.append(k)
-                values.append(v)
+                values.append(coef)
     hs.addRows(len(m.rows), lo, hi, len(indices), np.array(starts, dtype=np.int32),
                np.array(indices, dtype=np.int32), np.array(values))
     if start_spans is not None:
@@ -270,5 +322,6 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             start = None
     if start is not None:
         spans.append((start, n - 1))
-    return IlpResult(spans=spans, status=status, mip_gap=float(info.mip_gap), seconds=seconds,
+    chosen = {i: name for i in range(n) for name, x in v[i].items() if sol[x] > 0.5}
+    return IlpResult(spans=spans, status=status, mip_gap=float(info.mip_gap), seconds=seconds, variants=chosen,
                      objective=float(info.objective_function_value) * (UNIT if minimize_peak else 1.0))

@@ -14,7 +14,9 @@ from memfit.solve.legal import legalize
 from memfit.solve.plan import Plan
 from memfit.solve.simulator import _replay
 
-STRATEGIES = ("none", "chen", "checkpoint-all", "memfit")
+STRATEGIES = ("none", "chen", "checkpoint-all", "remat-ilp", "memfit")
+
+Spans = list[tuple[int, int]]
 
 
 class InfeasibleBudgetError(ValueError):
@@ -31,96 +33,135 @@ class InfeasibleBudgetError(ValueError):
             "buffers, optimizer state, inputs). Raise the budget, or lower the batch size.")
 
 
-def _finish(strategy, acc, names, spans, fixed, budget, t0, gap=None) -> Plan:
-    spans = legalize(acc, spans)
-    sim = _replay(acc, spans, fixed)
-    return Plan.from_spans(strategy, names, spans, budget_bytes=budget, fixed_bytes=fixed,
-                           predicted_peak_bytes=sim.peak_bytes, predicted_step_seconds=sim.step_seconds,
-                           solve_seconds=time.perf_counter() - t0, mip_gap=gap)
+def _margin(activation_bytes: int) -> int:
+    """Headroom kept under the budget for what the replay leaves out (allocator rounding, small tensors of
+    the loss and of checkpoint bookkeeping): 1% of plain PyTorch's activation peak plus 64 KiB."""
+    return activation_bytes // 100 + 2**16
 
 
-def _low_memory_candidates(acc: Accounting, graph: Graph, time_limit: float) -> list[list[tuple[int, int]]]:
-    """Region spans of the lowest-memory plans memfit knows: the integer program minimizing the modelled
-    peak, one region per block, Chen's segments and a single region."""
-    cands = [legalize(acc, chen_spans(acc)), legalize(acc, block_spans(graph)), legalize(acc, [(0, acc.n - 1)])]
-    res = solve_regions(acc, 0, time_limit=time_limit, minimize_peak=True)
-    if res.spans is not None:
-        cands.insert(0, legalize(acc, res.spans))
-    return cands
+class _Problem:
+    """One planning problem: the graph, its profile, the fixed bytes and the variants allowed."""
+
+    def __init__(self, strategy: str, graph: Graph, costs: Costs, fixed: int, budget: int | None,
+                 use_variants: bool):
+        self.t0 = time.perf_counter()
+        self.strategy, self.graph, self.costs, self.fixed, self.budget = strategy, graph, costs, fixed, budget
+        self.acc = Accounting.build(graph, costs)
+        self.names = [n.name for n in graph.nodes]
+        self.options = [c.variants for c in costs.nodes] if use_variants else None
+        self.plain = _replay(self.acc, [], fixed)
+        self.margin = _margin(self.plain.peak_bytes - fixed)
+
+    def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None) -> Plan:
+        """Legalize, replay and package a plan."""
+        spans = legalize(self.acc, spans)
+        choice = {self.names[i]: name for i, name in (variants or {}).items()}
+        acc = Accounting.build(self.graph, self.costs.with_variants(choice)) if choice else self.acc
+        sim = _replay(acc, spans, self.fixed)
+        plan = Plan.from_spans(self.strategy, self.names, spans, budget_bytes=self.budget, fixed_bytes=self.fixed,
+                               predicted_peak_bytes=sim.peak_bytes, predicted_step_seconds=sim.step_seconds,
+                               solve_seconds=time.perf_counter() - self.t0, mip_gap=gap)
+        plan.variants.update(choice)
+        return plan
+
+    def low_memory_plans(self, time_limit: float) -> list[Plan]:
+        """The lowest-memory plans memfit knows: the integer program minimizing the modelled peak, one region
+        per block, Chen's segments and a single region."""
+        plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
+                 self.finish([(0, self.acc.n - 1)])]
+        res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True, variants=self.options)
+        if res.spans is not None:
+            plans.insert(0, self.finish(res.spans, variants=res.variants))
+        return plans
+
+    def smallest_feasible(self, time_limit: float) -> int:
+        return min(p.predicted_peak_bytes for p in self.low_memory_plans(time_limit)) + self.margin
 
 
-def smallest_feasible(acc: Accounting, graph: Graph, fixed: int, time_limit: float = 20.0) -> int:
-    """The smallest budget (bytes) for which :func:`make_plan` finds a ``memfit`` plan: the lowest simulated
-    peak among :func:`_low_memory_candidates`, plus the safety margin."""
-    plain = _replay(acc, [], fixed).peak_bytes
-    peaks = [_replay(acc, spans, fixed).peak_bytes for spans in _low_memory_candidates(acc, graph, time_limit)]
-    return min(peaks) + _margin(plain - fixed)
+def smallest_feasible(graph: Graph, costs: Costs, fixed: int, time_limit: float = 20.0,
+                      use_variants: bool = True) -> int:
+    """The smallest budget (bytes) for which :func:`make_plan` finds a ``memfit`` plan (``remat-ilp`` with
+    ``use_variants=False``): the lowest simulated peak among the lowest-memory plans memfit knows, plus the
+    safety margin."""
+    return _Problem("memfit", graph, costs, fixed, None, use_variants).smallest_feasible(time_limit)
 
 
 def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | None = None,
-              fixed_bytes: int | None = None, time_limit: float = 20.0) -> Plan:
+              fixed_bytes: int | None = None, time_limit: float = 20.0, use_variants: bool = True) -> Plan:
     """Make a plan with one strategy.
 
     Args:
         strategy: ``none`` (keep everything), ``chen`` (sqrt(n) segments, Chen et al. 2016),
-            ``checkpoint-all`` (each block its own checkpoint region), or ``memfit`` (the integer program).
+            ``checkpoint-all`` (each block its own checkpoint region), ``remat-ilp`` (the integer program,
+            recomputation only, Checkmate-like) or ``memfit`` (the integer program choosing recomputation
+            and operator variants jointly, MONeT-like).
         graph, costs: the captured graph and its profile.
-        budget_bytes: total-peak budget in bytes (``memfit`` needs it; heuristics only record it).
+        budget_bytes: total-peak budget in bytes (the integer programs need it; heuristics only record it).
         fixed_bytes: fixed bytes (default ``costs.fixed_bytes``; add optimizer state).
         time_limit: solver time limit (seconds).
+        use_variants: let ``memfit`` use operator variants (``False`` makes it ``remat-ilp``).
 
     Returns:
         :class:`Plan` with predicted peak and step time.
 
     Raises:
-        ValueError: unknown strategy, or ``memfit`` without a budget.
-        InfeasibleBudgetError: ``memfit`` found no plan under the budget; names the smallest feasible one.
+        ValueError: unknown strategy, or an integer program without a budget.
+        InfeasibleBudgetError: no plan under the budget; names the smallest feasible one.
     """
-    t0 = time.perf_counter()
-    acc = Accounting.build(graph, costs)
-    names = [n.name for n in graph.nodes]
-    fixed = costs.fixed_bytes if fixed_bytes is None else fixed_bytes
-    if strategy == "none":
-        return _finish(strategy, acc, names, [], fixed, budget_bytes, t0)
-    if strategy == "chen":
-        return _finish(strategy, acc, names, chen_spans(acc), fixed, budget_bytes, t0)
-    if strategy == "checkpoint-all":
-        return _finish(strategy, acc, names, block_spans(graph), fixed, budget_bytes, t0)
-    if strategy != "memfit":
+    if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    fixed = costs.fixed_bytes if fixed_bytes is None else fixed_bytes
+    prob = _Problem(strategy, graph, costs, fixed, budget_bytes, use_variants and strategy == "memfit")
+    if strategy == "none":
+        return prob.finish([])
+    if strategy == "chen":
+        return prob.finish(chen_spans(prob.acc))
+    if strategy == "checkpoint-all":
+        return prob.finish(block_spans(graph))
     if budget_bytes is None:
-        raise ValueError("the memfit strategy needs a budget (bytes or a percentage)")
-    plain = _replay(acc, [], fixed)
-    margin = _margin(plain.peak_bytes - fixed)
+        raise ValueError(f"the {strategy} strategy needs a budget (bytes or a percentage)")
+    return _solve(prob, budget_bytes, time_limit)
+
+
+def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
+    """The integer program, checked by the replay.
+
+    The program is a conservative linearization of the replay: solve, replay, and move the program's budget
+    by the replay's error (down when over the limit, up to use slack), bisecting between the largest program
+    budget that replayed under the limit and the smallest that did not. Near the smallest feasible budget,
+    fall back to the lowest-memory plans, replayed exactly, and take the fastest that fits.
+    """
+    acc, fixed, margin = prob.acc, prob.fixed, prob.margin
     limit = budget_bytes - margin  # what the simulated peak may reach
-    if plain.peak_bytes <= limit:
-        return _finish(strategy, acc, names, [], fixed, budget_bytes, t0, gap=0.0)
-    # The program is a conservative linearization of the replay: solve, replay, and move the program's
-    # budget by the replay's error (down when over the limit, up to use slack), bisecting between the
-    # largest program budget that replayed under the limit and the smallest that did not.
+    if prob.plain.peak_bytes <= limit:
+        return prob.finish([], gap=0.0)
     deadline = time.perf_counter() + time_limit
     best: Plan | None = None
-    for spans in (chen_spans(acc), block_spans(graph)):  # cheap incumbents to start the search from
-        plan = _finish(strategy, acc, names, spans, fixed, budget_bytes, t0)
-        if plan.predicted_peak_bytes <= limit and (best is None or
-                                                   plan.predicted_step_seconds < best.predicted_step_seconds):
+
+    def consider(plan: Plan) -> bool:
+        nonlocal best
+        fits = plan.predicted_peak_bytes <= limit
+        if fits and (best is None or plan.predicted_step_seconds < best.predicted_step_seconds):
             best = plan
+        return fits
+
+    for spans in (chen_spans(acc), block_spans(prob.graph)):  # cheap incumbents to start the search from
+        consider(prob.finish(spans))
     target, ok_target, bad_target = limit - fixed, None, None
+    plan: Plan | None = None
     for _ in range(8):
         remaining = deadline - time.perf_counter()
         if target <= 0 or remaining <= 0.5:
             break
-        res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2),
-                            start_spans=best.region_spans() if best is not None else None)
+        res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2), variants=prob.options,
+                            start_spans=best.region_spans() if best is not None and not prob.options else None)
         if res.spans is None:
             if "nfeasible" not in res.status:
                 break  # out of time without a solution: keep what we have
             bad_target = target
         else:
-            plan = _finish(strategy, acc, names, res.spans, fixed, budget_bytes, t0, gap=res.mip_gap)
-            if plan.predicted_peak_bytes <= limit:
-                if best is None or plan.predicted_step_seconds < best.predicted_step_seconds:
-                    best = plan
+            plan = prob.finish(res.spans, gap=res.mip_gap, variants=res.variants)
+            if consider(plan):
                 ok_target = target
                 if limit - plan.predicted_peak_bytes <= margin // 2:
                     break
@@ -136,20 +177,9 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
         else:
             target = (ok_target + bad_target) // 2
     if best is None:
-        # near the smallest feasible budget the conservative program may find nothing: fall back to the
-        # lowest-memory plans, replayed exactly, and take the fastest that fits
-        fits = []
-        for spans in _low_memory_candidates(acc, graph, max(1.0, deadline - time.perf_counter())):
-            plan = _finish(strategy, acc, names, spans, fixed, budget_bytes, t0)
-            fits += [plan] if plan.predicted_peak_bytes <= limit else []
-        best = min(fits, key=lambda p: p.predicted_step_seconds, default=None)
+        for low in prob.low_memory_plans(max(1.0, deadline - time.perf_counter())):
+            consider(low)
     if best is not None:
-        best.solve_seconds = time.perf_counter() - t0
+        best.solve_seconds = time.perf_counter() - prob.t0
         return best
-    raise InfeasibleBudgetError(budget_bytes, smallest_feasible(acc, graph, fixed, time_limit), fixed)
-
-
-def _margin(activation_bytes: int) -> int:
-    """Headroom kept under the budget for what the replay leaves out (allocator rounding, small tensors of
-    the loss and of checkpoint bookkeeping): 1% of plain PyTorch's activation peak plus 64 KiB."""
-    return activation_bytes // 100 + 2**16
+    raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit), fixed)
