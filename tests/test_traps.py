@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import memfit
 from memfit import zoo
@@ -82,3 +83,52 @@ def test_bn_statistics_updated_once_per_step(setup):
     assert int(planned.gm.bn1.num_batches_tracked) == 2
     for (k, a), (_, b) in zip(plain.named_buffers(), planned.gm.named_buffers()):
         assert torch.allclose(a.float(), b.float(), atol=1e-6), k
+
+
+class BareParameter(nn.Module):
+    """Reads a bare nn.Parameter in forward (like a ViT class token or a learned scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))
+
+    def forward(self, x):
+        return self.fc(x * self.scale).relu()
+
+
+@pytest.mark.parametrize("strategy", ["chen", "memfit"])
+def test_bare_parameter_in_forward(strategy):
+    torch.manual_seed(0)
+    model, x = BareParameter().train(), torch.randn(32, 64)
+    plain = fresh_copy(model)
+    planned = memfit.optimize(fresh_copy(model), x, budget="min", strategy=strategy)
+    for m in (plain, planned):
+        m(x).square().sum().backward()
+    _same(_grads(plain), _grads(planned))
+
+
+def test_state_dict_keys_are_the_models(setup):
+    model, images, _ = setup
+    planned = _planned(model, images)
+    assert list(planned.state_dict()) == list(model.state_dict())
+    planned.load_state_dict(model.state_dict())
+    model.load_state_dict(planned.state_dict())
+
+
+def test_plan_for_other_shapes_is_refused_and_warned(setup, tmp_path):
+    model, images, _ = setup
+    planned = _planned(model, images)
+    planned.plan.save(tmp_path / "p.json")
+    other = torch.randn(2, 3, 64, 64)
+    with pytest.raises(ValueError, match="made for inputs of shape"):
+        memfit.optimize(fresh_copy(model), other, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    with pytest.warns(UserWarning, match="planned memory figures do not hold"):
+        planned(other)
+
+
+def test_opaque_torch_nn_blocks_are_named():
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
+    model = nn.Sequential(nn.Linear(16, 32), enc, nn.Linear(32, 4)).train()
+    with pytest.warns(UserWarning, match=r"1 \(TransformerEncoder\) as single operations"):
+        memfit.optimize(model, torch.randn(4, 8, 16), budget="min", strategy="chen")

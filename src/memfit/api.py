@@ -34,6 +34,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
     return 0
 
 
+def _shapes(inputs: tuple) -> list[list[int]]:
+    return [list(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
+
+
 def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
@@ -81,6 +85,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     budget_bytes = budget.resolve(plain.predicted_peak_bytes, lowest or plain.predicted_peak_bytes)
     result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit,
                        use_variants=variants)
+    result.input_shapes = _shapes(inputs)
     return result, captured, costs
 
 
@@ -115,6 +120,10 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     """
     del loss_fn
     if plan_ is not None:
+        shapes = _shapes(_as_tuple(example_inputs))
+        if plan_.input_shapes and shapes != plan_.input_shapes:
+            raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
+                             "memory figures would not hold; make a new plan for these shapes")
         captured = capture(model)
         return PlannedModule(captured, plan_, report=_report(plan_))
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,

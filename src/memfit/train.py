@@ -22,7 +22,8 @@ def train_side_by_side(args) -> int:
     Returns the process exit status: 0 when every step's loss matches within 1e-4 (relative), 1 otherwise.
     """
     console = Console()
-    batch, size = args.batch or 32, args.image_size or 32
+    batch = 32 if args.batch is None else args.batch
+    size = 32 if args.image_size is None else args.image_size
     dataset = load_dataset(args.data, size)
     classes = num_classes(dataset)
     device = torch.device(args.device)
@@ -40,7 +41,7 @@ def train_side_by_side(args) -> int:
     loss_fn = zoo.loss_for(args.model)
     console.print(f"{args.model} on {args.data} ({len(dataset)} images, {classes} classes, {size}x{size}), "
                   f"batch {batch}: plan {plan.strategy}, predicted peak {fmt_bytes(plan.predicted_peak_bytes)}"
-                  f" (budget {fmt_bytes(plan.budget_bytes)}), {len(plan.regions)} checkpoint regions")
+                  f" (budget {fmt_bytes(plan.budget_bytes)}), {len(plan.regions)} checkpoint region(s)")
     curve: list[tuple[int, float, float]] = []
     columns = (TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.4f} (plain {task.fields[plain]:.4f})"),
@@ -61,10 +62,12 @@ def train_side_by_side(args) -> int:
                     losses.append(float(loss.detach()))
                 curve.append((len(curve), losses[0], losses[1]))
                 progress.update(task, advance=1, loss=losses[0], plain=losses[1])
-    table = Table(title="loss curve (every tenth step)")
+    every = max(1, len(curve) // 10)
+    table = Table(title=f"loss curve (every {every} step{'s' if every > 1 else ''}, and the last)")
     for col in ("step", "memfit", "plain PyTorch", "abs diff"):
         table.add_column(col, justify="right")
-    for step, a, b in curve[:: max(1, len(curve) // 10)] + curve[-1:]:
+    shown = curve[::every] + ([curve[-1]] if (len(curve) - 1) % every else [])
+    for step, a, b in shown:
         table.add_row(str(step), f"{a:.5f}", f"{b:.5f}", f"{abs(a - b):.1e}")
     console.print(table)
     worst = max(abs(a - b) / max(abs(b), 1e-8) for _, a, b in curve)

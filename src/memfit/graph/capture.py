@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +18,12 @@ class TraceError(RuntimeError):
 
 @dataclass
 class Captured:
-    """A traced model: the fx ``GraphModule`` (sharing parameters and buffers with the user's model)
-    and its plain-data :class:`Graph`."""
+    """A traced model: the fx ``GraphModule`` (sharing parameters and buffers with the user's model),
+    its plain-data :class:`Graph`, and the model itself."""
 
     gm: fx.GraphModule
     graph: Graph
+    model: nn.Module | None = None
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -93,4 +95,18 @@ def capture(model: nn.Module) -> Captured:
                 mtype = type(gm.get_submodule(n.target)).__name__
             nodes.append(Node(name=n.name, op=n.op, target=_target_name(n),
                               inputs=[a.name for a in n.all_input_nodes], block=_block(n), module_type=mtype))
-    return Captured(gm=gm, graph=Graph(nodes=nodes, inputs=inputs, outputs=outputs))
+    _warn_opaque(gm)
+    return Captured(gm=gm, graph=Graph(nodes=nodes, inputs=inputs, outputs=outputs), model=model)
+
+
+def _warn_opaque(gm: fx.GraphModule) -> None:
+    """Warn about torch.nn modules with submodules that fx keeps as one node (it does not trace into
+    ``torch.nn``): memfit can keep or recompute what they save only as a whole."""
+    opaque = sorted({f"{n.target} ({type(gm.get_submodule(n.target)).__name__})" for n in gm.graph.nodes
+                     if n.op == "call_module" and any(True for _ in gm.get_submodule(n.target).children())})
+    if opaque:
+        warnings.warn(
+            f"memfit sees {', '.join(opaque[:5])}{' ...' if len(opaque) > 5 else ''} as single operations "
+            "(torch.fx does not trace into torch.nn modules): what they save for backward can only be kept "
+            "or recomputed as a whole. For finer plans, write such blocks from their parts (Linear, "
+            "LayerNorm, ...) in your own module.", stacklevel=3)

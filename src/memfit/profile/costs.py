@@ -406,7 +406,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 if not cpu:
                     record.fwd_workspace = max(0, part.peak_bytes - part.net_bytes)
                 outs = [t for t in outs if t.requires_grad]
-                if not outs:
+                if not outs or not (leaves or params):  # e.g. a get_attr of a parameter: nothing to do
                     continue
                 seeds = [torch.ones_like(t) for t in outs]
                 part = tracker.mark(f"{label}:b") if cpu else MemoryTracker(device)
@@ -443,7 +443,7 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
                 return fn(make_env(clone=clone)[0])
 
             record.fwd_seconds = _median_seconds(forward, device, repeats)
-            if not any(t.requires_grad for t in tensors_in(forward())):
+            if not any(t.requires_grad for t in tensors_in(forward())) or not (params or make_env()[1]):
                 continue
 
             def backward(fn=fn, make_env=make_env, params=params, clone=clone):

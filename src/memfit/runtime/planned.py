@@ -8,6 +8,7 @@ module holds no more than plain PyTorch would.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +63,9 @@ class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
     It shares parameters and buffers with the model it was traced from (``planned.parameters()`` are the
-    model's own tensors), so any optimizer built on either trains both. Gradients and BatchNorm running
+    model's own tensors, under the same ``state_dict()`` keys), so any optimizer built on either trains
+    both, and checkpoints load into either. To save, save ``state_dict()`` (the module itself holds
+    closures and does not pickle). Gradients and BatchNorm running
     statistics are the same as plain PyTorch's: BatchNorm buffers touched by a recomputation are restored
     to their value from the forward pass.
 
@@ -74,9 +77,19 @@ class PlannedModule(nn.Module):
 
     def __init__(self, captured: Captured, plan: Plan, report: dict | None = None):
         super().__init__()
-        self.gm = captured.gm
+        # the traced GraphModule runs the step but is not registered: the planned module registers the
+        # model's own children, parameters and buffers instead, so state_dict() keys are the model's
+        self.__dict__["gm"] = captured.gm
+        root = captured.model if captured.model is not None else captured.gm
+        for name, child in root.named_children():
+            self.add_module(name, child)
+        for name, p in root.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in root.named_buffers(recurse=False):
+            self.register_buffer(name, b)
         self.plan = plan
         self.report = report
+        self._warned_shapes = False
         self._build()
 
     def _build(self) -> None:
@@ -154,6 +167,13 @@ class PlannedModule(nn.Module):
         if len(args) != len(self._placeholders):
             raise TypeError(f"expected {len(self._placeholders)} positional inputs "
                             f"({', '.join(self._placeholders)}), got {len(args)}")
+        if self.plan.input_shapes and not self._warned_shapes:
+            shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            if shapes != self.plan.input_shapes:
+                self._warned_shapes = True
+                warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
+                              f"called with {shapes}; results are correct but the planned memory figures do "
+                              "not hold. Make a plan for these shapes.", stacklevel=2)
         env: dict[str, Any] = dict(zip(self._placeholders, args))
         for kind, a, b, frees in self._steps:
             if kind == "node":

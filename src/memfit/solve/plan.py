@@ -35,6 +35,7 @@ class Plan:
         predicted_step_seconds: simulated step time (seconds).
         solve_seconds: wall time the solver took.
         mip_gap: relative optimality gap of the integer program, ``None`` for heuristics.
+        input_shapes: shapes of the example inputs the plan was made for (its figures hold for those).
     """
 
     strategy: str
@@ -48,6 +49,7 @@ class Plan:
     predicted_step_seconds: float = 0.0
     solve_seconds: float = 0.0
     mip_gap: float | None = None
+    input_shapes: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.decisions:
