@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Issue 2's benchmark: every zoo model at its CPU default size (about a second a step), one thread.
-# Writes runs/recompute_<model>.{json,log}. Takes about an hour on a 2-core machine.
+# Issues 2 and 3's CPU benchmark: every zoo model at its CPU default size (about a second a step; ResNet-50
+# at batch 16, 128x128 as in issue 2), one thread; strategies chen, checkpoint-all, remat-ilp (recompute
+# only) and memfit (recompute + operator variants). Writes runs/recompute_<model>.{json,log}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
-for m in resnet50 vgg16 mobilenet_v2 googlenet unet resnet18; do
-  extra=""
-  [ "$m" = resnet50 ] && extra="--batch 16 --image-size 128"
-  OMP_WAIT_POLICY=PASSIVE python benchmarks/recompute_sweep.py --model "$m" $extra \
-      --out "runs/recompute_$m.json" 2>&1 | grep -v -E "USDT|gpuGetDeviceCount" | tee "runs/recompute_$m.log"
-done
+run() {
+  local m=$1; shift
+  OMP_WAIT_POLICY=PASSIVE python benchmarks/recompute_sweep.py --model "$m" "$@" \
+      --strategies chen,checkpoint-all,remat-ilp,memfit --steps 4 \
+      --out "runs/recompute_$m.json" 2>&1 | grep -v -E "USDT|gpuGetDeviceCount" > "runs/recompute_$m.log"
+}
+run resnet50 --batch 16 --image-size 128 --fractions 0.5,0.4,0.33
+for m in mobilenet_v2 googlenet unet vgg16; do run "$m" --fractions 0.5,0.33; done
