@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memfit.profile.timing import median_seconds, sync
 from memfit.profile.tracker import MemoryTracker, live_bytes
 
 
@@ -42,11 +43,6 @@ class StepFigures:
     grads: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     losses: list[float]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn: Callable,
@@ -96,17 +92,11 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
                        + ([target] if isinstance(target, torch.Tensor) else []))
     with MemoryTracker(device) as tracker:
         step()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    step_seconds = median_seconds(step, device, steps)
     grads = {n: p.grad.detach().clone() for n, p in params_of.named_parameters() if p.grad is not None}
     buffers = {n: b.detach().clone() for n, b in params_of.named_buffers()}
     return StepFigures(peak_bytes=fixed + tracker.peak_bytes, fixed_bytes=fixed,
-                       activation_peak_bytes=tracker.peak_bytes, step_seconds=statistics.median(times),
+                       activation_peak_bytes=tracker.peak_bytes, step_seconds=step_seconds,
                        grads=grads, buffers=buffers, losses=losses)
 
 
@@ -129,14 +119,14 @@ def interleaved_step_seconds(setups: list[tuple[nn.Module, nn.Module]], inputs: 
     times: list[list[float]] = [[] for _ in setups]
     for r in range(rounds + 1):
         for k, ((module, _), opt) in enumerate(zip(setups, opts)):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=False)
             loss = loss_fn(module(*inputs), target)
             loss.backward()
             opt.step()
             del loss
-            _sync(device)
+            sync(device)
             if r:
                 times[k].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]

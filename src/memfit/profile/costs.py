@@ -8,8 +8,6 @@ nodes are counted once (DESIGN.md, "What memory means").
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -17,6 +15,7 @@ from torch import fx, nn
 
 from memfit.graph.calls import compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
+from memfit.profile.timing import median_seconds
 from memfit.profile.tracker import MemoryTracker
 
 
@@ -162,22 +161,6 @@ class Costs:
     def step_seconds(self) -> float:
         """Sum of the nodes' forward and backward times: the modelled time of one plain training step."""
         return sum(n.fwd_seconds + n.bwd_seconds for n in self.nodes)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -442,7 +425,7 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
             def forward(fn=fn, make_env=make_env, clone=clone):
                 return fn(make_env(clone=clone)[0])
 
-            record.fwd_seconds = _median_seconds(forward, device, repeats)
+            record.fwd_seconds = median_seconds(forward, device, repeats)
             if not any(t.requires_grad for t in tensors_in(forward())) or not (params or make_env()[1]):
                 continue
 
@@ -452,4 +435,4 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
                 torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs],
                                     allow_unused=True)
 
-            record.bwd_seconds = max(0.0, _median_seconds(backward, device, repeats) - record.fwd_seconds)
+            record.bwd_seconds = max(0.0, median_seconds(backward, device, repeats) - record.fwd_seconds)
