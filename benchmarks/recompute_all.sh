@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 run() {
   local m=$1; shift
-  OMP_WAIT_POLICY=PASSIVE python benchmarks/recompute_sweep.py --model "$m" "$@" \
+  OMP_WAIT_POLICY=PASSIVE "${PYTHON:-python}" benchmarks/recompute_sweep.py --model "$m" "$@" \
       --strategies chen,checkpoint-all,remat-ilp,memfit --steps 4 \
       --out "runs/recompute_$m.json" 2>&1 | grep -v -E "USDT|gpuGetDeviceCount" > "runs/recompute_$m.log"
 }
