@@ -21,8 +21,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     from memfit.solve.strategies import STRATEGIES
 
     p.add_argument("--model", default="resnet18", choices=zoo.MODELS, help="model from the zoo")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default: the model's CPU default)")
-    p.add_argument("--image-size", type=int, default=None, help="image side in pixels")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size (default: the model's CPU default)")
+    p.add_argument("--image-size", type=_positive, default=None, help="image side in pixels")
     p.add_argument("--budget", default="min", help="total peak budget: '2GiB', '512MB', bytes, '40%%' of "
                    "the plain PyTorch total peak (fixed bytes included), or 'min' for the least memory memfit "
                    "can reach (default)")
@@ -35,11 +35,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def _sizes(args) -> tuple[int, int]:
     from memfit import zoo
 
     batch, size = zoo.default_size(args.model)
-    return args.batch or batch, args.image_size or size
+    return (batch if args.batch is None else args.batch), (size if args.image_size is None else args.image_size)
 
 
 def _report_table(r: dict) -> Table:
@@ -103,7 +114,7 @@ def cmd_plan(args) -> int:
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
                     f"{fmt_bytes(result.predicted_peak_bytes)} (fixed {fmt_bytes(result.fixed_bytes)}), "
                     f"step {result.predicted_step_seconds:.3f} s; keep {c['keep']}, recompute {c['recompute']};"
-                    f" {len(result.regions)} checkpoint regions; wrote {args.out}")
+                    f" {len(result.regions)} checkpoint region(s); wrote {args.out}")
     return 0
 
 
@@ -202,8 +213,8 @@ def _add_bench_commands(sub) -> None:
                        "peak as in `memfit run --budget`: a budget f becomes the total-peak bound fixed bytes "
                        "+ f x plain activation peak. Writes results.json, results.csv and pareto.png to --out.")
     p.add_argument("--model", default="resnet50", choices=zoo.MODELS, help="model from the zoo")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default: the model's CPU default)")
-    p.add_argument("--image-size", type=int, default=None, help="image side in pixels")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size (default: the model's CPU default)")
+    p.add_argument("--image-size", type=_positive, default=None, help="image side in pixels")
     p.add_argument("--budgets", default="100%,70%,50%,40%,33%,25%",
                    help="percentages of plain PyTorch's ACTIVATION peak (total = fixed + %% x activation peak)")
     p.add_argument("--strategies", default=",".join(BENCH_STRATEGIES),
@@ -213,7 +224,7 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--inductor", action="store_true",
                    help="also run torch-budget with torch.compile's inductor backend (minutes of compiling)")
     p.add_argument("--out", default=None, help="output folder (default bench-MODEL-bBATCH-SIZEpx)")
-    p.add_argument("--steps", type=int, default=3, help="timed rounds per row, interleaved with plain PyTorch")
+    p.add_argument("--steps", type=_positive, default=3, help="timed rounds per row, interleaved with plain PyTorch")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
@@ -222,12 +233,12 @@ def _add_bench_commands(sub) -> None:
     p = sub.add_parser("max-batch", help="the largest batch each strategy trains within a total-peak budget, "
                        "found by measuring")
     p.add_argument("--model", default="resnet50", choices=zoo.MODELS, help="model from the zoo")
-    p.add_argument("--image-size", type=int, default=None, help="image side in pixels")
+    p.add_argument("--image-size", type=_positive, default=None, help="image side in pixels")
     p.add_argument("--budget", default=None, help="total peak bound in bytes: '2GiB', '512MB', 1000000")
     p.add_argument("--budget-from-batch", type=int, default=None, metavar="N",
                    help="instead of --budget: plain PyTorch's measured total peak at batch N")
     p.add_argument("--strategies", default=",".join(MAXBATCH_STRATEGIES),
-                   help="comma-separated: none, chen, checkpoint-all, memfit, torch-budget[:K] (plain PyTorch "
+                   help="comma-separated: none, chen, checkpoint-all, remat-ilp, memfit, torch-budget[:K] (plain PyTorch "
                    "is always measured as the reference)")
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
     p.add_argument("--start-batch", type=int, default=1, help="first batch probed")
@@ -247,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="measure plain PyTorch, solve, train with the plan, compare")
     _common(p)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per setup (interleaved with plain)")
+    p.add_argument("--steps", type=_positive, default=5, help="timed steps per setup (interleaved with plain)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="solve only and save the plan as JSON")
@@ -257,11 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
     _common(p)
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=_positive, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "device", "cpu") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available on this machine (use --device cpu)")
+    for flag in ("json", "out") if args.command == "plan" else ("json",):
+        path = getattr(args, flag, None)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
     import torch
 
     if args.threads:

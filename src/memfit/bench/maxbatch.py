@@ -1,0 +1,256 @@
+"""``memfit max-batch``: the largest batch each strategy trains within a total-peak budget, by measuring.
+
+For each strategy the batch size is searched exponentially (start, 2x start, 4x start, ... until a probe
+does not fit) and then by bisection between the largest batch that fit and the smallest that did not.
+Each probe builds the batch, plans (memfit strategies profile the model at that batch; for ``memfit`` the
+plan must fit the budget, and :class:`~memfit.InfeasibleBudgetError` means the batch is too big), runs one
+training step under :func:`~memfit.bench.harness.measure_training` (the same harness as ``memfit run`` and
+``memfit bench``: 3 SGD steps, the second tracked) and checks that the measured total peak is within the
+budget. The search assumes that a batch that does not fit is followed by no batch that does.
+
+Strategies: ``plain`` (plain PyTorch, the reference; always measured), ``none``, ``chen``,
+``checkpoint-all``, ``remat-ilp``, ``memfit``, and ``torch-budget`` or ``torch-budget:K``
+(``torch.compile`` with ``activation_memory_budget = K``, 0.0 by default -- the knob's least-memory end;
+backend ``aot_eager_decomp_partition``, or ``inductor`` with ``--inductor``).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from memfit.api import optimizer_state_bytes
+from memfit.bench import peers
+from memfit.bench.harness import fresh_copy, measure_training
+from memfit.bench.sweep import Workload, zoo_workload
+from memfit.budget import fmt_bytes
+from memfit.graph.capture import TraceError, capture
+from memfit.profile.costs import profile_graph
+from memfit.runtime.planned import PlannedModule
+from memfit.solve.strategies import STRATEGIES, InfeasibleBudgetError, make_plan
+
+#: strategies measured by default (``plain`` is always measured first, as the reference).
+MAXBATCH_STRATEGIES = ("chen", "checkpoint-all", "memfit")
+
+
+@dataclass
+class Probe:
+    """One measured batch size.
+
+    Attributes:
+        batch: the batch size.
+        fits: the plan (if any) fits and the measured total peak is within the budget.
+        peak_bytes, fixed_bytes, activation_peak_bytes: measured (``None`` if not measured).
+        predicted_peak_bytes: the plan's prediction (memfit strategies).
+        reason: why it does not fit (``None`` when it fits).
+        seconds: wall time of the probe.
+    """
+
+    batch: int
+    fits: bool
+    peak_bytes: int | None = None
+    fixed_bytes: int | None = None
+    activation_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    reason: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class SearchResult:
+    """The answer for one strategy: ``max_batch`` fits (0: not even the first probe), ``next_batch`` (the
+    smallest batch probed that does not fit; ``None`` if the search stopped at ``limit``), and every probe
+    in the order made."""
+
+    strategy: str
+    backend: str
+    max_batch: int
+    next_batch: int | None
+    probes: list[Probe] = field(default_factory=list)
+
+    def probe(self, batch: int | None) -> Probe | None:
+        return next((p for p in self.probes if p.batch == batch), None)
+
+    def to_dict(self) -> dict:
+        best, nxt = self.probe(self.max_batch), self.probe(self.next_batch)
+        return {"strategy": self.strategy, "backend": self.backend, "max_batch": self.max_batch,
+                "peak_bytes": best.peak_bytes if best else None,
+                "activation_peak_bytes": best.activation_peak_bytes if best else None,
+                "next_batch": self.next_batch, "next_peak_bytes": nxt.peak_bytes if nxt else None,
+                "next_reason": nxt.reason if nxt else None, "probes": [asdict(p) for p in self.probes]}
+
+
+def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 4096) -> tuple[int, int | None]:
+    """Exponential search, then bisection, for the largest ``b`` in ``[1, limit]`` with ``fits(b)``.
+
+    Returns:
+        ``(largest fitting batch or 0, smallest probed batch that did not fit or None)``.
+    """
+    start = max(1, min(start, limit))
+    lo, hi = 0, None
+    if fits(start):
+        lo = start
+        while hi is None and lo < limit:
+            b = min(2 * lo, limit)
+            if fits(b):
+                lo = b
+            else:
+                hi = b
+    else:
+        hi = start
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def parse_strategy(name: str) -> tuple[str, float | None]:
+    """``"torch-budget:0.3"`` -> ``("torch-budget", 0.3)``; ``"torch-budget"`` -> knob 0.0; others -> None."""
+    base, _, knob = name.partition(":")
+    if base == "torch-budget":
+        return base, float(knob) if knob else 0.0
+    if knob or base not in ("plain", *STRATEGIES):
+        raise ValueError(f"unknown max-batch strategy {name!r}; choose from plain, {', '.join(STRATEGIES)}, "
+                         "torch-budget[:K]")
+    return base, None
+
+
+def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: str = peers.AOT_EAGER,
+                time_limit: float = 20.0, seed: int = 0, profile_repeats: int = 1) -> Probe:
+    """Plan and measure one training step of ``work`` with ``strategy``; does it fit ``budget_bytes``?
+
+    ``profile_repeats`` is the timing repetitions of the profile behind memfit's plans (memory, which
+    decides feasibility, is measured exactly either way).
+    """
+    t0 = time.perf_counter()
+    base, knob = parse_strategy(strategy)
+    b = work.batch_size
+    predicted = None
+    try:
+        if base == "plain":
+            m = fresh_copy(work.model)
+            figures = measure_training(m, m, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+        elif base == "torch-budget":
+            figures = peers.measure_torch_budget(work.model, work.inputs, work.target, work.loss_fn, knob,
+                                                 backend, steps=1, seed=seed, time_it=False).figures
+        else:
+            m = fresh_copy(work.model)
+            captured = capture(m)
+            costs = profile_graph(captured, work.inputs, repeats=profile_repeats,
+                                  with_variants=base == "memfit")
+            opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+            fixed = costs.fixed_bytes + optimizer_state_bytes(opt, list(m.parameters()))
+            del opt
+            try:
+                plan = make_plan(base, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
+                                 time_limit=time_limit)
+            except InfeasibleBudgetError as exc:
+                return Probe(b, False, reason=f"infeasible: smallest feasible budget "
+                             f"{fmt_bytes(exc.smallest_feasible_bytes)}",
+                             seconds=time.perf_counter() - t0)
+            predicted = plan.predicted_peak_bytes
+            pm = PlannedModule(capture(fresh_copy(work.model)), plan)
+            figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+    except TraceError:
+        raise
+    except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refusing one value per channel at batch 1
+        return Probe(b, False, reason=f"{type(exc).__name__}: {str(exc)[:300]}",
+                     seconds=time.perf_counter() - t0)
+    finally:
+        gc.collect()
+    fits = figures.peak_bytes <= budget_bytes
+    return Probe(b, fits, figures.peak_bytes, figures.fixed_bytes, figures.activation_peak_bytes, predicted,
+                 None if fits else f"measured peak {fmt_bytes(figures.peak_bytes)} > budget "
+                 f"{fmt_bytes(budget_bytes)}", time.perf_counter() - t0)
+
+
+def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategies=MAXBATCH_STRATEGIES, *,
+              start: int = 1, limit: int = 4096, backend: str = peers.AOT_EAGER, time_limit: float = 20.0,
+              seed: int = 0, profile_repeats: int = 1,
+              progress: Callable[[str], None] | None = None) -> list[SearchResult]:
+    """The largest batch each strategy trains within ``budget_bytes`` (total peak), plain PyTorch first.
+
+    Args:
+        make_work: ``batch -> Workload`` (same model weights for every batch).
+        budget_bytes: total-peak bound (bytes).
+        strategies: see the module docstring; ``plain`` is added first if missing.
+        start: first batch probed; limit: largest batch probed.
+        backend: ``torch.compile`` backend of ``torch-budget``.
+        time_limit: solver time limit per plan (seconds).
+        seed: RNG seed.
+        profile_repeats: see :func:`probe_batch`.
+        progress: called with a description before each probe.
+
+    Returns:
+        One :class:`SearchResult` per strategy.
+    """
+    names = list(strategies)
+    if "plain" not in names:
+        names.insert(0, "plain")
+    for n in names:
+        parse_strategy(n)
+    results = []
+    for name in names:
+        probes: list[Probe] = []
+
+        def fits(b: int, name=name, probes=probes) -> bool:
+            if progress:
+                progress(f"{name}: batch {b}")
+            p = probe_batch(make_work(b), name, budget_bytes, backend=backend, time_limit=time_limit,
+                            seed=seed, profile_repeats=profile_repeats)
+            probes.append(p)
+            return p.fits
+
+        lo, hi = largest_fitting(fits, start, limit)
+        be = backend if name.startswith("torch-budget") else "eager"
+        results.append(SearchResult(name, be, lo, hi, probes))
+    return results
+
+
+def zoo_max_batch(model: str, image_size: int, budget_bytes: int, strategies=MAXBATCH_STRATEGIES,
+                  device: str = "cpu", seed: int = 0, **kw) -> list[SearchResult]:
+    """:func:`max_batch` for a zoo model (the same weights at every batch)."""
+    from memfit import zoo
+
+    model_obj = zoo.build_model(model, seed=seed).to(device).train()
+
+    def make_work(b: int) -> Workload:
+        images, target = zoo.example_batch(model, b, image_size, device=device, seed=seed)
+        return Workload(model, model_obj, (images,), target, zoo.loss_for(model))
+
+    return max_batch(make_work, budget_bytes, strategies, seed=seed, **kw)
+
+
+def plain_peak_bytes(model: str, batch: int, image_size: int, device: str = "cpu", seed: int = 0) -> int:
+    """Measured total peak of plain PyTorch at ``batch`` (for ``--budget-from-batch``)."""
+    from memfit.bench.job import measure_plain
+
+    w = zoo_workload(model, batch, image_size, device, seed)
+    return measure_plain(w.model, w.inputs, w.target, w.loss_fn, seed).peak_bytes
+
+
+def max_batch_table(results: list[SearchResult], budget_bytes: int, title: str = ""):
+    """A rich table: per strategy the max batch, its measured peak, the next probe and why it failed."""
+    from rich.table import Table
+
+    t = Table(title=title or f"max batch within {fmt_bytes(budget_bytes)} (measured total peak)")
+    for col in ("strategy", "backend", "max batch", "vs plain", "total peak", "act. peak", "next", "why not",
+                "probes", "time"):
+        t.add_column(col, justify="left" if col in ("strategy", "backend", "why not") else "right")
+    plain = next((r.max_batch for r in results if r.strategy == "plain"), None)
+    for r in results:
+        best, nxt = r.probe(r.max_batch), r.probe(r.next_batch)
+        t.add_row(r.strategy, r.backend, str(r.max_batch),
+                  f"{r.max_batch / plain:.2f}x" if plain else "",
+                  fmt_bytes(best.peak_bytes) if best else "",
+                  fmt_bytes(best.activation_peak_bytes) if best else "",
+                  "" if r.next_batch is None else str(r.next_batch), (nxt.reason or "") if nxt else "limit",
+                  str(len(r.probes)), f"{sum(p.seconds for p in r.probes):.0f} s")
+    return t

@@ -1,0 +1,490 @@
+"""``memfit bench``: every strategy at every budget, and the peers, measured side by side in one process.
+
+Budgets here are fractions of plain PyTorch's measured **activation** peak (not of the total peak, as in
+``memfit run --budget 40%``): a fraction ``f`` becomes the total-peak bound
+``fixed bytes + f * plain activation peak`` (bytes), which is what memfit's planner takes.
+
+The model is profiled once per sweep; each strategy and budget is then only solved
+(:func:`memfit.solve.strategies.make_plan`) and measured: memory and gradients with
+:func:`~memfit.bench.harness.measure_training` (3 steps from the same initial weights as plain PyTorch),
+time with :func:`~memfit.bench.harness.interleaved_step_seconds` against a fresh plain copy, so that
+``overhead`` is a ratio of medians measured at the same time.
+
+Each row of the result is the ``memfit run --json`` report (README) with these keys added:
+
+* ``budget_fraction``: the fraction of plain PyTorch's activation peak the row was asked to fit
+  (``null`` for strategies that do not read a budget: ``none``, ``chen``, ``checkpoint-all``, measured
+  once, and for the one row of a peer that cannot run here); for ``torch-budget`` rows it is the value
+  of ``activation_memory_budget`` (PyTorch's own knob, a fraction of the activations its default
+  partitioner saves) and ``budget_bytes`` is ``null``.
+* ``backend``: ``eager`` (memfit's runtime: ``torch.utils.checkpoint`` regions),
+  ``aot_eager_decomp_partition`` or ``inductor`` (``torch.compile`` backends of ``torch-budget``),
+  ``rockmate``.
+* ``error``: ``null``, or why the row has no measurement (e.g. an infeasible budget; then
+  ``smallest_feasible_bytes`` and ``smallest_feasible_fraction`` say what would fit).
+* ``under_budget``: measured total peak <= ``budget_bytes`` (``null`` without a byte budget).
+* ``grad_tolerance``: the absolute tolerance ``gradients_match`` used: 1e-5 for memfit's runtime (as
+  ``memfit run``), 1e-4 for compiled code; ``max_rel_grad_diff`` is the largest difference relative to the
+  largest plain gradient.
+* ``profile_seconds``: the one profile of the sweep (``profile_and_solve_seconds`` is it plus the solve);
+  for ``torch-budget`` the solve is the compilation (first forward and backward), for ``rockmate`` its
+  constructor.
+* ``compiled_graphs``: graphs dynamo made (``torch-budget`` only; 1 = no graph break).
+* ``one_step_grad_check`` (``torch-budget`` only): the gradients of ONE step from the initial weights
+  against plain PyTorch's in float32 and float64 (:func:`memfit.bench.peers.one_step_check`):
+  ``within_float32_noise`` says the compiled gradients are as close to float64 as plain float32's are
+  (within 2x). The 3-step comparison above (``gradients_match``) cannot hold to 1e-4 on deep models at
+  random initialisation, where float32 rounding alone moves gradients by more than that (ResNet-50 at
+  batch 8, 128 px: about 0.3 after one step) and 3 SGD steps amplify it further.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.api import optimizer_state_bytes
+from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
+from memfit.bench.job import measure_plain
+from memfit.budget import fmt_bytes
+from memfit.graph.capture import capture
+from memfit.profile.costs import profile_graph
+from memfit.runtime.planned import PlannedModule
+from memfit.solve.strategies import STRATEGIES, InfeasibleBudgetError, make_plan
+
+from . import peers
+
+#: activation-peak fractions measured by default (``--budgets 100%,70%,50%,40%,33%,25%``).
+BUDGETS = (1.0, 0.7, 0.5, 0.4, 0.33, 0.25)
+#: strategies measured by default.
+BENCH_STRATEGIES = ("none", "chen", "checkpoint-all", "memfit", "torch-budget")
+#: every name ``--strategies`` accepts.
+ALL_STRATEGIES = (*STRATEGIES, "torch-budget", "rockmate")
+#: memfit strategies that ignore the budget: measured once, one row each.
+BUDGET_FREE = ("none", "chen", "checkpoint-all")
+#: gradient tolerance of memfit's own runtime (the same as ``memfit run``).
+RUNTIME_GRAD_TOLERANCE = 1e-5
+
+Progress = Callable[[str, int, int], None]  # (what runs now, units done, units in all)
+
+
+@dataclass
+class Workload:
+    """One training setup: the model (in train mode, on its device), one batch and the loss.
+
+    Attributes:
+        name: shown in reports (the zoo name, or any label).
+        model: the model; it is never trained itself (copies are).
+        inputs: the forward's positional inputs, e.g. ``(images [B, C, H, W],)``.
+        target: the loss target, e.g. class indices ``[B]``.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+    """
+
+    name: str
+    model: nn.Module
+    inputs: tuple
+    target: Any
+    loss_fn: Callable
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.inputs[0].shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def zoo_workload(name: str, batch_size: int, image_size: int, device: str = "cpu", seed: int = 0) -> Workload:
+    """A :class:`Workload` from :mod:`memfit.zoo` (weights and batch from ``seed``)."""
+    from memfit import zoo
+
+    dev = torch.device(device)
+    model = zoo.build_model(name, seed=seed).to(dev).train()
+    images, target = zoo.example_batch(name, batch_size, image_size, device=dev, seed=seed)
+    return Workload(name, model, (images,), target, zoo.loss_for(name))
+
+
+def parse_fractions(text: str | list) -> list[float]:
+    """``"100%,70%,0.5"`` -> ``[1.0, 0.7, 0.5]``. Percentages or plain fractions, each > 0.
+
+    Raises:
+        ValueError: an entry is neither.
+    """
+    items = text if isinstance(text, (list, tuple)) else [t for t in str(text).split(",") if t.strip()]
+    out = []
+    for item in items:
+        s = str(item).strip()
+        try:
+            value = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+        except ValueError:
+            raise ValueError(f"budget {s!r}: expected a percentage such as '50%' or a fraction such as 0.5")\
+                from None
+        if value < 0:
+            raise ValueError(f"budget {s!r} is negative")
+        out.append(value)
+    return out
+
+
+def parse_strategies(text: str | list) -> list[str]:
+    """``"none,chen,memfit"`` -> names, checked against :data:`ALL_STRATEGIES`."""
+    names = text if isinstance(text, (list, tuple)) else [t.strip() for t in str(text).split(",")]
+    names = [n for n in names if n]
+    for n in names:
+        if n not in ALL_STRATEGIES:
+            raise ValueError(f"unknown strategy {n!r}; choose from {', '.join(ALL_STRATEGIES)}")
+    return list(names)
+
+
+def activation_budget_bytes(baseline: StepFigures, fraction: float) -> int:
+    """The total-peak bound (bytes) that leaves ``fraction`` of plain PyTorch's activation peak."""
+    return baseline.fixed_bytes + int(fraction * baseline.activation_peak_bytes)
+
+
+# --------------------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------------------
+
+
+def _grad_figures(reference: StepFigures, other: StepFigures, tolerance: float) -> dict:
+    check = compare(reference, other)
+    strip = {k.removeprefix("gm.") for k in other.grads}
+    same_names = strip == {k.removeprefix("gm.") for k in reference.grads}
+    scale = max((float(g.abs().max()) for g in reference.grads.values() if g.numel()), default=0.0)
+    check["gradients_match"] = same_names and check["max_abs_grad_diff"] <= tolerance
+    check["grad_tolerance"] = tolerance
+    check["max_rel_grad_diff"] = check["max_abs_grad_diff"] / scale if scale else 0.0
+    return check
+
+
+def _row(work: Workload, baseline: StepFigures, strategy: str, backend: str, fraction: float | None,
+         budget_bytes: int | None, plain_predicted_s: float | None = None) -> dict:
+    """A row without a measurement yet (an error row as it stands)."""
+    images = work.inputs[0]
+    return {
+        "model": work.name, "batch_size": int(images.shape[0]), "input_shape": list(images.shape),
+        "device": work.device.type, "strategy": strategy, "budget_bytes": budget_bytes,
+        "budget_fraction": fraction, "backend": backend,
+        "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
+                     "activation_peak_bytes": baseline.activation_peak_bytes,
+                     "step_seconds": baseline.step_seconds, "predicted_step_seconds": plain_predicted_s},
+        "planned": None, "overhead": None, "solve_seconds": None, "profile_seconds": None,
+        "profile_and_solve_seconds": None, "mip_gap": None, "decisions": None, "regions": None,
+        "gradients_match": None, "max_abs_grad_diff": None, "bn_stats_match": None, "grad_tolerance": None,
+        "max_rel_grad_diff": None, "under_budget": None, "error": None,
+    }
+
+
+def _fill(row: dict, figures: StepFigures, baseline: StepFigures, plain_s: float, other_s: float,
+          tolerance: float, predicted_peak: int | None = None, predicted_fixed: int | None = None,
+          predicted_s: float | None = None) -> dict:
+    row["baseline"]["step_seconds"] = plain_s
+    row["planned"] = {
+        "peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
+        "predicted_peak_bytes": predicted_peak, "step_seconds": other_s,
+        "predicted_step_seconds": predicted_s,
+        "predicted_activation_peak_bytes": (None if predicted_peak is None
+                                            else predicted_peak - (predicted_fixed or 0)),
+    }
+    row["overhead"] = other_s / plain_s
+    row.update(_grad_figures(baseline, figures, tolerance))
+    if row["budget_bytes"] is not None:
+        row["under_budget"] = figures.peak_bytes <= row["budget_bytes"]
+    return row
+
+
+def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed: int):
+    pm = PlannedModule(capture(fresh_copy(work.model)), plan)
+    figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+    plain = fresh_copy(work.model)
+    plain_s, planned_s = interleaved_step_seconds([(plain, plain), (pm, pm)], work.inputs, work.target,
+                                                  work.loss_fn, rounds=steps)
+    return figures, plain_s, planned_s
+
+
+# --------------------------------------------------------------------------------------------------
+# the sweep
+# --------------------------------------------------------------------------------------------------
+
+
+def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps: int = 3,
+          torch_budgets=peers.TORCH_BUDGETS, torch_backends=(peers.AOT_EAGER,), time_limit: float = 20.0,
+          seed: int = 0, progress: Progress | None = None) -> tuple[StepFigures, list[dict]]:
+    """Measure plain PyTorch once, profile once, then every strategy at every budget.
+
+    Args:
+        work: the training setup.
+        budgets: fractions of plain PyTorch's measured activation peak (1.0 = all of it).
+        strategies: names from :data:`ALL_STRATEGIES`.
+        steps: timed rounds per row (interleaved with plain PyTorch).
+        torch_budgets: values of ``activation_memory_budget`` for ``torch-budget``.
+        torch_backends: ``torch.compile`` backends for ``torch-budget`` (``aot_eager_decomp_partition``,
+            ``inductor``).
+        time_limit: solver time limit per plan (seconds).
+        seed: RNG seed of every measured run.
+        progress: called as ``progress(description, done, total)`` before each unit of work and at the end.
+
+    Returns:
+        ``(baseline, rows)``: plain PyTorch's :class:`StepFigures` and the rows (module docstring).
+    """
+    budgets = [float(b) for b in budgets]
+    strategies = parse_strategies(strategies)
+    units = 2 + sum(
+        1 if s in BUDGET_FREE else len(torch_budgets) * len(torch_backends) if s == "torch-budget"
+        else len(budgets) for s in strategies)
+    done = 0
+
+    def tick(text: str) -> None:
+        nonlocal done
+        if progress:
+            progress(text, done, units)
+        done += 1
+
+    tick(f"{work.name}: plain PyTorch")
+    baseline = measure_plain(work.model, work.inputs, work.target, work.loss_fn, seed)
+    rows: list[dict] = []
+    planners = [s for s in strategies if s in STRATEGIES]
+    captured = costs = None
+    profile_s = 0.0
+    fixed = 0
+    plain_predicted_s = None
+    reference = None  # plain PyTorch's one-step gradients in float32 and float64, for compiled peers
+    tick(f"{work.name}: profiling")
+    if planners:
+        profiled = fresh_copy(work.model)
+        t0 = time.perf_counter()
+        captured = capture(profiled)
+        # operator variants are profiled only for the strategy that can choose them (as memfit.api.plan does)
+        costs = profile_graph(captured, work.inputs, with_variants="memfit" in planners)
+        profile_s = time.perf_counter() - t0
+        probe = torch.optim.SGD(profiled.parameters(), lr=0.01, momentum=0.9)
+        fixed = costs.fixed_bytes + optimizer_state_bytes(probe, list(profiled.parameters()))
+        del probe
+        plain_predicted_s = make_plan("none", captured.graph, costs, fixed_bytes=fixed).predicted_step_seconds
+    for strategy in strategies:
+        if strategy in STRATEGIES:
+            cases = [None] if strategy in BUDGET_FREE else budgets
+            for fraction in cases:
+                budget = None if fraction is None else activation_budget_bytes(baseline, fraction)
+                label = "" if fraction is None else f" at {fraction:.0%}"
+                tick(f"{work.name}: {strategy}{label}")
+                row = _row(work, baseline, strategy, "eager", fraction, budget, plain_predicted_s)
+                row["profile_seconds"] = profile_s
+                t0 = time.perf_counter()
+                try:
+                    plan = make_plan(strategy, captured.graph, costs, budget, fixed_bytes=fixed,
+                                     time_limit=time_limit)
+                except InfeasibleBudgetError as exc:
+                    row["solve_seconds"] = time.perf_counter() - t0  # incl. finding the smallest feasible
+                    row["error"] = str(exc)
+                    row["smallest_feasible_bytes"] = exc.smallest_feasible_bytes
+                    row["smallest_feasible_fraction"] = (
+                        (exc.smallest_feasible_bytes - baseline.fixed_bytes) / baseline.activation_peak_bytes
+                        if baseline.activation_peak_bytes else None)
+                    rows.append(row)
+                    continue
+                if hasattr(plan, "input_shapes"):  # as memfit.api.plan records them
+                    plan.input_shapes = [list(t.shape) for t in work.inputs if isinstance(t, torch.Tensor)]
+                figures, plain_s, planned_s = _measure_plan(work, baseline, plan, steps, seed)
+                _fill(row, figures, baseline, plain_s, planned_s, RUNTIME_GRAD_TOLERANCE,
+                      plan.predicted_peak_bytes, plan.fixed_bytes, plan.predicted_step_seconds)
+                row.update(solve_seconds=plan.solve_seconds,
+                           profile_and_solve_seconds=profile_s + plan.solve_seconds, mip_gap=plan.mip_gap,
+                           decisions=plan.counts(), regions=len(plan.regions))
+                rows.append(row)
+                gc.collect()
+        elif strategy == "torch-budget":
+            if reference is None:
+                reference = peers.reference_grads(work.model, work.inputs, work.target, work.loss_fn, seed)
+            for backend in torch_backends:
+                for knob in torch_budgets:
+                    tick(f"{work.name}: torch-budget {knob:g} ({backend})")
+                    rows.append(_torch_budget_row(work, baseline, float(knob), backend, steps, seed,
+                                                  reference))
+                    gc.collect()
+        elif strategy == "rockmate":
+            runnable, why = peers.rockmate_status(work.device)
+            for k, fraction in enumerate(budgets):
+                tick(f"{work.name}: rockmate at {fraction:.0%}")
+                if runnable:
+                    rows.append(_rockmate_row(work, baseline, fraction, steps, seed))
+                elif k == 0:  # one row says why it cannot run
+                    rows.append(_row(work, baseline, "rockmate", "rockmate", None, None) | {"error": why})
+    if progress:
+        progress(f"{work.name}: done", units, units)
+    return baseline, rows
+
+
+def _torch_budget_row(work: Workload, baseline: StepFigures, knob: float, backend: str, steps: int,
+                      seed: int, reference: tuple) -> dict:
+    row = _row(work, baseline, "torch-budget", backend, knob, None)
+    row["torch_activation_memory_budget"] = knob
+    try:
+        run = peers.measure_torch_budget(work.model, work.inputs, work.target, work.loss_fn, knob, backend,
+                                         steps, seed)
+    except Exception as exc:  # noqa: BLE001 - a peer that fails (compiler error...) is a finding, not a crash
+        row["error"] = f"{type(exc).__name__}: {exc}".strip()[:2000]
+        return row
+    _fill(row, run.figures, baseline, run.plain_seconds, run.compiled_seconds, peers.COMPILED_GRAD_TOLERANCE)
+    row.update(solve_seconds=run.compile_seconds, profile_and_solve_seconds=run.compile_seconds,
+               compiled_graphs=run.graphs,
+               one_step_grad_check=peers.one_step_check(run.first_grads, reference))
+    return row
+
+
+def _rockmate_row(work: Workload, baseline: StepFigures, fraction: float, steps: int, seed: int) -> dict:
+    budget = activation_budget_bytes(baseline, fraction)
+    row = _row(work, baseline, "rockmate", "rockmate", fraction, budget)
+    why = peers.rockmate_status(work.device)[1]
+    try:
+        figures, plain_s, rk_s, solve_s = peers.measure_rockmate(
+            work.model, work.inputs, work.target, work.loss_fn,
+            int(fraction * baseline.activation_peak_bytes), steps, seed)
+    except Exception as exc:  # noqa: BLE001 - as for torch-budget
+        row["error"] = f"{why}: {type(exc).__name__}: {exc}"[:2000]
+        return row
+    _fill(row, figures, baseline, plain_s, rk_s, peers.COMPILED_GRAD_TOLERANCE)
+    row.update(solve_seconds=solve_s, profile_and_solve_seconds=solve_s)
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------------
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "variants":
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, (list, dict)):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    """The rows as CSV: nested keys joined with ``.`` (``planned.peak_bytes``), lists and ``variants`` as
+    JSON text, a missing value as an empty cell."""
+    flat = [_flatten(r) for r in rows]
+    columns: list[str] = []
+    for f in flat:
+        columns += [k for k in f if k not in columns]
+    # a row without a measurement has planned = None: give it the measured rows' columns
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns, restval="")
+        w.writeheader()
+        for f in flat:
+            w.writerow({k: ("" if v is None else v) for k, v in f.items()})
+
+
+def write_results(rows: list[dict], baseline: StepFigures, out_dir: str | Path, title: str = "") -> dict:
+    """Write ``results.json`` (the rows), ``results.csv`` and ``pareto.png`` into ``out_dir``.
+
+    Returns:
+        ``{"json": path, "csv": path, "png": path}``.
+    """
+    from memfit.bench.plots import pareto_plot
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "csv": out / "results.csv", "png": out / "pareto.png"}
+    with open(paths["json"], "w") as fh:
+        json.dump(rows, fh, indent=1)
+    write_csv(rows, paths["csv"])
+    pareto_plot(rows, baseline, paths["png"], title=title)
+    return paths
+
+
+def machine_line() -> str:
+    """Where the figures come from: processor, threads, torch version, date."""
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
+            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+
+
+def _short_error(r: dict) -> str:
+    if r.get("smallest_feasible_fraction") is not None:
+        return (f"infeasible: smallest feasible {fmt_bytes(r['smallest_feasible_bytes'])} "
+                f"(= {r['smallest_feasible_fraction']:.0%} of the activation peak)")
+    text = r["error"] or ""
+    return text.split(";")[0].split(" (")[0][:70]
+
+
+def _one_step_note(r: dict) -> str:
+    c = r.get("one_step_grad_check")
+    if not c:
+        return ""
+    verdict = "[green]within[/]" if c["within_float32_noise"] else "[red]beyond[/]"
+    return f"; 1 step: {c['max_abs_grad_diff']:.1e}, {verdict} f32 noise {c['float32_noise']:.1e}"
+
+
+def results_table(rows: list[dict], baseline: StepFigures, title: str | None = None):
+    """A rich table of the rows, plain PyTorch first; errors too long for a cell become numbered notes
+    in the caption."""
+    from rich.table import Table
+
+    act = baseline.activation_peak_bytes
+    r0 = rows[0] if rows else {"model": "?", "input_shape": "?", "device": "?"}
+    title = title or (f"memfit bench: {r0['model']} input {r0['input_shape']} on {r0['device']}; "
+                      f"budgets are % of plain PyTorch's ACTIVATION peak ({fmt_bytes(act)}; fixed "
+                      f"{fmt_bytes(baseline.fixed_bytes)}): budget total = fixed + % x activation peak")
+    t = Table(title=title, caption_justify="left")
+    for col, just in [("strategy", "left"), ("backend", "left"), ("budget", "right"),
+                      ("budget total", "right"),
+                      ("total peak", "right"), ("act. peak", "right"), ("of plain", "right"),
+                      ("predicted act.", "right"), ("step", "right"), ("overhead", "right"),
+                      ("solve", "right"), ("gradients / note", "left")]:
+        t.add_column(col, justify=just)
+    # plain PyTorch's step: the median of its interleaved timings (each row times a plain copy beside it)
+    plain_times = [r["baseline"]["step_seconds"] for r in rows if r["planned"] is not None]
+    plain_s = statistics.median(plain_times) if plain_times else baseline.step_seconds
+    t.add_row("plain PyTorch", "eager", "", "", fmt_bytes(baseline.peak_bytes), fmt_bytes(act), "100%", "",
+              f"{plain_s:.3f} s", "1.00x", "", "reference", style="bold")
+    notes: list[str] = []
+    for r in rows:
+        if r["strategy"] == "torch-budget":
+            budget = f"knob {r['budget_fraction']:g}"
+        elif r["budget_fraction"] is None:
+            budget = "any"
+        else:
+            budget = f"{r['budget_fraction']:.0%}"
+        total = fmt_bytes(r["budget_bytes"]) if r["budget_bytes"] is not None else ""
+        if r["error"] or r["planned"] is None:
+            note = _short_error(r)
+            if r.get("smallest_feasible_fraction") is None and r["error"]:
+                if r["error"] not in notes:
+                    notes.append(r["error"])
+                note += f" [{notes.index(r['error']) + 1}]"
+            t.add_row(r["strategy"], r["backend"], budget, total, *[""] * 7, f"[yellow]{note}[/]")
+            continue
+        p = r["planned"]
+        over = r["under_budget"] is False
+        peak = fmt_bytes(p["peak_bytes"])
+        pred = "" if p.get("predicted_activation_peak_bytes") is None else fmt_bytes(
+            p["predicted_activation_peak_bytes"])
+        ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
+        solve = "" if r["solve_seconds"] is None else f"{r['solve_seconds']:.2f} s"
+        if r["strategy"] == "torch-budget":
+            solve = f"compile {solve}"
+        t.add_row(r["strategy"], r["backend"], budget, total, f"[red]{peak}[/]" if over else peak,
+                  fmt_bytes(p["activation_peak_bytes"]),
+                  f"{p['activation_peak_bytes'] / act:.0%}" if act else "",
+                  pred, f"{p['step_seconds']:.3f} s", f"{r['overhead']:.2f}x", solve,
+                  f"{ok} ({r['max_abs_grad_diff']:.1e})" + _one_step_note(r))
+    if notes:
+        t.caption = "\n".join(f"[{k + 1}] {n}" for k, n in enumerate(notes))
+    return t
