@@ -139,8 +139,8 @@ def compare(reference: StepFigures, other: StepFigures) -> dict:
         ``{"gradients_match", "max_abs_grad_diff", "bn_stats_match"}``; matching means max abs diff
         <= 1e-5 (float32) and the same parameter and buffer names.
     """
-    def strip(name: str) -> str:
-        return name.removeprefix("gm.")
+    def strip(name: str) -> str:  # names as the plain model has them (torch.compile adds _orig_mod.)
+        return name.removeprefix("gm.").removeprefix("_orig_mod.")
 
     ref_g = {strip(k): v for k, v in reference.grads.items()}
     oth_g = {strip(k): v for k, v in other.grads.items()}
