@@ -132,3 +132,53 @@ def test_opaque_torch_nn_blocks_are_named():
     model = nn.Sequential(nn.Linear(16, 32), enc, nn.Linear(32, 4)).train()
     with pytest.warns(UserWarning, match=r"1 \(TransformerEncoder\) as single operations"):
         memfit.optimize(model, torch.randn(4, 8, 16), budget="min", strategy="chen")
+
+
+class InPlaceNet(nn.Module):
+    """In-place updates of tensors that other nodes save for backward (add_, relu_, mul_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.b1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.b2 = nn.BatchNorm2d(8)
+        self.c3 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu_(self.b1(self.c1(x)))
+        y = self.b2(self.c2(h))
+        y.add_(h)
+        y.relu_()
+        z = self.c3(y)
+        z.mul_(0.5)
+        return z.mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("strategy", ["chen", "checkpoint-all", "memfit"])
+def test_in_place_updates_of_saved_tensors(strategy):
+    torch.manual_seed(0)
+    model, x = InPlaceNet().train(), torch.randn(4, 3, 16, 16)
+    plain = fresh_copy(model)
+    planned = memfit.optimize(fresh_copy(model), x, budget="min", strategy=strategy)
+    for m in (plain, planned):
+        for _ in range(2):
+            m(x).square().sum().backward()
+    _same(_grads(plain), _grads(planned))
+
+
+def test_distributed_data_parallel(tmp_path):
+    """A planned module inside DistributedDataParallel (one gloo process on loopback)."""
+    import torch.distributed as dist
+
+    model, x = InPlaceNet().train(), torch.randn(4, 3, 16, 16)
+    plain = fresh_copy(model)
+    planned = memfit.optimize(fresh_copy(model), x, budget="min", strategy="chen")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(planned)
+        ddp(x).square().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    plain(x).square().sum().backward()
+    _same(_grads(plain), _grads(planned))
