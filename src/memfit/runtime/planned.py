@@ -113,13 +113,11 @@ class PlannedModule(nn.Module):
             else:
                 steps.append(("node", nodes[i]))
                 i += 1
-        reads: list[set[str]] = []
-        defines: list[list[str]] = []
+        reads: list[set[str]] = []  # per step: the values it reads from outside itself
         for kind, payload in steps:
             group = payload if kind == "region" else [payload]
             inside = {n.name for n in group}
             reads.append({a.name for n in group for a in n.all_input_nodes if a.name not in inside})
-            defines.append([n.name for n in group])
         keep_forever = {a.name for a in self._output.all_input_nodes}
         last_step: dict[str, int] = {}
         for k, r in enumerate(reads):
@@ -132,21 +130,17 @@ class PlannedModule(nn.Module):
                 self._steps.append(("node", payload.name, self._fn(payload), frees))
                 continue
             group = payload
-            inside = {n.name for n in group}
             later = set().union(*reads[k + 1:]) if k + 1 < len(reads) else set()
             outputs = [n.name for n in group if n.name in later or n.name in keep_forever]
             local_last: dict[str, int] = {}
             for j, n in enumerate(group):
                 for a in n.all_input_nodes:
                     local_last[a.name] = j
-            frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs
-                            and (True)] for j in range(len(group))]
-            buffers = []
-            for n in group:
-                if n.op == "call_module":
-                    mod = gm.get_submodule(n.target)
-                    if isinstance(mod, _BatchNorm):
-                        buffers += [b for b in mod.buffers()]
+            frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs]
+                           for j in range(len(group))]
+            buffers = [b for n in group if n.op == "call_module"
+                       and isinstance(gm.get_submodule(n.target), _BatchNorm)
+                       for b in gm.get_submodule(n.target).buffers()]
             region = _Region(names=[n.name for n in group], fns=[self._fn(n) for n in group],
                              inputs=sorted(reads[k]), outputs=outputs, frees=frees_local, buffers=buffers)
             self._steps.append(("region", region, None, frees))
