@@ -137,8 +137,16 @@ def cmd_bench(args) -> int:
     from memfit.bench.sweep import parse_fractions, results_table, sweep, write_results, zoo_workload
 
     batch, size = _sizes(args)
-    budgets = parse_fractions(args.budgets)
+    budgets = parse_fractions(args.budgets, percent_only=True)
     torch_budgets = parse_fractions(args.torch_budgets)
+    out = args.out or f"bench-{args.model}-b{batch}-{size}px"
+    try:  # fail now, not after the sweep
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".memfit-write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror})") from None
     backends = [peers.AOT_EAGER] + ([peers.INDUCTOR] if args.inductor else [])
     console = _wide_console()
     work = zoo_workload(args.model, batch, size, args.device, args.seed)
@@ -154,7 +162,6 @@ def cmd_bench(args) -> int:
                                seed=args.seed, progress=progress)
     from memfit.bench.sweep import machine_line
 
-    out = args.out or f"bench-{args.model}-b{batch}-{size}px"
     paths = write_results(rows, baseline, out, title=f"{args.model} batch {batch} {size}x{size} on {args.device}"
                           f" ({machine_line()})")
     console.print(results_table(rows, baseline))
@@ -241,7 +248,7 @@ def _add_bench_commands(sub) -> None:
                    help="comma-separated: none, chen, checkpoint-all, remat-ilp, memfit, torch-budget[:K] (plain PyTorch "
                    "is always measured as the reference)")
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
-    p.add_argument("--start-batch", type=int, default=1, help="first batch probed")
+    p.add_argument("--start-batch", type=_positive, default=2, help="first batch probed (BatchNorm needs 2)")
     p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -116,11 +116,12 @@ def zoo_workload(name: str, batch_size: int, image_size: int, device: str = "cpu
     return Workload(name, model, (images,), target, zoo.loss_for(name))
 
 
-def parse_fractions(text: str | list) -> list[float]:
-    """``"100%,70%,0.5"`` -> ``[1.0, 0.7, 0.5]``. Percentages or plain fractions, each > 0.
+def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]:
+    """``"100%,70%,0.5"`` -> ``[1.0, 0.7, 0.5]``. Percentages or plain fractions, each >= 0; a bare number
+    above 1 (``"50"``) is refused, since it is almost surely a percentage without its ``%``.
 
     Raises:
-        ValueError: an entry is neither.
+        ValueError: an entry is neither, the list is empty, or (``percent_only``) an entry lacks ``%``.
     """
     items = text if isinstance(text, (list, tuple)) else [t for t in str(text).split(",") if t.strip()]
     out = []
@@ -133,7 +134,11 @@ def parse_fractions(text: str | list) -> list[float]:
                 from None
         if value < 0:
             raise ValueError(f"budget {s!r} is negative")
+        if not s.endswith("%") and (percent_only or value > 1):
+            raise ValueError(f"budget {s!r}: write budgets as percentages of the activation peak, e.g. '{s}%'")
         out.append(value)
+    if not out:
+        raise ValueError("no budgets given: pass e.g. --budgets 50%,33%")
     return out
 
 
@@ -141,6 +146,8 @@ def parse_strategies(text: str | list) -> list[str]:
     """``"none,chen,memfit"`` -> names, checked against :data:`ALL_STRATEGIES`."""
     names = text if isinstance(text, (list, tuple)) else [t.strip() for t in str(text).split(",")]
     names = [n for n in names if n]
+    if not names:
+        raise ValueError(f"no strategies given: choose from {', '.join(ALL_STRATEGIES)}")
     for n in names:
         if n not in ALL_STRATEGIES:
             raise ValueError(f"unknown strategy {n!r}; choose from {', '.join(ALL_STRATEGIES)}")
