@@ -44,7 +44,7 @@ def _as_tuple(example_inputs) -> tuple:
 
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0, variants: bool = True,
-         _captured: Captured | None = None) -> tuple[Plan, Captured, Costs]:
+         loss_fn: Callable | None = None, _captured: Captured | None = None) -> tuple[Plan, Captured, Costs]:
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
     Args:
@@ -61,6 +61,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         variants: let ``memfit`` choose memory-efficient operator implementations (ReLU with a 1-bit
             mask, max-pooling with compact indices, BatchNorm backward from its output) jointly with
             recomputation (MONeT, Shah et al., ICLR 2021, section 4).
+        loss_fn: ``loss_fn(output) -> scalar``, your training loss as a closure over the targets, e.g.
+            ``lambda out: F.cross_entropy(out, labels)``; its memory is then measured instead of assumed
+            (without it memfit assumes a log-softmax style loss: two output-sized tensors).
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -76,7 +79,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     if not model.training:
         raise ValueError("memfit plans a training step: call model.train() first")
     captured = _captured or capture(model)
-    costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit")
+    costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn)
     fixed = costs.fixed_bytes + optimizer_state_bytes(optimizer, list(model.parameters()))
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     lowest = None
@@ -106,9 +109,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     ``planned.report`` the predicted figures (bytes, seconds).
 
     Args:
-        model, example_inputs, budget, strategy, optimizer, time_limit, variants: as in :func:`plan`.
-        loss_fn: accepted for API symmetry with the CLI; the loss runs outside the planned module and
-            costs little memory next to the activations.
+        model, example_inputs, budget, strategy, optimizer, time_limit, variants, loss_fn: as in
+            :func:`plan`.
         plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
             the same model and input shapes.
 
@@ -118,7 +120,6 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     Raises:
         as :func:`plan`; ``ValueError`` if ``plan_`` belongs to another graph.
     """
-    del loss_fn
     if plan_ is not None:
         shapes = _shapes(_as_tuple(example_inputs))
         if plan_.input_shapes and shapes != plan_.input_shapes:
@@ -127,7 +128,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         captured = capture(model)
         return PlannedModule(captured, plan_, report=_report(plan_))
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
-                               variants=variants,
+                               variants=variants, loss_fn=loss_fn,
                                time_limit=time_limit)
     return PlannedModule(captured, result, report=_report(result))
 

@@ -47,7 +47,7 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     t0 = time.perf_counter()
     plan, captured, costs = make_plan_for(planned_model, inputs, budget, strategy=strategy,
                                           optimizer=opt_probe, time_limit=time_limit, variants=variants,
-                                          _captured=captured)
+                                          loss_fn=lambda out: loss_fn(out, target), _captured=captured)
     plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes)
     solve_wall = time.perf_counter() - t0
     del opt_probe

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_map
 
 from memfit.graph.calls import compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
@@ -107,12 +108,16 @@ class Costs:
         nodes: one :class:`NodeCost` per graph node, in forward order.
         fixed_bytes: parameters, their gradients and buffers plus the example inputs (optimizer state is
             added by whoever knows the optimizer).
+        loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients,
+            measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
+            (two output-sized tensors).
     """
 
     device: str
     storages: list[Storage]
     nodes: list[NodeCost]
     fixed_bytes: int
+    loss_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +130,7 @@ class Costs:
             n["variants"] = {k: VariantCost(**v) for k, v in n.get("variants", {}).items()}
             nodes.append(NodeCost(**n))
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
-                   fixed_bytes=d["fixed_bytes"])
+                   fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -155,7 +160,8 @@ class Costs:
                 bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias))
         storages = [Storage(id=s.id, nbytes=s.nbytes, producer=s.producer, kind=kinds[s.id],
                             requires_grad=s.requires_grad) for s in self.storages]
-        return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes)
+        return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
+                     loss_bytes=self.loss_bytes)
 
     @property
     def step_seconds(self) -> float:
@@ -168,7 +174,7 @@ def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
-                  with_variants: bool = True) -> Costs:
+                  with_variants: bool = True, loss_fn=None) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
 
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
@@ -183,6 +189,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         repeats: timing repetitions per node (the median is kept).
         with_variants: also profile the memory-efficient operator variants that apply to each node
             (``memfit.variants``; MONeT, Shah et al., ICLR 2021, section 4).
+        loss_fn: ``loss_fn(output) -> scalar tensor``, the training loss (a closure over the targets); when
+            given, its memory is measured instead of assumed.
 
     Returns:
         :class:`Costs`.
@@ -200,6 +208,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             costs = _structure(gm, inputs, fixed_ptrs, with_variants)
             _time_nodes(gm, inputs, costs, device, repeats)
             _measure_workspace(gm, inputs, costs, device)
+            if loss_fn is not None:
+                costs.loss_bytes = _measure_loss(gm, inputs, loss_fn, device)
     finally:
         with torch.no_grad():
             for buf, saved in snapshot:
@@ -283,6 +293,22 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         if "bn-from-output" in c.variants and mutated & set(c.outputs):
             del c.variants["bn-from-output"]
     return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+
+
+def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device) -> int:
+    """Transient bytes of ``loss_fn`` forward and backward on the model's output, beyond the output's
+    gradient (which the replay counts as an activation gradient)."""
+    with torch.no_grad():
+        out = gm(*inputs)
+    leaves = [t.detach().requires_grad_(True) for t in tensors_in(out)]
+    it = iter(leaves)
+    out = tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, out)
+    with MemoryTracker(device) as tracker:
+        loss = loss_fn(out)
+        loss.backward()
+        del loss
+    grads = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
+    return max(0, tracker.peak_bytes - grads)
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:

@@ -54,6 +54,7 @@ class Accounting:
     grad_alias: list[bool]
     grad_before: list[int]
     grad_during: list[int]
+    loss_bytes: int | None = None
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -107,6 +108,7 @@ class Accounting:
             fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
+            loss_bytes=costs.loss_bytes,
         )
         return _with_gradients(acc, costs)
 

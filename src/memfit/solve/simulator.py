@@ -137,8 +137,10 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
             alive.discard(s)
             free(acc.nbytes[s], f"loss free {s}")
     grad = acc.grad_before[n - 1] if n else 0
-    # a log-softmax style loss keeps one output-sized tensor and makes another in its backward
-    transient(2 * sum(acc.nbytes[s] for s in acc.output_storages), "loss backward")
+    # the loss: measured when profiled with one; else a log-softmax style loss, which keeps one
+    # output-sized tensor and makes another in its backward
+    loss = acc.loss_bytes if acc.loss_bytes is not None else 2 * sum(acc.nbytes[s] for s in acc.output_storages)
+    transient(loss, "loss backward")
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
     recompute_seconds = 0.0
