@@ -40,8 +40,9 @@ def _check(model, inputs, target, loss_fn, budget, strategy="memfit", base=None)
     return plan, fig, base
 
 
-@pytest.mark.parametrize("name", zoo.MODELS)
-def test_zoo_model_three_budgets(name):
+def _profiled(name):
+    """A zoo model at its tiny size: plain PyTorch's figures, and a traced copy profiled with its operator
+    variants (the copy's initial state, to reset it between plans)."""
     batch, size = zoo.tiny_size(name)
     model = zoo.build_model(name).train()
     images, target = zoo.example_batch(name, batch, size)
@@ -49,9 +50,24 @@ def test_zoo_model_three_budgets(name):
     base = _plain(model, (images,), target, loss_fn)
     m = fresh_copy(model)
     initial = copy.deepcopy(m.state_dict())
-    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    plain_plan, captured, costs = memfit.plan(m, (images,), "100%", strategy="none", optimizer=opt)
-    fixed = plain_plan.fixed_bytes
+    captured = capture(m)
+    costs = profile_graph(captured, (images,), loss_fn=lambda out: loss_fn(out, target))
+    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                                      list(m.parameters()))
+    return m, initial, (images,), target, loss_fn, base, captured, costs, fixed
+
+
+def _train_plan(m, initial, plan, captured, inputs, target, loss_fn):
+    m.load_state_dict(initial)
+    for p in m.parameters():
+        p.grad = None
+    planned = memfit.PlannedModule(captured, plan)
+    return measure_training(planned, planned, inputs, target, loss_fn, steps=1)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_zoo_model_three_budgets(name):
+    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _profiled(name)
     # below the smallest feasible budget: the documented error, naming the smallest budget that works
     with pytest.raises(InfeasibleBudgetError) as err:
         make_plan("memfit", captured.graph, costs, fixed + 1, fixed_bytes=fixed)
@@ -60,11 +76,7 @@ def test_zoo_model_three_budgets(name):
     for f in (0.0, 0.4, 0.8):
         budget = lowest + int(f * max(0, base.peak_bytes - lowest))
         plan = make_plan("memfit", captured.graph, costs, budget, fixed_bytes=fixed)
-        m.load_state_dict(initial)
-        for p in m.parameters():
-            p.grad = None
-        planned = memfit.PlannedModule(captured, plan)
-        fig = measure_training(planned, planned, (images,), target, loss_fn, steps=1)
+        fig = _train_plan(m, initial, plan, captured, inputs, target, loss_fn)
         check = compare(base, fig)
         assert check["gradients_match"] and check["bn_stats_match"], check
         assert fig.peak_bytes <= budget, (fig.peak_bytes, budget, plan.predicted_peak_bytes)
@@ -146,28 +158,14 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
 def test_every_variant_at_once_matches_pytorch(name):
     """Force every applicable operator variant into the plan, with and without recomputation regions:
     gradients and BatchNorm statistics still match plain PyTorch, and the replay predicts the measured peak."""
-    batch, size = zoo.tiny_size(name)
-    model = zoo.build_model(name).train()
-    images, target = zoo.example_batch(name, batch, size)
-    loss_fn = zoo.loss_for(name)
-    base = _plain(model, (images,), target, loss_fn)
-    m = fresh_copy(model)
-    initial = copy.deepcopy(m.state_dict())
-    captured = capture(m)
-    costs = profile_graph(captured, (images,))
-    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                                      list(m.parameters()))
+    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _profiled(name)
     choice = {c.name: min(c.variants) for c in costs.nodes if c.variants}
     assert choice, "no variant applies"
     for strategy in ("none", "chen"):
         plan = make_plan(strategy, captured.graph, costs, fixed_bytes=fixed)
         plan.variants.update(choice)
         predicted = simulate(captured.graph, costs.with_variants(choice), plan, fixed)
-        m.load_state_dict(initial)
-        for p in m.parameters():
-            p.grad = None
-        planned = memfit.PlannedModule(captured, plan)
-        fig = measure_training(planned, planned, (images,), target, loss_fn, steps=1)
+        fig = _train_plan(m, initial, plan, captured, inputs, target, loss_fn)
         check = compare(base, fig)
         assert check["gradients_match"] and check["bn_stats_match"], check
         assert abs(predicted.peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (
