@@ -10,7 +10,8 @@ MIB = 2**20
 def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -> None:
     """Measured activation peak (MiB) against overhead (step time / plain PyTorch's), one line per strategy
     and backend, points sorted by memory; plain PyTorch is the black star at (its activation peak, 1.0).
-    Rows without a measurement (infeasible budgets, peers that cannot run) are left out.
+    Rows without a measurement (infeasible budgets, peers that cannot run) are listed in a note under the
+    axes instead of being plotted; points whose gradients differ from plain PyTorch are ringed in red.
 
     Args:
         rows: ``memfit bench`` rows (see :mod:`memfit.bench.sweep`).
@@ -26,9 +27,17 @@ def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     lines: dict[str, list[tuple[float, float, str]]] = {}
+    missing: list[str] = []
     for r in rows:
         if r.get("planned") is None or r.get("overhead") is None:
+            frac = r.get("budget_fraction")
+            missing.append(f"{r['strategy']}" + ("" if frac is None else f" at {frac:.0%}")
+                           + (f" (smallest feasible {r['smallest_feasible_fraction']:.0%})"
+                              if r.get("smallest_feasible_fraction") is not None else ""))
             continue
+        if r.get("gradients_match") is False:
+            ax.plot([r["planned"]["activation_peak_bytes"] / MIB], [r["overhead"]], marker="o", markersize=13,
+                    markerfacecolor="none", markeredgecolor="red", linestyle="none")
         name = r["strategy"] if r.get("backend") in (None, "eager") else f"{r['strategy']} ({r['backend']})"
         frac = r.get("budget_fraction")
         label = "" if frac is None else (f"{frac:g}" if r["strategy"] == "torch-budget" else f"{frac:.0%}")
@@ -50,5 +59,11 @@ def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -
     ax.set_title(title or "memory vs time", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    if missing:
+        fig.text(0.01, 0.005, "not plotted (no measurement): " + "; ".join(missing), fontsize=6, wrap=True)
+    if any(r.get("gradients_match") is False for r in rows):
+        ax.plot([], [], marker="o", markerfacecolor="none", markeredgecolor="red", linestyle="none",
+                label="gradients differ from plain PyTorch")
+        ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 if missing else 0, 1, 1))
     fig.savefig(str(path))
