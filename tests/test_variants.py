@@ -107,6 +107,19 @@ ACTS = [
 SHAPES = [(1,), (7,), (3, 5, 7), (2, 3, 4, 5), (4, 9)]
 
 
+def run_pair(ref, var, leaf, feed, dtype):
+    """Run PyTorch's module and its variant on copies of ``leaf`` with one random output gradient:
+    ``[(output, input gradient)]`` for each, in that order."""
+    res, g = [], None
+    for mod in (ref, var):
+        xl = leaf.clone().requires_grad_()
+        y = mod(feed(xl))
+        if g is None:
+            g = torch.randn(y.shape).to(dtype)
+        res.append((y, torch.autograd.grad(y, xl, g)[0]))
+    return res
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("name,make,specials", ACTS, ids=[a[0] for a in ACTS])
@@ -118,18 +131,9 @@ def test_activation_mask_matches_torch(name, make, specials, inplace, dtype):
     for shape in SHAPES:
         x = with_specials(torch.randn(shape) * 3, specials).to(dtype)
         for lay, leaf, feed in layouts(x):
-            outs, grads = [], []
-            g = None
-            for mod in (ref, var):
-                xl = leaf.clone().requires_grad_()
-                y = mod(feed(xl))
-                if g is None:
-                    g = torch.randn(y.shape).to(dtype)
-                (gx,) = torch.autograd.grad(y, xl, g)
-                outs.append(y)
-                grads.append(gx)
-            assert same(outs[0], outs[1]), (name, shape, lay)
-            assert same(grads[0], grads[1]), (name, shape, lay)
+            (y_ref, g_ref), (y_var, g_var) = run_pair(ref, var, leaf, feed, dtype)
+            assert same(y_ref, y_var), (name, shape, lay)
+            assert same(g_ref, g_var), (name, shape, lay)
 
 
 def test_hardtanh_nan_is_deterministic():
@@ -418,16 +422,9 @@ def test_maxpool_compact_matches_torch(cfg, dtype):
         if x.dim() == 4:
             variants.append(("channels_last", x.contiguous(memory_format=torch.channels_last), lambda t: t * 1))
         for lay, leaf, feed in variants:
-            res = []
-            g = None
-            for mod in (ref, var):
-                xl = leaf.clone().requires_grad_()
-                y = mod(feed(xl))
-                if g is None:
-                    g = torch.randn(y.shape).to(dtype)
-                res.append((y, torch.autograd.grad(y, xl, g)[0]))
-            assert same(res[0][0], res[1][0]), (cfg, shape, lay)
-            assert same(res[0][1], res[1][1]), (cfg, shape, lay)
+            (y_ref, g_ref), (y_var, g_var) = run_pair(ref, var, leaf, feed, dtype)
+            assert same(y_ref, y_var), (cfg, shape, lay)
+            assert same(g_ref, g_var), (cfg, shape, lay)
 
 
 def test_maxpool_compact_saves_uint8_offsets():
