@@ -10,10 +10,12 @@ from torch import nn
 from memfit.budget import Budget
 from memfit.graph.capture import Captured, capture
 from memfit.profile.costs import Costs, profile_graph
+from memfit.profile.link import measure_link
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.planned import PlannedModule
+from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
-from memfit.solve.strategies import make_plan, smallest_feasible
+from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, smallest_feasible
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
@@ -42,9 +44,23 @@ def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
+def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_dir: str | None) -> HostStore | None:
+    """The host store a plan may offload to, or ``None`` when offloading is off: ``offload=None`` turns it
+    on for CUDA (pinned memory) and, on the CPU, when ``offload_dir`` names a directory for the disk store;
+    the ``vdnn-*`` strategies always offload."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if strategy in OFFLOAD_STRATEGIES:
+        offload = True
+    if offload is None:
+        offload = device.type == "cuda" or offload_dir is not None
+    return default_store(device, offload_dir) if offload and strategy in ("memfit", *OFFLOAD_STRATEGIES) else None
+
+
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0, variants: bool = True,
-         loss_fn: Callable | None = None, _captured: Captured | None = None) -> tuple[Plan, Captured, Costs]:
+         loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
+         _captured: Captured | None = None, _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
     Args:
@@ -64,6 +80,12 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         loss_fn: ``loss_fn(output) -> scalar``, your training loss as a closure over the targets, e.g.
             ``lambda out: F.cross_entropy(out, labels)``; its memory is then measured instead of assumed
             (without it memfit assumes a log-softmax style loss: two output-sized tensors).
+        offload: let the plan move saved activations to host memory during the forward pass and prefetch
+            them back during the backward pass (vDNN, Rhu et al., MICRO 2016), jointly with recomputation.
+            ``None`` (default): on for CUDA (pinned host memory), and on the CPU when ``offload_dir`` is
+            given. The copy bandwidth is measured for the plan.
+        offload_dir: directory for the disk store (memory-mapped files, deleted as soon as they are made):
+            on the CPU, the only store that lowers the process's memory.
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -80,11 +102,15 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         raise ValueError("memfit plans a training step: call model.train() first")
     captured = _captured or capture(model)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn)
+    store = _store or offload_store(inputs, strategy, offload, offload_dir)
+    if store is not None:
+        costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
     fixed = costs.fixed_bytes + optimizer_state_bytes(optimizer, list(model.parameters()))
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     lowest = None
     if budget.minimum and strategy in ("memfit", "remat-ilp"):
-        lowest = smallest_feasible(captured.graph, costs, fixed, time_limit, use_variants=variants)
+        lowest = smallest_feasible(captured.graph, costs, fixed, time_limit, use_variants=variants,
+                                   use_offload=store is not None)
     budget_bytes = budget.resolve(plain.predicted_peak_bytes, lowest or plain.predicted_peak_bytes)
     result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit,
                        use_variants=variants)
@@ -94,7 +120,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
 
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
              optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
-             time_limit: float = 20.0, variants: bool = True, plan_: Plan | None = None) -> PlannedModule:
+             time_limit: float = 20.0, variants: bool = True, offload: bool | None = None,
+             offload_dir: str | None = None, plan_: Plan | None = None) -> PlannedModule:
     """Make ``model`` train under a memory budget.
 
     Example::
@@ -109,8 +136,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     ``planned.report`` the predicted figures (bytes, seconds).
 
     Args:
-        model, example_inputs, budget, strategy, optimizer, time_limit, variants, loss_fn: as in
-            :func:`plan`.
+        model, example_inputs, budget, strategy, optimizer, time_limit, variants, loss_fn, offload,
+            offload_dir: as in :func:`plan`.
         plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
             the same model and input shapes.
 
@@ -126,11 +153,11 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
             raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                              "memory figures would not hold; make a new plan for these shapes")
         captured = capture(model)
-        return PlannedModule(captured, plan_, report=_report(plan_))
+        return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
+    store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
-                               variants=variants, loss_fn=loss_fn,
-                               time_limit=time_limit)
-    return PlannedModule(captured, result, report=_report(result))
+                               variants=variants, loss_fn=loss_fn, time_limit=time_limit, _store=store)
+    return PlannedModule(captured, result, report=_report(result), offload_store=store)
 
 
 def _report(p: Plan) -> dict:

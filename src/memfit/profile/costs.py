@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.graph.calls import compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
+from memfit.profile.link import LinkCost
 from memfit.profile.timing import median_seconds
 from memfit.profile.tracker import MemoryTracker
 
@@ -111,6 +112,7 @@ class Costs:
         loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients,
             measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
             (two output-sized tensors).
+        link: copy costs to the host store used for offloading, or ``None`` (no offloading).
     """
 
     device: str
@@ -118,6 +120,7 @@ class Costs:
     nodes: list[NodeCost]
     fixed_bytes: int
     loss_bytes: int | None = None
+    link: LinkCost | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,7 +133,8 @@ class Costs:
             n["variants"] = {k: VariantCost(**v) for k, v in n.get("variants", {}).items()}
             nodes.append(NodeCost(**n))
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
-                   fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"))
+                   fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
+                   link=LinkCost(**d["link"]) if d.get("link") else None)
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -161,7 +165,7 @@ class Costs:
         storages = [Storage(id=s.id, nbytes=s.nbytes, producer=s.producer, kind=kinds[s.id],
                             requires_grad=s.requires_grad) for s in self.storages]
         return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
-                     loss_bytes=self.loss_bytes)
+                     loss_bytes=self.loss_bytes, link=self.link)
 
     @property
     def step_seconds(self) -> float:

@@ -8,6 +8,7 @@ module holds no more than plain PyTorch would.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,10 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from memfit.graph.calls import compute_nodes, node_fn
+from memfit.graph.calls import compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
+from memfit.runtime.offload import OffloadStep
+from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 
 
@@ -33,11 +36,13 @@ class _Region:
 
 
 class _RegionCall:
-    """One forward call of a region: the first call is the forward pass, later calls are recomputations."""
+    """One forward call of a region: the first call is the forward pass, later calls are recomputations.
+    ``on_value(name, value)`` sees every value the forward pass computes (the offloader's prefetch triggers)."""
 
-    def __init__(self, region: _Region):
+    def __init__(self, region: _Region, on_value=None):
         self.region = region
         self.calls = 0
+        self.on_value = on_value
 
     def __call__(self, *values):
         region = self.region
@@ -48,6 +53,8 @@ class _RegionCall:
         try:
             for name, fn, frees in zip(region.names, region.fns, region.frees):
                 env[name] = fn(env)
+                if self.on_value is not None and not recompute:
+                    self.on_value(name, env[name])
                 for f in frees:
                     del env[f]
             return tuple(env[o] for o in region.outputs)
@@ -69,14 +76,23 @@ class PlannedModule(nn.Module):
     statistics are the same as plain PyTorch's: BatchNorm buffers touched by a recomputation are restored
     to their value from the forward pass.
 
+    Nodes the plan offloads have their saved tensors copied to a host store (``offload_store``: pinned memory
+    on CUDA, memory-mapped files in ``offload_dir`` otherwise) and prefetched back in the backward pass
+    (:mod:`memfit.runtime.offload`); ``offload_store.peak_bytes`` is the host side's peak.
+
     Attributes:
         plan: the :class:`~memfit.solve.plan.Plan` it runs.
         report: figures from :func:`memfit.optimize` (predicted and measured), or ``None``.
         gm: the traced ``torch.fx.GraphModule``.
+        offload_store: the :class:`~memfit.runtime.stores.HostStore` in use, once a step has offloaded.
     """
 
-    def __init__(self, captured: Captured, plan: Plan, report: dict | None = None):
+    def __init__(self, captured: Captured, plan: Plan, report: dict | None = None,
+                 offload_dir: str | None = None, offload_store: HostStore | None = None):
         super().__init__()
+        self.__dict__["offload_store"] = offload_store
+        self.__dict__["_engine"] = None
+        self.offload_dir = offload_dir
         # the traced GraphModule runs the step but is not registered: the planned module registers the
         # model's own children, parameters and buffers instead, so state_dict() keys are the model's
         self.__dict__["gm"] = captured.gm
@@ -123,6 +139,16 @@ class PlannedModule(nn.Module):
         for k, r in enumerate(reads):
             for name in r:
                 last_step[name] = k
+        self._index = {n.name: i for i, n in enumerate(nodes)}
+        self._offloads = {self._index[name] for name in plan.offloads}
+        step_of = {}
+        for k, (kind, payload) in enumerate(steps):
+            for n in (payload if kind == "region" else [payload]):
+                step_of[n.name] = k
+        self._releases: dict[int, list[int]] = {}
+        for name in plan.offloads:
+            wait = plan.offload_waits.get(name, "<end>")
+            self._releases.setdefault(step_of.get(wait, len(steps)), []).append(self._index[name])
         self._steps = []
         for k, (kind, payload) in enumerate(steps):
             frees = [name for name, last in last_step.items() if last == k and name not in keep_forever]
@@ -169,13 +195,40 @@ class PlannedModule(nn.Module):
                               f"called with {shapes}; results are correct but the planned memory figures do "
                               "not hold. Make a plan for these shapes.", stacklevel=2)
         env: dict[str, Any] = dict(zip(self._placeholders, args))
-        for kind, a, b, frees in self._steps:
-            if kind == "node":
-                env[a] = b(env)
-            else:
-                outs = checkpoint(_RegionCall(a), *[env[n] for n in a.inputs], use_reentrant=False,
-                                  preserve_rng_state=True)
-                env.update(zip(a.outputs, outs))
-            for f in frees:
-                del env[f]
+        off = self._offload_step(args) if self._offloads and torch.is_grad_enabled() else None
+        hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
+                 else contextlib.nullcontext())
+        index = self._index
+        on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
+        with hooks:
+            for k, (kind, a, b, frees) in enumerate(self._steps):
+                if kind == "node":
+                    if off is not None:
+                        off.current = index[a]
+                    env[a] = b(env)
+                    if off is not None:
+                        off.produced(index[a], tensors_in(env[a]))
+                else:
+                    outs = checkpoint(_RegionCall(a, on_value), *[env[n] for n in a.inputs], use_reentrant=False,
+                                      preserve_rng_state=True)
+                    env.update(zip(a.outputs, outs))
+                for f in frees:
+                    del env[f]
+                if off is not None:
+                    for j in self._releases.get(k, []):
+                        off.release(j)
+        if off is not None:
+            off.finish_forward()
         return fx.node.map_arg(self._output.args[0], lambda n: env[n.name])
+
+    def _offload_step(self, args) -> OffloadStep:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        device = tensors[0].device if tensors else next(self.gm.parameters()).device
+        engine = self._engine
+        if engine is None or engine.device != device:
+            store = self.offload_store or default_store(device, self.offload_dir)
+            engine = CopyEngine(store, device)
+            self.__dict__["_engine"] = engine
+            self.__dict__["offload_store"] = store
+        fixed = {t.untyped_storage().data_ptr() for t in list(self.gm.parameters()) + list(self.gm.buffers())}
+        return OffloadStep(engine, self._offloads, self.plan.nodes, fixed)

@@ -30,6 +30,8 @@ class Accounting:
         grad_bytes: node index -> bytes of its output's gradient.
         output_storages: storage ids of the model outputs.
         activation: storage ids that are not model inputs.
+        needs_grad: node index -> whether its output takes part in the backward pass.
+        link: the profile's :class:`~memfit.profile.link.LinkCost`, or ``None`` (no offloading).
     """
 
     n: int
@@ -55,6 +57,8 @@ class Accounting:
     grad_before: list[int]
     grad_during: list[int]
     loss_bytes: int | None = None
+    needs_grad: list[bool] | None = None
+    link: object | None = None
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -108,7 +112,7 @@ class Accounting:
             fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
-            loss_bytes=costs.loss_bytes,
+            loss_bytes=costs.loss_bytes, link=costs.link,
         )
         return _with_gradients(acc, costs)
 
@@ -169,4 +173,5 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         if t is not None:
             release(t)
     acc.grad_before, acc.grad_during = before, during
+    acc.needs_grad = needs
     return acc

@@ -15,9 +15,15 @@ Variables (``i`` node index in forward order, ``s`` storage):
   h_s in [0,1]   storage s is held from the forward to the backward pass;
   z_pn in [0,1]  nodes p < n are in the same region (= AND of r_k, k in [p, n], and no cut in (p, n]);
   a_i >= 0       bytes rematerialized by i's region that are still alive at i's backward.
-Constraints: h_s >= 1 - r_n for every node n that saves s; h_s >= r_n - z_pn for every consumer n of s
-made by p (a region keeps its inputs); forward peak after each node and backward peak at each node
-<= budget - fixed bytes. Objective: minimize sum_i r_i * forward_seconds_i.
+  o_j in {0,1}   node j's saved tensors are offloaded to the host store (vDNN), only where r_j = 0;
+  S_i, B_i >= 0  cumulative time the compute waits for offload copies up to forward node i / for prefetches
+                 down to backward node i (the copy stream is serial).
+Constraints: h_s >= 1 - r_n - o_p for every node n that saves s (made by p); h_s >= r_n - z_pn for every
+consumer n of s made by p (a region keeps its inputs); forward peak after each node and backward peak at
+each node <= budget - fixed bytes, where an offloaded storage counts until its wait point in the forward pass
+and from its prefetch to its first saver in the backward pass. Objective: minimize recomputation time plus
+the stalls of the copy stream (a linear bound of the simulator's critical path: copies up to each point take
+no longer than the compute up to it plus the stall, POFO, Beaumont et al., NeurIPS 2021).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import highspy
 import numpy as np
 
 from memfit.solve.accounting import Accounting
+from memfit.solve.offload import candidates, offloadable, trigger, wait_point
 
 INF = highspy.kHighsInf
 UNIT = 2.0**20  # bytes per MiB
@@ -46,6 +53,7 @@ class IlpResult:
     seconds: float
     objective: float | None
     variants: dict[int, str] | None = None
+    offloads: list[int] | None = None
 
 
 class _Model:
@@ -87,7 +95,7 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                   mip_gap: float = 0.01, minimize_peak: bool = False,
                   fix_spans: list[tuple[int, int]] | None = None,
                   start_spans: list[tuple[int, int]] | None = None,
-                  variants: list[dict[str, object]] | None = None) -> IlpResult:
+                  variants: list[dict[str, object]] | None = None, offload: bool = False) -> IlpResult:
     """Solve the integer program.
 
     Args:
@@ -102,6 +110,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         variants: per node, the operator variants it may use (name -> :class:`VariantCost`); ``None``
             plans recomputation only. A variant changes what the node saves, allocates and costs
             (MONeT, section 4); the program picks at most one per node, jointly with the regions.
+        offload: also choose which nodes' saved tensors to offload to the host store, priced with the
+            profile's link costs (``acc.link``; ignored when it is ``None``).
 
     Returns:
         :class:`IlpResult`; ``spans`` is ``None`` when no plan fits (status says why).
@@ -133,6 +143,18 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             v[i][name] = m.var(integer=True, cost=0.0 if minimize_peak else dt + 1e-6)
         if v[i]:
             m.row({x: 1.0 for x in v[i].values()}, hi=1.0)
+    link = acc.link if offload else None
+    o: dict[int, int] = {}
+    off_of: dict[int, int] = {}  # offloadable storage -> its node
+    if link is not None:
+        for j in candidates(acc):
+            o[j] = m.var(integer=True, cost=0.0)
+            m.row({o[j]: 1.0, r[j]: 1.0}, hi=1.0)
+            for s_ in offloadable(acc, j):
+                off_of[s_] = j
+        if fix_spans is not None:  # a fixed plan is read without offloading
+            for j in o:
+                m.ub[o[j]] = 0.0
     variant_storage = {sid: (i, name) for i in range(n) for name, vc in options[i].items() for sid in vc.creates}
     acts = [s for s in acc.activation] + sorted(variant_storage)
     h = {s: m.var() for s in acts}
@@ -169,6 +191,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                     terms[v[q][name]] = 1.0
                 elif s not in default and s in vc.saves:
                     terms[v[q][name]] = -1.0
+            if s in off_of:
+                terms[o[off_of[s]]] = terms.get(o[off_of[s]], 0.0) + 1.0
             m.row(terms, lo=1.0 if s in default else 0.0)
     for s in acts:
         p = acc.producer[s]
@@ -186,6 +210,12 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     # bytes enter the program in MiB: coefficients near 1 keep HiGHS numerically sound
     nb = {s: acc.nbytes[s] / UNIT for s in acc.nbytes}
     budget = activation_budget / UNIT
+    waits = {j: wait_point(acc, j) for j in o}
+    # prefetch window of an offloaded storage: from its trigger (one node ahead) to its first saver
+    window = {}
+    for s_, j in off_of.items():
+        t = trigger(acc, max(acc.savers[s_]))
+        window[s_] = (min(acc.savers[s_]), t if t is not None else max(acc.savers[s_]))
     # forward peak at node i
     internal_of = [set(acc.internal[i]) for i in range(n)]
     for i in range(n):
@@ -208,6 +238,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                 const += nb[s]
             else:
                 terms[h[s]] = terms.get(h[s], 0.0) + nb[s]
+                if s in off_of and i <= waits[off_of[s]]:  # its copy to the host is still being made
+                    terms[o[off_of[s]]] = terms.get(o[off_of[s]], 0.0) + nb[s]
         if minimize_peak:
             terms[peak] = -1.0
             m.row(terms, hi=-const)
@@ -265,12 +297,18 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for s in acts:
             if first_holder[s] <= i:
                 terms[h[s]] = terms.get(h[s], 0.0) + nb[s]
+        for s_, (lo_w, hi_w) in window.items():
+            if lo_w <= i <= hi_w:
+                x = o[off_of[s_]]
+                terms[x] = terms.get(x, 0.0) + nb[s_]
         const = (acc.grad_during[i] + acc.bwd_ws[i]) / UNIT
         if minimize_peak:
             terms[peak] = -1.0
             m.row(terms, hi=-const)
         else:
             m.row(terms, hi=budget - const)
+    if o and not minimize_peak:
+        _copy_stream_time(m, acc, o, off_of, window, link)
     hs = _quiet_highs()
     hs.setOptionValue("time_limit", float(time_limit))
     hs.setOptionValue("mip_rel_gap", float(mip_gap))
@@ -323,5 +361,62 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     if start is not None:
         spans.append((start, n - 1))
     chosen = {i: name for i in range(n) for name, x in v[i].items() if sol[x] > 0.5}
+    offloads = [j for j, x in o.items() if sol[x] > 0.5 and not rv[j]]
     return IlpResult(spans=spans, status=status, mip_gap=float(info.mip_gap), seconds=seconds, variants=chosen,
+                     offloads=offloads,
                      objective=float(info.objective_function_value) * (UNIT if minimize_peak else 1.0))
+
+
+def _copy_stream_time(m: _Model, acc: Accounting, o: dict[int, int], off_of: dict[int, int],
+                      window: dict[int, tuple[int, int]], link) -> None:
+    """Price offloading in the objective (seconds): each offloaded node pays its prefetch time beyond the
+    backward of the node that triggers it (the copy cannot start earlier) plus a small per-copy overhead on
+    the compute thread, and the serial copy stream adds cumulative stalls: the copies that must be done by
+    forward node i take no longer than the forward compute up to i plus S_i, and the prefetches needed by
+    backward node i no longer than the backward compute after it plus B_i."""
+    n = acc.n
+    by_node: dict[int, list[int]] = {}
+    for s, j in off_of.items():
+        by_node.setdefault(j, []).append(s)
+    for j, x in o.items():
+        local = 0.0
+        for s in by_node[j]:
+            lo_w, hi_w = window[s]
+            ahead = acc.bwd_seconds[hi_w] if hi_w != max(acc.savers[s]) else 0.0
+            local += max(0.0, link.h2d_seconds(acc.nbytes[s]) - ahead) + 2e-5
+        m.cost[x] += local
+    d2h = {j: sum(link.d2h_seconds(acc.nbytes[s]) for s in ss) for j, ss in by_node.items()}
+    waits = {j: wait_point(acc, j) for j in o}
+    prev = None
+    t = 0.0
+    for i in range(n):
+        t += acc.fwd_seconds[i]
+        due = [j for j in o if waits[j] <= i]
+        if not due:
+            continue
+        stall = m.var(lb=0.0, ub=INF)
+        terms = {o[j]: d2h[j] for j in due}
+        terms[stall] = -1.0
+        m.row(terms, hi=t)
+        if prev is not None:
+            m.row({stall: 1.0, prev: -1.0}, lo=0.0)
+        prev = stall
+    if prev is not None:
+        m.cost[prev] += 1.0
+    prev = None
+    t = 0.0
+    for i in range(n - 1, -1, -1):
+        needed = [s for s in off_of if max(acc.savers[s]) >= i]
+        if needed:
+            stall = m.var(lb=0.0, ub=INF)
+            terms: dict[int, float] = {stall: -1.0}
+            for s in needed:
+                x = o[off_of[s]]
+                terms[x] = terms.get(x, 0.0) + link.h2d_seconds(acc.nbytes[s])
+            m.row(terms, hi=t)
+            if prev is not None:
+                m.row({stall: 1.0, prev: -1.0}, lo=0.0)
+            prev = stall
+        t += acc.bwd_seconds[i]
+    if prev is not None:
+        m.cost[prev] += 1.0

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DECISIONS = ("keep", "recompute", "offload")
+MIN_OFFLOAD_BYTES = 1 << 16  # smaller saved storages are never offloaded: a copy's fixed cost outweighs them
 
 
 @dataclass
@@ -21,13 +22,22 @@ class Plan:
     the per-activation recompute decision of MONeT (Shah et al., ICLR 2021, section 3) and Checkmate,
     expressed as contiguous regions of the forward order so that PyTorch's own checkpoint runs it.
 
+    A node in ``offloads`` (outside every region) has the saved tensors it creates (storages of at least
+    ``MIN_OFFLOAD_BYTES``) copied to a host store when autograd saves them; their device memory is released
+    after its wait point, ``offload_waits[node]`` (the last node that reads them in the forward pass), and
+    they are prefetched back one node ahead of their first use in the backward pass (vDNN, Rhu et al., MICRO
+    2016, section 4).
+
     Attributes:
         strategy: name of the strategy that produced the plan (``none``, ``chen``, ``memfit``, ...).
         nodes: node names in forward order (the graph the plan was solved for).
         regions: checkpoint regions as ``[first, last]`` node names, inclusive, in forward order, disjoint.
             Two regions may touch (a boundary with no kept node between them).
-        decisions: node name -> ``keep`` | ``recompute`` | ``offload``; derived from ``regions`` for the
-            recompute-only runtime.
+        offloads: names of the nodes whose saved tensors are offloaded, in forward order.
+        offload_waits: offloaded node -> the node after which its device copies are released (``"<end>"``
+            for the end of the forward pass).
+        decisions: node name -> ``keep`` | ``recompute`` | ``offload``, derived from ``regions`` and
+            ``offloads``.
         variants: node name -> operator implementation; ``"default"`` for PyTorch's own.
         budget_bytes: the total-peak budget the plan was solved for, or ``None``.
         fixed_bytes: parameters, gradients, buffers, optimizer state and inputs (bytes).
@@ -41,6 +51,8 @@ class Plan:
     strategy: str
     nodes: list[str]
     regions: list[list[str]] = field(default_factory=list)
+    offloads: list[str] = field(default_factory=list)
+    offload_waits: dict[str, str] = field(default_factory=dict)
     decisions: dict[str, str] = field(default_factory=dict)
     variants: dict[str, str] = field(default_factory=dict)
     budget_bytes: int | None = None
@@ -52,11 +64,16 @@ class Plan:
     input_shapes: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.decisions:
-            self.decisions = {n: "keep" for n in self.nodes}
-            for lo, hi in self.region_spans():
-                for i in range(lo, hi + 1):
-                    self.decisions[self.nodes[i]] = "recompute"
+        self.decisions = {n: "keep" for n in self.nodes}
+        for name in self.offloads:
+            if name not in self.decisions:
+                raise ValueError(f"plan offloads node {name!r}, which is not in the graph")
+            self.decisions[name] = "offload"
+        for lo, hi in self.region_spans():
+            for i in range(lo, hi + 1):
+                if self.decisions[self.nodes[i]] == "offload":
+                    raise ValueError(f"plan both recomputes and offloads node {self.nodes[i]!r}")
+                self.decisions[self.nodes[i]] = "recompute"
         if not self.variants:
             self.variants = {n: "default" for n in self.nodes}
 

@@ -13,6 +13,11 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   region's forward is rerun up to that node and every tensor its nodes save is rematerialized; then the
   node's backward allocates the gradients of its inputs, frees the gradient of its output, and frees every
   storage whose last holder has now finished its backward.
+
+Offloaded storages (``memfit.solve.offload``) are copied on a copy stream that runs concurrently with compute:
+a copy starts when the stream is free and the storage has been saved, takes the link's measured time, and
+the compute waits for it at the storage's wait point (forward) or before its saver's backward (prefetch).
+The step time is the critical path of compute and those waits, as in vDNN and POFO.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from memfit.graph.ir import Graph
 from memfit.profile.costs import Costs
 from memfit.solve.accounting import Accounting
+from memfit.solve.offload import offloadable, trigger, wait_point
 from memfit.solve.plan import Plan
 
 
@@ -35,6 +41,8 @@ class Simulation:
         activation_peak_bytes: predicted peak above the fixed bytes.
         step_seconds: predicted step time (plain forward + backward + recomputation), seconds.
         recompute_seconds: the recomputation part of ``step_seconds``.
+        offload_stall_seconds: time the compute waits for copies to or from the host store.
+        host_peak_bytes: bytes held in the host store at once (every offloaded storage).
         timeline: ``(event, activation bytes live after it)`` in replay order.
     """
 
@@ -43,6 +51,8 @@ class Simulation:
     activation_peak_bytes: int
     step_seconds: float
     recompute_seconds: float
+    offload_stall_seconds: float = 0.0
+    host_peak_bytes: int = 0
     timeline: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -75,12 +85,40 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, fixed_bytes: int | None = N
         raise ValueError("the plan was solved for another graph (node names differ); solve again")
     spans = plan.region_spans()
     fixed = costs.fixed_bytes if fixed_bytes is None else fixed_bytes
-    return _replay(acc, spans, fixed)
+    choice = {k: v for k, v in plan.variants.items() if v != "default"}
+    if choice:
+        acc = Accounting.build(graph, costs.with_variants(choice))
+    index = {name: i for i, name in enumerate(plan.nodes)}
+    return _replay(acc, spans, fixed, [index[name] for name in plan.offloads])
 
 
-def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simulation:
+@dataclass
+class _Offloaded:
+    """One offloaded storage in the replay."""
+
+    kept: list[int]  # savers outside regions, forward order
+    wait: int  # node after which the device copy goes (acc.n: end of forward)
+    trigger: int | None  # node whose backward start prefetches it
+
+
+def _offloaded(acc: Accounting, reg: list[int], offloads) -> dict[int, _Offloaded]:
+    out = {}
+    for j in offloads:
+        if reg[j] >= 0:
+            continue
+        w = wait_point(acc, j)
+        for s in offloadable(acc, j):
+            kept = sorted(q for q in acc.savers[s] if reg[q] < 0)
+            if kept:
+                out[s] = _Offloaded(kept=kept, wait=w, trigger=trigger(acc, kept[-1]))
+    return out
+
+
+def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=()) -> Simulation:
     n = acc.n
     reg = region_of(n, spans)
+    off = _offloaded(acc, reg, offloads) if acc.link is not None else {}
+    link = acc.link
     # release[s]: node indices whose backward must finish before s can be freed (its holders)
     holders: dict[int, set[int]] = {s: set() for s in acc.activation}
     last_saver = []  # per region: the node whose backward triggers recomputation, and the frame's end
@@ -89,7 +127,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
         last_saver.append((max(savers), min(savers)) if savers else (None, lo))
     for s in acc.activation:
         for i in acc.savers[s]:
-            if reg[i] < 0:
+            if reg[i] < 0 and s not in off:
                 holders[s].add(i)
         for i in acc.consumers[s]:
             r = reg[i]
@@ -118,19 +156,41 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
         live -= nbytes
         timeline.append((label, live + grad))
 
+    clock = 0.0  # compute time so far
+    stream = 0.0  # when the copy stream is free
+    stall = 0.0
+    done: dict[int, float] = {}
+
+    def wait_for(t: float) -> None:
+        nonlocal clock, stall
+        if t > clock:
+            stall += t - clock
+            clock = t
+
     # forward
     for i in range(n):
         for s in acc.creates[i]:
             alive.add(s)
             alloc(acc.nbytes[s], f"fwd {i} alloc {s}")
         transient(acc.fwd_ws[i], f"fwd {i} workspace")
+        clock += acc.fwd_seconds[i]
+        for s, o in off.items():
+            if o.kept[0] == i:  # saved for the first time: the copy to the host starts
+                stream = max(stream, clock) + link.d2h_seconds(acc.nbytes[s])
+                done[s] = stream
+        for s, o in off.items():
+            if o.wait == i:
+                wait_for(done[s])
         for s in list(alive):
-            ended = acc.fwd_last[s] <= i
+            ended = acc.fwd_last[s] <= i if s not in off else off[s].wait <= i
             if s in acc.internal[i] and reg[i] >= 0:
                 ended = True
             if ended and not holders.get(s):
                 alive.discard(s)
                 free(acc.nbytes[s], f"fwd {i} free {s}")
+    for s, o in off.items():
+        if o.wait >= n:
+            wait_for(done[s])
     # the loss reads the outputs; backward starts with their gradients
     for s in list(alive):
         if s in acc.output_storages and not holders.get(s):
@@ -144,9 +204,17 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
     recompute_seconds = 0.0
+    ready: dict[int, float] = {}
+    fetched: dict[int, set[int]] = {}  # offloaded storage -> savers still to run their backward
     for i in range(n - 1, -1, -1):
         grad = acc.grad_before[i]
         r = reg[i]
+        for s, o in off.items():
+            if o.trigger == i:  # the backward pre-hook one node ahead starts the prefetch
+                alloc(acc.nbytes[s], f"prefetch {i} {s}")
+                stream = max(stream, clock) + link.h2d_seconds(acc.nbytes[s])
+                ready[s] = stream
+                fetched[s] = set(o.kept)
         if r >= 0 and last_saver[r][0] == i:
             lo, _ = spans[r]
             copies = set()
@@ -162,8 +230,19 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
                         transient(acc.nbytes[s], f"recompute {j} transient {s}")
                 transient(acc.fwd_ws[j], f"recompute {j} workspace")
             recomputed[r] = copies
+            clock += sum(acc.fwd_seconds[lo:i + 1])
+        for s, o in off.items():
+            if i in o.kept:
+                if s in fetched:
+                    wait_for(ready[s])
+                else:  # no prefetch: loaded when unpacked, and freed with this saver's backward
+                    alloc(acc.nbytes[s], f"load {i} {s}")
+                    stream = max(stream, clock) + link.h2d_seconds(acc.nbytes[s])
+                    wait_for(stream)
+                    fetched[s] = {i}
         grad = acc.grad_during[i]
         transient(acc.bwd_ws[i], f"bwd {i} workspace")
+        clock += acc.bwd_seconds[i]
         grad = acc.grad_before[i - 1] if i > 0 else 0
         for s in list(alive):
             h = holders.get(s)
@@ -179,6 +258,11 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int) -> Simula
                 if not h:
                     recomputed[r].discard(s)
                     free(acc.nbytes[s], f"bwd {i} free copy {s}")
-    step = sum(acc.fwd_seconds) + sum(acc.bwd_seconds) + recompute_seconds
+        for s in list(fetched):
+            fetched[s].discard(i)
+            if not fetched[s]:
+                del fetched[s]
+                free(acc.nbytes[s], f"bwd {i} free prefetched {s}")
     return Simulation(peak_bytes=fixed + peak, fixed_bytes=fixed, activation_peak_bytes=peak,
-                      step_seconds=step, recompute_seconds=recompute_seconds, timeline=timeline)
+                      step_seconds=clock, recompute_seconds=recompute_seconds, offload_stall_seconds=stall,
+                      host_peak_bytes=sum(acc.nbytes[s] for s in off), timeline=timeline)

@@ -11,10 +11,12 @@ from memfit.solve.accounting import Accounting
 from memfit.solve.baselines import block_spans, chen_spans
 from memfit.solve.ilp import solve_regions
 from memfit.solve.legal import legalize
+from memfit.solve.offload import candidates, conv_input_producers, offload_waits
 from memfit.solve.plan import Plan
 from memfit.solve.simulator import _replay
 
-STRATEGIES = ("none", "chen", "checkpoint-all", "remat-ilp", "memfit")
+STRATEGIES = ("none", "chen", "checkpoint-all", "vdnn-all", "vdnn-conv", "remat-ilp", "memfit")
+OFFLOAD_STRATEGIES = ("vdnn-all", "vdnn-conv")
 
 Spans = list[tuple[int, int]]
 
@@ -43,24 +45,30 @@ class _Problem:
     """One planning problem: the graph, its profile, the fixed bytes and the variants allowed."""
 
     def __init__(self, strategy: str, graph: Graph, costs: Costs, fixed: int, budget: int | None,
-                 use_variants: bool):
+                 use_variants: bool, use_offload: bool = False):
         self.t0 = time.perf_counter()
         self.strategy, self.graph, self.costs, self.fixed, self.budget = strategy, graph, costs, fixed, budget
         self.acc = Accounting.build(graph, costs)
         self.names = [n.name for n in graph.nodes]
         self.options = [c.variants for c in costs.nodes] if use_variants else None
+        self.offload = use_offload and costs.link is not None
         self.plain = _replay(self.acc, [], fixed)
         self.margin = _margin(self.plain.peak_bytes - fixed)
 
-    def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None) -> Plan:
+    def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
+               offloads: list[int] | None = None) -> Plan:
         """Legalize, replay and package a plan."""
         spans = legalize(self.acc, spans)
+        inside = {i for lo, hi in spans for i in range(lo, hi + 1)}
+        offloads = sorted(j for j in (offloads or []) if j not in inside)
         choice = {self.names[i]: name for i, name in (variants or {}).items()}
         acc = Accounting.build(self.graph, self.costs.with_variants(choice)) if choice else self.acc
-        sim = _replay(acc, spans, self.fixed)
+        sim = _replay(acc, spans, self.fixed, offloads)
         plan = Plan.from_spans(self.strategy, self.names, spans, budget_bytes=self.budget, fixed_bytes=self.fixed,
                                predicted_peak_bytes=sim.peak_bytes, predicted_step_seconds=sim.step_seconds,
-                               solve_seconds=time.perf_counter() - self.t0, mip_gap=gap)
+                               solve_seconds=time.perf_counter() - self.t0, mip_gap=gap,
+                               offloads=[self.names[j] for j in offloads],
+                               offload_waits=offload_waits(self.acc, self.names, offloads))
         plan.variants.update(choice)
         return plan
 
@@ -69,9 +77,12 @@ class _Problem:
         per block, Chen's segments and a single region."""
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
                  self.finish([(0, self.acc.n - 1)])]
-        res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True, variants=self.options)
+        if self.offload:
+            plans.append(self.finish([], offloads=candidates(self.acc)))
+        res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True, variants=self.options,
+                            offload=self.offload)
         if res.spans is not None:
-            plans.insert(0, self.finish(res.spans, variants=res.variants))
+            plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
         return plans
 
     def smallest_feasible(self, time_limit: float) -> int:
@@ -79,45 +90,57 @@ class _Problem:
 
 
 def smallest_feasible(graph: Graph, costs: Costs, fixed: int, time_limit: float = 20.0,
-                      use_variants: bool = True) -> int:
+                      use_variants: bool = True, use_offload: bool = True) -> int:
     """The smallest budget (bytes) for which :func:`make_plan` finds a ``memfit`` plan (``remat-ilp`` with
-    ``use_variants=False``): the lowest simulated peak among the lowest-memory plans memfit knows, plus the
-    safety margin."""
-    return _Problem("memfit", graph, costs, fixed, None, use_variants).smallest_feasible(time_limit)
+    ``use_variants=False`` and ``use_offload=False``): the lowest simulated peak among the lowest-memory
+    plans memfit knows, plus the safety margin."""
+    return _Problem("memfit", graph, costs, fixed, None, use_variants, use_offload).smallest_feasible(time_limit)
 
 
 def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | None = None,
-              fixed_bytes: int | None = None, time_limit: float = 20.0, use_variants: bool = True) -> Plan:
+              fixed_bytes: int | None = None, time_limit: float = 20.0, use_variants: bool = True,
+              use_offload: bool = True) -> Plan:
     """Make a plan with one strategy.
 
     Args:
         strategy: ``none`` (keep everything), ``chen`` (sqrt(n) segments, Chen et al. 2016),
-            ``checkpoint-all`` (each block its own checkpoint region), ``remat-ilp`` (the integer program,
-            recomputation only, Checkmate-like) or ``memfit`` (the integer program choosing recomputation
-            and operator variants jointly, MONeT-like).
+            ``checkpoint-all`` (each block its own checkpoint region), ``vdnn-all`` / ``vdnn-conv``
+            (offload every saved activation / the inputs of convolutions, vDNN, Rhu et al., MICRO 2016),
+            ``remat-ilp`` (the integer program, recomputation only, Checkmate-like) or ``memfit`` (the
+            integer program choosing recomputation, offloading and operator variants jointly).
         graph, costs: the captured graph and its profile.
         budget_bytes: total-peak budget in bytes (the integer programs need it; heuristics only record it).
         fixed_bytes: fixed bytes (default ``costs.fixed_bytes``; add optimizer state).
         time_limit: solver time limit (seconds).
-        use_variants: let ``memfit`` use operator variants (``False`` makes it ``remat-ilp``).
+        use_variants: let ``memfit`` use operator variants.
+        use_offload: let ``memfit`` offload activations (needs ``costs.link``, the measured copy costs).
 
     Returns:
         :class:`Plan` with predicted peak and step time.
 
     Raises:
-        ValueError: unknown strategy, or an integer program without a budget.
+        ValueError: unknown strategy, an integer program without a budget, or an offloading strategy
+            without measured copy costs (profile with an offload store).
         InfeasibleBudgetError: no plan under the budget; names the smallest feasible one.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     fixed = costs.fixed_bytes if fixed_bytes is None else fixed_bytes
-    prob = _Problem(strategy, graph, costs, fixed, budget_bytes, use_variants and strategy == "memfit")
+    if strategy in OFFLOAD_STRATEGIES and costs.link is None:
+        raise ValueError(f"the {strategy} strategy offloads: profile with an offload store (memfit.plan(..., "
+                         "offload=True) or --offload-dir) so that the copy costs are measured")
+    joint = strategy == "memfit"
+    prob = _Problem(strategy, graph, costs, fixed, budget_bytes, use_variants and joint, use_offload and joint)
     if strategy == "none":
         return prob.finish([])
     if strategy == "chen":
         return prob.finish(chen_spans(prob.acc))
     if strategy == "checkpoint-all":
         return prob.finish(block_spans(graph))
+    if strategy == "vdnn-all":
+        return prob.finish([], offloads=candidates(prob.acc))
+    if strategy == "vdnn-conv":
+        return prob.finish([], offloads=conv_input_producers(graph, prob.acc))
     if budget_bytes is None:
         raise ValueError(f"the {strategy} strategy needs a budget (bytes or a percentage)")
     return _solve(prob, budget_bytes, time_limit)
@@ -147,6 +170,9 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
 
     for spans in (chen_spans(acc), block_spans(prob.graph)):  # cheap incumbents to start the search from
         consider(prob.finish(spans))
+    if prob.offload:  # so the joint plan is never slower than offloading alone
+        consider(prob.finish([], offloads=candidates(acc)))
+        consider(prob.finish([], offloads=conv_input_producers(prob.graph, acc)))
     target, ok_target, bad_target = limit - fixed, None, None
     plan: Plan | None = None
     for _ in range(8):
@@ -154,13 +180,15 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
         if target <= 0 or remaining <= 0.5:
             break
         res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2), variants=prob.options,
-                            start_spans=best.region_spans() if best is not None and not prob.options else None)
+                            offload=prob.offload,
+                            start_spans=best.region_spans() if best is not None and not prob.options
+                            and not prob.offload else None)
         if res.spans is None:
             if "nfeasible" not in res.status:
                 break  # out of time without a solution: keep what we have
             bad_target = target
         else:
-            plan = prob.finish(res.spans, gap=res.mip_gap, variants=res.variants)
+            plan = prob.finish(res.spans, gap=res.mip_gap, variants=res.variants, offloads=res.offloads)
             if consider(plan):
                 ok_target = target
                 if limit - plan.predicted_peak_bytes <= margin // 2:

@@ -1,0 +1,205 @@
+"""Offloading saved activations to a host store and prefetching them back (vDNN, Rhu et al., MICRO 2016).
+
+One :class:`OffloadStep` serves one forward call of a planned module and the backward passes of its graph.
+Its ``pack`` / ``unpack`` methods are ``torch.autograd.graph.saved_tensors_hooks``:
+
+* forward: a tensor that autograd saves, created by a node the plan offloads, is copied to the host store on
+  the copy engine (a side stream) when it is saved. A storage saved by several nodes, or through several
+  views, moves once (keyed by storage and version). After the plan's *wait point* of its producer (the node
+  after which nothing reads it in the forward pass), the step waits for the copy and drops its device
+  reference, so the device memory is released there, as the simulator assumes;
+* backward: a pre-hook on the autograd node of the node that runs just before the saver in the backward pass
+  (one node ahead) allocates the device copy and starts the host-to-device copy; ``unpack`` waits for it. An
+  unpack without a prefetch (``retain_graph=True`` and a second backward, ``torch.autograd.grad`` over part
+  of the graph) loads synchronously, so results never depend on timing;
+* a saved tensor that was modified in place after it was offloaded raises the error autograd raises for a
+  stale saved tensor, instead of silently using the old copy.
+
+Parameters and buffers are never offloaded; checkpoint regions use their own hooks, so nodes inside them
+never reach ``pack``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from memfit.runtime.stores import CopyEngine, as_bytes
+from memfit.solve.plan import MIN_OFFLOAD_BYTES
+
+
+class _Saved:
+    """One offloaded storage: its host copy and, during a backward pass, its prefetched device copy."""
+
+    __slots__ = ("__weakref__", "fetch", "host", "key", "left", "nbytes", "node", "packs", "savers", "sources", "ticket")
+
+    def __init__(self, nbytes: int, node: int, ticket):
+        self.nbytes = nbytes
+        self.node = node  # producer node index
+        self.key = (0, 0)
+        self.sources: list[weakref.ref] = []  # the tensors packed from it (the storage is alive while one is)
+        self.savers: set[int] = set()
+        self.ticket = ticket  # the device-to-host copy until waited for
+        self.host: torch.Tensor | None = None
+        self.packs = 0  # saved variables that refer to this storage
+        self.left = 0  # unpacks still expected for the prefetched copy
+        self.fetch = None  # ticket of the prefetch (host-to-device)
+
+
+@dataclass
+class _Packed:
+    """What autograd holds instead of a saved tensor: a view of an offloaded storage."""
+
+    saved: _Saved
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+    version: int
+    source: weakref.ref = field(repr=False)
+    name: str = ""
+
+
+class OffloadStep:
+    """The offloading state of one forward call (see the module docstring).
+
+    Args:
+        engine: copies and the host store.
+        offload_nodes: indices of the nodes whose saved tensors are offloaded.
+        names: node names in forward order (for error messages).
+        fixed_ptrs: storage addresses of parameters and buffers (never offloaded).
+    """
+
+    def __init__(self, engine: CopyEngine, offload_nodes: set[int], names: list[str], fixed_ptrs: set[int]):
+        self.engine = engine
+        self.offload_nodes = offload_nodes
+        self.names = names
+        self.fixed_ptrs = fixed_ptrs
+        self.current = -1  # index of the node running now
+        self.producer: dict[int, tuple[int, list[weakref.ref]]] = {}  # storage address -> (node, live refs)
+        self.by_key: dict[tuple[int, int], _Saved] = {}  # (storage address, version) while the storage lives
+        self.by_node: dict[int, list[_Saved]] = {}
+        self.grad_fns: dict[int, object] = {}
+
+    # forward ------------------------------------------------------------------------------------------
+    def produced(self, index: int, tensors: list[torch.Tensor]) -> None:
+        """Record node ``index``'s output tensors (and its autograd node, the prefetch trigger)."""
+        for t in tensors:
+            if t.grad_fn is not None and index not in self.grad_fns:
+                self.grad_fns[index] = t.grad_fn
+            ptr = t.untyped_storage().data_ptr()
+            entry = self.producer.get(ptr)
+            if entry is not None and any(r() is not None for r in entry[1]):
+                entry[1].append(weakref.ref(t))  # a view or in-place result of an existing storage
+            else:
+                self.producer[ptr] = (index, [weakref.ref(t)])
+
+    def _producer_of(self, ptr: int) -> int:
+        entry = self.producer.get(ptr)
+        if entry is not None and any(r() is not None for r in entry[1]):
+            return entry[0]
+        return self.current  # a tensor the running node made and has not returned (an internal)
+
+    def pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or t.is_sparse:
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.fixed_ptrs or storage.nbytes() < MIN_OFFLOAD_BYTES:
+            return t
+        node = self._producer_of(ptr)
+        if node not in self.offload_nodes:
+            return t
+        key = (ptr, t._version)
+        saved = self.by_key.get(key)
+        if saved is not None and not any(r() is not None for r in saved.sources):
+            saved = None  # every tensor seen on that storage is gone: the address may belong to a new one
+        if saved is None:
+            saved = _Saved(storage.nbytes(), node, self.engine.offload(as_bytes(t)))
+            saved.key = key
+            self.by_key[key] = saved
+            self.by_node.setdefault(node, []).append(saved)
+        saved.sources.append(weakref.ref(t))
+        saved.savers.add(self.current)
+        saved.packs += 1
+        return _Packed(saved, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad,
+                       t._version, weakref.ref(t), self.names[self.current] if self.current >= 0 else "")
+
+    def release(self, node: int) -> None:
+        """The wait point of ``node``: wait for its copies and drop the device references."""
+        for saved in self.by_node.get(node, []):
+            if saved.ticket is not None:
+                saved.host = self.engine.wait(saved.ticket)
+                saved.ticket = None
+            # the device storage may now be freed and its address reused by a new tensor
+            if self.by_key.get(saved.key) is saved:
+                del self.by_key[saved.key]
+
+    def finish_forward(self) -> None:
+        """After the forward: finish every copy and arm the prefetches (one node ahead of each saver)."""
+        for node in list(self.by_node):
+            self.release(node)
+        order = sorted(self.grad_fns)
+        triggers: dict[int, list[_Saved]] = {}
+        for saved in (s for group in self.by_node.values() for s in group):
+            last = max(saved.savers)
+            later = [k for k in order if k > last]
+            trigger = later[0] if later else (last if last in self.grad_fns else None)
+            if trigger is not None:
+                triggers.setdefault(trigger, []).append(saved)
+        for k, group in triggers.items():
+            self.grad_fns[k].register_prehook(_Prefetch(self.engine, group))
+        self.producer.clear()
+        self.by_key.clear()
+        self.grad_fns.clear()
+
+    # backward -----------------------------------------------------------------------------------------
+    def unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        source = packed.source()
+        if source is not None and source._version != packed.version:
+            raise RuntimeError(
+                f"memfit: a tensor saved for backward by node {packed.name!r} was offloaded to host memory and "
+                f"then modified by an in-place operation (version {packed.version} -> {source._version}); "
+                "the offloaded copy is stale. Avoid the in-place operation, or plan without offloading "
+                "(offload=False).")
+        return _load(self.engine, packed)
+
+
+class _Prefetch:
+    """Backward pre-hook that starts the host-to-device copies of a group of offloaded storages."""
+
+    def __init__(self, engine: CopyEngine, group: list[_Saved]):
+        self.engine = engine
+        self.group = [weakref.ref(s) for s in group]
+
+    def __call__(self, grad_outputs):
+        for ref in self.group:
+            saved = ref()
+            if saved is None or saved.host is None or saved.fetch is not None:
+                continue
+            dst = torch.empty(saved.nbytes, dtype=torch.uint8, device=self.engine.device)
+            saved.fetch = self.engine.fetch(saved.host, dst)
+            saved.left = saved.packs
+
+
+def _load(engine: CopyEngine, packed: _Packed) -> torch.Tensor:
+    saved = packed.saved
+    if saved.host is None and saved.ticket is not None:
+        saved.host = engine.wait(saved.ticket)
+        saved.ticket = None
+    if saved.fetch is not None:
+        data = engine.wait(saved.fetch)
+        saved.left -= 1
+        if saved.left <= 0:
+            saved.fetch = None  # every saver has its copy: the device memory goes with the last of them
+    else:
+        data = torch.empty(saved.nbytes, dtype=torch.uint8, device=engine.device)
+        engine.wait(engine.fetch(saved.host, data))
+    out = torch.empty(0, dtype=packed.dtype, device=data.device)
+    out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
+    return out

@@ -1,0 +1,185 @@
+"""Host stores for offloaded activations, and the copy engine that moves them on a side stream.
+
+A store hands out flat ``uint8`` host buffers and counts the bytes it holds (``live_bytes``, ``peak_bytes``),
+separately from the device's own memory, which the memory tracker counts (DESIGN.md, "What memory means").
+
+* :class:`PinnedStore` (CUDA): page-locked host memory from PyTorch's caching host allocator, a reusable pool,
+  so that copies run asynchronously (vDNN, Rhu et al., MICRO 2016, section 4.1).
+* :class:`DiskStore` (CPU or CUDA): memory-mapped files in a directory the user names. On the CPU, where
+  "device" and host are the same RAM, it is what makes offloading lower the process's memory: the pages
+  belong to the file and the kernel can write them back to disk. The files are unlinked at once, so nothing
+  is left behind, even after a crash.
+
+:class:`CopyEngine` runs the copies concurrently with compute: on a CUDA side stream with events, on the CPU on
+one worker thread (PyTorch releases the GIL inside ``copy_``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class HostStore:
+    """Base class: allocation of host buffers and their byte counts (bytes)."""
+
+    kind = "host"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.total_bytes = 0  # bytes written since the last reset_peak()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A 1-D ``uint8`` host tensor of ``nbytes`` bytes; its bytes count as live until it is freed."""
+        buf = self._allocate(max(1, nbytes))
+        with self._lock:
+            self.live_bytes += nbytes
+            self.total_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(buf, self._release, nbytes)
+        return buf
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.live_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        """Start a new measurement: the peak becomes what is live now."""
+        with self._lock:
+            self.peak_bytes = self.live_bytes
+            self.total_bytes = 0
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.kind
+
+
+class PinnedStore(HostStore):
+    """Page-locked host memory from PyTorch's caching host allocator (reused across steps). CUDA only."""
+
+    kind = "pinned"
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class DiskStore(HostStore):
+    """Memory-mapped files in ``directory`` (created if missing), one per offloaded storage, unlinked at once.
+
+    Args:
+        directory: where the files go. A local disk or SSD; a tmpfs directory (``/dev/shm``, and ``/tmp`` on
+            some systems) keeps the pages in RAM and saves nothing.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+
+    kind = "disk"
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.directory, os.W_OK):
+            raise OSError(f"memfit: the offload directory {self.directory} is not writable; name another one")
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        fd, path = tempfile.mkstemp(prefix="memfit-offload-", suffix=".bin", dir=self.directory)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapped = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return torch.from_numpy(mapped)
+
+    def describe(self) -> str:
+        return f"disk:{self.directory}"
+
+
+def default_store(device: torch.device, directory: str | os.PathLike | None = None) -> HostStore:
+    """The store memfit uses on ``device``: a :class:`DiskStore` in ``directory`` when one is named, else
+    pinned memory on CUDA and a :class:`DiskStore` in a fresh temporary directory on the CPU."""
+    if directory is not None:
+        return DiskStore(directory)
+    if device.type == "cuda":
+        return PinnedStore()
+    return DiskStore(tempfile.mkdtemp(prefix="memfit-offload-"))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as a flat ``uint8`` tensor (a view, no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class CopyEngine:
+    """Copies between the device and a :class:`HostStore`, concurrent with compute.
+
+    ``offload(src)`` starts a device-to-host copy of the ``uint8`` tensor ``src`` into a new store buffer and
+    returns a ticket; ``fetch(host, dst)`` starts a host-to-device copy into ``dst``. ``wait(ticket)`` makes
+    the caller's stream (CUDA) or thread (CPU) wait for the copy and returns the destination. The source of
+    an offload is referenced by the ticket until :meth:`wait` returns, so its device memory is released when
+    the caller drops its own references after the wait, never before the copy has read it.
+    """
+
+    def __init__(self, store: HostStore, device: torch.device) -> None:
+        self.store = store
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device=device)
+        else:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-offload")
+
+    def offload(self, src: torch.Tensor):
+        if self.cuda:
+            host = self.store.allocate(src.numel())
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return [event, host, src]
+
+        def job() -> torch.Tensor:
+            host = self.store.allocate(src.numel())
+            host.copy_(src)
+            return host
+
+        # the source is released by wait(), on the caller's thread: the memory tracker (the profiler) records
+        # the frees of the thread it runs on only
+        return [self.pool.submit(job), None, src]
+
+    def fetch(self, host: torch.Tensor, dst: torch.Tensor):
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dst.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return [event, dst, None]
+        future: Future = self.pool.submit(lambda: dst.copy_(host))
+        return [future, dst, None]
+
+    def wait(self, ticket) -> torch.Tensor:
+        """Wait for the copy of ``ticket``; return its destination (the host buffer of an offload, the
+        device tensor of a fetch)."""
+        sync, dest, _ = ticket
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(sync)
+            ticket[2] = None  # the source may be freed: later kernels on this stream run after the copy
+            return dest
+        result = sync.result()
+        ticket[2] = None
+        return dest if dest is not None else result
