@@ -153,8 +153,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             for s_ in offloadable(acc, j):
                 off_of[s_] = j
         if fix_spans is not None:  # a fixed plan is read without offloading
-            for j in o:
-                m.ub[o[j]] = 0.0
+            for x in o.values():
+                m.ub[x] = 0.0
     variant_storage = {sid: (i, name) for i in range(n) for name, vc in options[i].items() for sid in vc.creates}
     acts = [s for s in acc.activation] + sorted(variant_storage)
     h = {s: m.var() for s in acts}
@@ -381,7 +381,7 @@ def _copy_stream_time(m: _Model, acc: Accounting, o: dict[int, int], off_of: dic
     for j, x in o.items():
         local = 0.0
         for s in by_node[j]:
-            lo_w, hi_w = window[s]
+            hi_w = window[s][1]
             ahead = acc.bwd_seconds[hi_w] if hi_w != max(acc.savers[s]) else 0.0
             local += max(0.0, link.h2d_seconds(acc.nbytes[s]) - ahead) + 2e-5
         m.cost[x] += local
