@@ -35,6 +35,34 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _offload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="directory for the disk store of offloaded activations (memory-mapped files, deleted "
+                   "as soon as made; created if missing). On the CPU this turns offloading on (vDNN); use a "
+                   "real disk, not tmpfs")
+    g.add_argument("--no-offload", action="store_true",
+                   help="never offload activations (on CUDA memfit otherwise may, to pinned host memory)")
+
+
+def _offload(args) -> bool | None:
+    """``offload`` for :func:`memfit.api.plan`: False with ``--no-offload``, else None (the default rule)."""
+    return False if getattr(args, "no_offload", False) else None
+
+
+def _check_offload_dir(path: str) -> str | None:
+    """Why ``path`` cannot hold the disk store (``None`` if it can); creates the directory if missing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--offload-dir {path}: not a directory (it is a file); name a directory (created if missing)"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"--offload-dir {path}: cannot create the directory ({exc.strerror})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--offload-dir {path}: the directory is not writable; name another one"
+    return None
+
+
 def _positive(text: str) -> int:
     """argparse type: a whole number >= 1."""
     try:
@@ -66,6 +94,9 @@ def _report_table(r: dict) -> Table:
     t.add_row("fixed", fmt_bytes(b["fixed_bytes"]), fmt_bytes(b["fixed_bytes"]), "")
     t.add_row("activation peak", fmt_bytes(b["activation_peak_bytes"]), fmt_bytes(p["activation_peak_bytes"]),
               fmt_bytes(p["predicted_peak_bytes"] - b["fixed_bytes"]))
+    host = p.get("host_peak_bytes") or 0
+    if host:
+        t.add_row("host peak (offload)", "", fmt_bytes(host), "")
     t.add_row("step time", f"{b['step_seconds']:.3f} s", f"{p['step_seconds']:.3f} s",
               f"{p['predicted_step_seconds']:.3f} s")
     t.add_row("overhead", "1.00x", f"{r['overhead']:.2f}x", "")
@@ -73,6 +104,8 @@ def _report_table(r: dict) -> Table:
     t.add_row("decisions", "", f"keep {d['keep']} / recompute {d['recompute']} / offload {d['offload']}", "")
     if d["variants"]:
         t.add_row("operator variants", "", ", ".join(f"{k} x{v}" for k, v in sorted(d["variants"].items())), "")
+    if r.get("offload_store"):
+        t.add_row("offload store", "", r["offload_store"], "")
     gap = "-" if r["mip_gap"] is None else f"{r['mip_gap']:.3f}"
     t.add_row("solve", "", f"{r['solve_seconds']:.2f} s (gap {gap})", "")
     ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
@@ -88,7 +121,8 @@ def cmd_run(args) -> int:
     console = Console()
     with console.status(f"measuring plain PyTorch, profiling and solving {args.model} ..."):
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
-                         args.time_limit, args.seed, variants=not args.no_variants)
+                         args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
+                         offload_dir=args.offload_dir)
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -101,19 +135,22 @@ def cmd_plan(args) -> int:
     import torch
 
     from memfit import zoo
-    from memfit.api import plan
+    from memfit.api import offload_store, plan
 
     batch, size = _sizes(args)
     model = zoo.build_model(args.model, seed=args.seed).to(args.device).train()
     images, _ = zoo.example_batch(args.model, batch, size, device=args.device, seed=args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    store = offload_store((images,), args.strategy, _offload(args), args.offload_dir)
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
-                        time_limit=args.time_limit, variants=not args.no_variants)
+                        time_limit=args.time_limit, variants=not args.no_variants, offload=_offload(args),
+                        offload_dir=args.offload_dir, _store=store)
     result.save(args.out)
     c = result.counts()
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
                     f"{fmt_bytes(result.predicted_peak_bytes)} (fixed {fmt_bytes(result.fixed_bytes)}), "
-                    f"step {result.predicted_step_seconds:.3f} s; keep {c['keep']}, recompute {c['recompute']};"
+                    f"step {result.predicted_step_seconds:.3f} s; keep {c['keep']}, recompute {c['recompute']},"
+                    f" offload {c['offload']}{'' if store is None else ' (to ' + store.describe() + ')'};"
                     f" {len(result.regions)} checkpoint region(s); wrote {args.out}")
     return 0
 
@@ -134,7 +171,14 @@ def cmd_bench(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memfit.bench import peers
-    from memfit.bench.sweep import parse_fractions, results_table, sweep, write_results, zoo_workload
+    from memfit.bench.sweep import (
+        default_strategies,
+        parse_fractions,
+        results_table,
+        sweep,
+        write_results,
+        zoo_workload,
+    )
 
     batch, size = _sizes(args)
     budgets = parse_fractions(args.budgets, percent_only=True)
@@ -148,6 +192,9 @@ def cmd_bench(args) -> int:
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror})") from None
     backends = [peers.AOT_EAGER] + ([peers.INDUCTOR] if args.inductor else [])
+    strategies = (args.strategies.split(",") if args.strategies is not None
+                  else default_strategies(args.device, args.offload_dir, _offload(args)))
+    _check_vdnn(strategies, args)
     console = _wide_console()
     work = zoo_workload(args.model, batch, size, args.device, args.seed)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -157,9 +204,10 @@ def cmd_bench(args) -> int:
         def progress(text: str, done: int, total: int) -> None:
             bar.update(task, description=text, completed=done, total=total)
 
-        baseline, rows = sweep(work, budgets, args.strategies.split(","), steps=args.steps,
+        baseline, rows = sweep(work, budgets, strategies, steps=args.steps,
                                torch_budgets=torch_budgets, torch_backends=backends, time_limit=args.time_limit,
-                               seed=args.seed, progress=progress)
+                               seed=args.seed, progress=progress, offload=_offload(args),
+                               offload_dir=args.offload_dir)
     from memfit.bench.sweep import machine_line
 
     paths = write_results(rows, baseline, out, title=f"{args.model} batch {batch} {size}x{size} on {args.device}"
@@ -178,6 +226,8 @@ def cmd_max_batch(args) -> int:
 
     size = args.image_size or zoo.default_size(args.model)[1]
     console = _wide_console()
+    strategies = [s for s in args.strategies.split(",") if s]
+    _check_vdnn(strategies, args)
     if (args.budget is None) == (args.budget_from_batch is None):
         raise ValueError("give exactly one of --budget (bytes, e.g. '2GiB') and --budget-from-batch N")
     if args.budget is not None:
@@ -192,15 +242,16 @@ def cmd_max_batch(args) -> int:
                       f"{budget_bytes} bytes ({fmt_bytes(budget_bytes)})")
     backend = peers.INDUCTOR if args.inductor else peers.AOT_EAGER
     with console.status("searching ...") as status:
-        results = zoo_max_batch(args.model, size, budget_bytes, [s for s in args.strategies.split(",") if s],
+        results = zoo_max_batch(args.model, size, budget_bytes, strategies,
                                 device=args.device, seed=args.seed, start=args.start_batch,
                                 limit=args.batch_limit, backend=backend, time_limit=args.time_limit,
+                                offload=_offload(args), offload_dir=args.offload_dir,
                                 progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
     console.print(max_batch_table(results, budget_bytes, title=f"memfit max-batch: {args.model} {size}x{size} "
                                   f"on {args.device}, budget {fmt_bytes(budget_bytes)} (total peak, measured)"))
     if args.json:
         report = {"model": args.model, "image_size": size, "device": args.device, "budget_bytes": budget_bytes,
-                  "budget_from_batch": args.budget_from_batch,
+                  "budget_from_batch": args.budget_from_batch, "offload_dir": args.offload_dir,
                   "results": [r.to_dict() for r in results]}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -208,10 +259,21 @@ def cmd_max_batch(args) -> int:
     return 0
 
 
+def _check_vdnn(strategies: list[str], args) -> None:
+    """``--no-offload`` contradicts the vDNN strategies, which always offload."""
+    from memfit.solve.strategies import OFFLOAD_STRATEGIES
+
+    clash = [s for s in strategies if s.partition(":")[0] in OFFLOAD_STRATEGIES]
+    if clash and getattr(args, "no_offload", False):
+        raise ValueError(f"--no-offload contradicts --strategies {','.join(clash)}: the vDNN strategies always "
+                         "offload; drop one of the two")
+
+
 def _add_bench_commands(sub) -> None:
     from memfit import zoo
     from memfit.bench.maxbatch import MAXBATCH_STRATEGIES
     from memfit.bench.sweep import ALL_STRATEGIES, BENCH_STRATEGIES
+    from memfit.solve.strategies import OFFLOAD_STRATEGIES, STRATEGIES
 
     p = sub.add_parser("bench", help="sweep strategies x budgets (and PyTorch's own budget) and measure each "
                        "one; budgets are %% of plain PyTorch's ACTIVATION peak",
@@ -224,8 +286,9 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--image-size", type=_positive, default=None, help="image side in pixels")
     p.add_argument("--budgets", default="100%,70%,50%,40%,33%,25%",
                    help="percentages of plain PyTorch's ACTIVATION peak (total = fixed + %% x activation peak)")
-    p.add_argument("--strategies", default=",".join(BENCH_STRATEGIES),
-                   help=f"comma-separated, from {', '.join(ALL_STRATEGIES)}")
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated, from {', '.join(ALL_STRATEGIES)} (default {','.join(BENCH_STRATEGIES)}"
+                   f", plus {','.join(OFFLOAD_STRATEGIES)} with --offload-dir or on CUDA)")
     p.add_argument("--torch-budgets", default="1.0,0.5,0.3,0.1,0.0",
                    help="values of torch._functorch.config.activation_memory_budget for torch-budget")
     p.add_argument("--inductor", action="store_true",
@@ -236,6 +299,7 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
     p.add_argument("--seed", type=int, default=0)
+    _offload_flags(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("max-batch", help="the largest batch each strategy trains within a total-peak budget, "
                        "found by measuring")
@@ -245,8 +309,8 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--budget-from-batch", type=int, default=None, metavar="N",
                    help="instead of --budget: plain PyTorch's measured total peak at batch N")
     p.add_argument("--strategies", default=",".join(MAXBATCH_STRATEGIES),
-                   help="comma-separated: none, chen, checkpoint-all, remat-ilp, memfit, torch-budget[:K] (plain PyTorch "
-                   "is always measured as the reference)")
+                   help=f"comma-separated: {', '.join(STRATEGIES)}, torch-budget[:K] (plain PyTorch is always "
+                   "measured as the reference)")
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
     p.add_argument("--start-batch", type=_positive, default=2, help="first batch probed (BatchNorm needs 2)")
     p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
@@ -255,6 +319,7 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
     p.add_argument("--seed", type=int, default=0)
+    _offload_flags(p)
     p.set_defaults(func=cmd_max_batch)
 
 
@@ -262,14 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``memfit`` command."""
     parser = argparse.ArgumentParser(prog="memfit", description="Fit deep-network training into a memory "
                                      "budget (recompute activations where it costs least).")
+    from memfit.solve.strategies import OFFLOAD_STRATEGIES
+
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="measure plain PyTorch, solve, train with the plan, compare")
     _common(p)
     p.add_argument("--steps", type=_positive, default=5, help="timed steps per setup (interleaved with plain)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
+    _offload_flags(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="solve only and save the plan as JSON")
     _common(p)
+    _offload_flags(p)
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
@@ -285,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available on this machine (use --device cpu)")
+    if getattr(args, "offload_dir", None) is not None:
+        why = _check_offload_dir(args.offload_dir)
+        if why:
+            parser.error(why)
+    if getattr(args, "no_offload", False) and getattr(args, "strategy", None) in OFFLOAD_STRATEGIES:
+        parser.error(f"--no-offload contradicts --strategy {args.strategy}: the vDNN strategies always offload")
     for flag in ("json", "out") if args.command == "plan" else ("json",):
         path = getattr(args, flag, None)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):

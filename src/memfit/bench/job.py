@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from memfit import zoo
+from memfit.api import offload_store
 from memfit.api import plan as make_plan_for
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.graph.capture import capture
@@ -24,7 +25,8 @@ def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, se
 
 def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable, baseline: StepFigures,
                      strategy: str, budget, steps: int = 5, time_limit: float = 20.0, seed: int = 0,
-                     plan_out: str | None = None, variants: bool = True) -> dict:
+                     plan_out: str | None = None, variants: bool = True, offload: bool | None = None,
+                     offload_dir: str | None = None) -> dict:
     """Solve ``strategy`` for ``budget`` on a copy of ``model``, train with the plan, and report.
 
     Memory and gradients come from :func:`measure_training` (3 steps from the same initial weights as
@@ -32,7 +34,10 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     :func:`interleaved_step_seconds` over ``steps`` rounds, so ``overhead`` is a ratio of medians measured
     at the same time.
 
-    ``variants=False`` keeps the ``memfit`` strategy from using operator variants.
+    ``variants=False`` keeps the ``memfit`` strategy from using operator variants. ``offload`` and
+    ``offload_dir`` are as in :func:`memfit.api.plan`: one host store is made for the job
+    (:func:`memfit.api.offload_store`) and used by the planner (its link is measured) and by both planned
+    modules, so that ``planned.host_peak_bytes`` counts the bytes it held at once during the measured steps.
 
     Returns:
         The report dict of ``memfit run --json`` (see the README).
@@ -45,20 +50,25 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     captured = capture(planned_model)
     opt_probe = torch.optim.SGD(planned_model.parameters(), lr=0.01, momentum=0.9)
     t0 = time.perf_counter()
+    store = offload_store(inputs, strategy, offload, offload_dir)
     plan, captured, costs = make_plan_for(planned_model, inputs, budget, strategy=strategy,
                                           optimizer=opt_probe, time_limit=time_limit, variants=variants,
-                                          loss_fn=lambda out: loss_fn(out, target), _captured=captured)
+                                          loss_fn=lambda out: loss_fn(out, target), offload=offload,
+                                          offload_dir=offload_dir, _captured=captured, _store=store)
     plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes)
     solve_wall = time.perf_counter() - t0
     del opt_probe
     if plan_out:
         plan.save(plan_out)
-    planned = PlannedModule(captured, plan)
+    planned = PlannedModule(captured, plan, offload_store=store)
+    if store is not None:
+        store.reset_peak()  # the link measurement of the profile is not part of the step
     figures = measure_training(planned, planned, inputs, target, loss_fn, steps=1, seed=seed)
+    host_peak = store.peak_bytes if store is not None else 0
     check = compare(baseline, figures)
     del planned, captured, planned_model
     plain_copy, timed_copy = fresh_copy(model), fresh_copy(model)
-    timed = PlannedModule(capture(timed_copy), plan)
+    timed = PlannedModule(capture(timed_copy), plan, offload_store=store)
     plain_s, planned_s = interleaved_step_seconds([(plain_copy, plain_copy), (timed, timed)], inputs, target,
                                                   loss_fn, rounds=steps)
     images = inputs[0]
@@ -70,8 +80,8 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
                      "predicted_step_seconds": plain_predicted.predicted_step_seconds},
         "planned": {"peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
                     "predicted_peak_bytes": plan.predicted_peak_bytes, "step_seconds": planned_s,
-                    "predicted_step_seconds": plan.predicted_step_seconds},
-        "overhead": planned_s / plain_s,
+                    "predicted_step_seconds": plan.predicted_step_seconds, "host_peak_bytes": host_peak},
+        "overhead": planned_s / plain_s, "offload_store": None if store is None else store.describe(),
         "solve_seconds": plan.solve_seconds, "profile_and_solve_seconds": solve_wall, "mip_gap": plan.mip_gap,
         "decisions": plan.counts(), "regions": len(plan.regions), **check,
     }
@@ -79,7 +89,8 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
 
 def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", strategy: str = "memfit",
             steps: int = 5, device: str = "cpu", time_limit: float = 20.0, seed: int = 0,
-            plan_out: str | None = None, variants: bool = True) -> dict:
+            plan_out: str | None = None, variants: bool = True, offload: bool | None = None,
+            offload_dir: str | None = None) -> dict:
     """``memfit run``: measure plain PyTorch, solve, train with the plan, check gradients.
 
     Args:
@@ -93,6 +104,9 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
         seed: weights, batch and dropout seed.
         plan_out: also write the plan as JSON here.
         variants: let ``memfit`` use operator variants.
+        offload: offload activations to a host store (``None``: on for CUDA, and on the CPU when
+            ``offload_dir`` is given; the ``vdnn-*`` strategies always offload). See :func:`memfit.api.plan`.
+        offload_dir: directory of the disk store (memory-mapped files) for offloaded activations.
 
     Returns:
         The report dict documented in the README (``memfit run --json``).
@@ -103,6 +117,6 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
     loss_fn = zoo.loss_for(model_name)
     baseline = measure_plain(model, (images,), target, loss_fn, seed)
     report = measure_strategy(model, (images,), target, loss_fn, baseline, strategy, budget, steps, time_limit,
-                              seed, plan_out, variants)
+                              seed, plan_out, variants, offload=offload, offload_dir=offload_dir)
     report["model"] = model_name
     return report

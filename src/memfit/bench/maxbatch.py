@@ -9,9 +9,13 @@ training step under :func:`~memfit.bench.harness.measure_training` (the same har
 budget. The search assumes that a batch that does not fit is followed by no batch that does.
 
 Strategies: ``plain`` (plain PyTorch, the reference; always measured), ``none``, ``chen``,
-``checkpoint-all``, ``remat-ilp``, ``memfit``, and ``torch-budget`` or ``torch-budget:K``
+``checkpoint-all``, ``vdnn-all``, ``vdnn-conv``, ``remat-ilp``, ``memfit``, and ``torch-budget`` or ``torch-budget:K``
 (``torch.compile`` with ``activation_memory_budget = K``, 0.0 by default -- the knob's least-memory end;
 backend ``aot_eager_decomp_partition``, or ``inductor`` with ``--inductor``).
+
+Offloading (``offload``, ``offload_dir``) follows :func:`memfit.api.plan`: ``memfit`` may offload on CUDA, and
+on the CPU when an ``offload_dir`` names a disk store; ``vdnn-*`` always offload. Host bytes do not count
+against the (device) budget; each probe records the most the store held at once (``host_peak_bytes``).
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memfit.api import optimizer_state_bytes
+from memfit.api import offload_store, optimizer_state_bytes
 from memfit.bench import peers
 from memfit.bench.harness import fresh_copy, measure_training
 from memfit.bench.sweep import Workload, zoo_workload
 from memfit.budget import fmt_bytes
 from memfit.graph.capture import TraceError, capture
 from memfit.profile.costs import profile_graph
+from memfit.profile.link import measure_link
 from memfit.runtime.planned import PlannedModule
+from memfit.runtime.stores import CopyEngine, HostStore
 from memfit.solve.strategies import STRATEGIES, InfeasibleBudgetError, make_plan
 
 #: strategies measured by default (``plain`` is always measured first, as the reference).
@@ -48,6 +54,8 @@ class Probe:
         predicted_peak_bytes: the plan's prediction (memfit strategies).
         reason: why it does not fit (``None`` when it fits).
         seconds: wall time of the probe.
+        host_peak_bytes: most bytes the offload store held at once during the measured steps (``None``
+            without a store).
     """
 
     batch: int
@@ -58,6 +66,7 @@ class Probe:
     predicted_peak_bytes: int | None = None
     reason: str | None = None
     seconds: float = 0.0
+    host_peak_bytes: int | None = None
 
 
 @dataclass
@@ -80,6 +89,7 @@ class SearchResult:
         return {"strategy": self.strategy, "backend": self.backend, "max_batch": self.max_batch,
                 "peak_bytes": best.peak_bytes if best else None,
                 "activation_peak_bytes": best.activation_peak_bytes if best else None,
+                "host_peak_bytes": best.host_peak_bytes if best else None,
                 "next_batch": self.next_batch, "next_peak_bytes": nxt.peak_bytes if nxt else None,
                 "next_reason": nxt.reason if nxt else None, "probes": [asdict(p) for p in self.probes]}
 
@@ -123,16 +133,18 @@ def parse_strategy(name: str) -> tuple[str, float | None]:
 
 
 def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: str = peers.AOT_EAGER,
-                time_limit: float = 20.0, seed: int = 0, profile_repeats: int = 1) -> Probe:
+                time_limit: float = 20.0, seed: int = 0, profile_repeats: int = 1,
+                store: HostStore | None = None) -> Probe:
     """Plan and measure one training step of ``work`` with ``strategy``; does it fit ``budget_bytes``?
 
     ``profile_repeats`` is the timing repetitions of the profile behind memfit's plans (memory, which
-    decides feasibility, is measured exactly either way).
+    decides feasibility, is measured exactly either way). ``store`` is the host store the plan may offload
+    to (:func:`memfit.api.offload_store`; required by ``vdnn-*``, lets ``memfit`` offload).
     """
     t0 = time.perf_counter()
     base, knob = parse_strategy(strategy)
     b = work.batch_size
-    predicted = None
+    predicted = host_peak = None
     try:
         if base == "plain":
             m = fresh_copy(work.model)
@@ -145,19 +157,24 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
             captured = capture(m)
             costs = profile_graph(captured, work.inputs, repeats=profile_repeats,
                                   with_variants=base == "memfit")
+            if store is not None:
+                costs.link = measure_link(CopyEngine(store, work.device))
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
             fixed = costs.fixed_bytes + optimizer_state_bytes(opt, list(m.parameters()))
             del opt
             try:
                 plan = make_plan(base, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
-                                 time_limit=time_limit)
+                                 time_limit=time_limit, use_offload=store is not None)
             except InfeasibleBudgetError as exc:
                 return Probe(b, False, reason=f"infeasible: smallest feasible budget "
                              f"{fmt_bytes(exc.smallest_feasible_bytes)}",
                              seconds=time.perf_counter() - t0)
             predicted = plan.predicted_peak_bytes
-            pm = PlannedModule(capture(fresh_copy(work.model)), plan)
+            pm = PlannedModule(capture(fresh_copy(work.model)), plan, offload_store=store)
+            if store is not None:
+                store.reset_peak()
             figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+            host_peak = store.peak_bytes if store is not None else None
     except TraceError:
         raise
     except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refusing one value per channel at batch 1
@@ -168,12 +185,13 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
     fits = figures.peak_bytes <= budget_bytes
     return Probe(b, fits, figures.peak_bytes, figures.fixed_bytes, figures.activation_peak_bytes, predicted,
                  None if fits else f"measured peak {fmt_bytes(figures.peak_bytes)} > budget "
-                 f"{fmt_bytes(budget_bytes)}", time.perf_counter() - t0)
+                 f"{fmt_bytes(budget_bytes)}", time.perf_counter() - t0, host_peak)
 
 
 def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategies=MAXBATCH_STRATEGIES, *,
               start: int = 1, limit: int = 4096, backend: str = peers.AOT_EAGER, time_limit: float = 20.0,
-              seed: int = 0, profile_repeats: int = 1,
+              seed: int = 0, profile_repeats: int = 1, offload: bool | None = None,
+              offload_dir: str | None = None,
               progress: Callable[[str], None] | None = None) -> list[SearchResult]:
     """The largest batch each strategy trains within ``budget_bytes`` (total peak), plain PyTorch first.
 
@@ -186,6 +204,8 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
         time_limit: solver time limit per plan (seconds).
         seed: RNG seed.
         profile_repeats: see :func:`probe_batch`.
+        offload, offload_dir: as in :func:`memfit.api.plan` (module docstring); one store per strategy,
+            made once for its whole search.
         progress: called with a description before each probe.
 
     Returns:
@@ -199,12 +219,15 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
     results = []
     for name in names:
         probes: list[Probe] = []
+        base = parse_strategy(name)[0]
+        store = (offload_store(make_work(1).inputs, base, offload, offload_dir)  # (inputs: for the device)
+                 if base in STRATEGIES else None)
 
-        def fits(b: int, name=name, probes=probes) -> bool:
+        def fits(b: int, name=name, probes=probes, store=store) -> bool:
             if progress:
                 progress(f"{name}: batch {b}")
             p = probe_batch(make_work(b), name, budget_bytes, backend=backend, time_limit=time_limit,
-                            seed=seed, profile_repeats=profile_repeats)
+                            seed=seed, profile_repeats=profile_repeats, store=store)
             probes.append(p)
             return p.fits
 
@@ -241,8 +264,9 @@ def max_batch_table(results: list[SearchResult], budget_bytes: int, title: str =
     from rich.table import Table
 
     t = Table(title=title or f"max batch within {fmt_bytes(budget_bytes)} (measured total peak)")
-    for col in ("strategy", "backend", "max batch", "vs plain", "total peak", "act. peak", "next", "why not",
-                "probes", "time"):
+    host = any(p.host_peak_bytes for r in results for p in r.probes)  # a column only when something offloaded
+    for col in ("strategy", "backend", "max batch", "vs plain", "total peak", "act. peak",
+                *(("host peak",) if host else ()), "next", "why not", "probes", "time"):
         t.add_column(col, justify="left" if col in ("strategy", "backend", "why not") else "right")
     plain = next((r.max_batch for r in results if r.strategy == "plain"), None)
     for r in results:
@@ -251,6 +275,7 @@ def max_batch_table(results: list[SearchResult], budget_bytes: int, title: str =
                   f"{r.max_batch / plain:.2f}x" if plain else "",
                   fmt_bytes(best.peak_bytes) if best else "",
                   fmt_bytes(best.activation_peak_bytes) if best else "",
+                  *((fmt_bytes(best.host_peak_bytes) if best and best.host_peak_bytes else "",) if host else ()),
                   "" if r.next_batch is None else str(r.next_batch), (nxt.reason or "") if nxt else "limit",
                   str(len(r.probes)), f"{sum(p.seconds for p in r.probes):.0f} s")
     return t

@@ -13,8 +13,8 @@ time with :func:`~memfit.bench.harness.interleaved_step_seconds` against a fresh
 Each row of the result is the ``memfit run --json`` report (README) with these keys added:
 
 * ``budget_fraction``: the fraction of plain PyTorch's activation peak the row was asked to fit
-  (``null`` for strategies that do not read a budget: ``none``, ``chen``, ``checkpoint-all``, measured
-  once, and for the one row of a peer that cannot run here); for ``torch-budget`` rows it is the value
+  (``null`` for strategies that do not read a budget: ``none``, ``chen``, ``checkpoint-all``, ``vdnn-all``,
+  ``vdnn-conv``, measured once, and for the one row of a peer that cannot run here); for ``torch-budget`` rows it is the value
   of ``activation_memory_budget`` (PyTorch's own knob, a fraction of the activations its default
   partitioner saves) and ``budget_bytes`` is ``null``.
 * ``backend``: ``eager`` (memfit's runtime: ``torch.utils.checkpoint`` regions),
@@ -23,6 +23,11 @@ Each row of the result is the ``memfit run --json`` report (README) with these k
 * ``error``: ``null``, or why the row has no measurement (e.g. an infeasible budget; then
   ``smallest_feasible_bytes`` and ``smallest_feasible_fraction`` say what would fit).
 * ``under_budget``: measured total peak <= ``budget_bytes`` (``null`` without a byte budget).
+* ``offload_store``: the host store offloaded activations went to (``"pinned"``, ``"disk:/path"``), or
+  ``null`` when the row's plan could not offload; ``planned.host_peak_bytes`` is the most bytes it held at
+  once during the measured steps (0 without a store, ``null`` for peers). One store serves the whole sweep;
+  ``memfit`` offloads where ``memfit run`` would (CUDA, or ``offload_dir`` on the CPU), ``vdnn-all`` and
+  ``vdnn-conv`` always (to a temporary disk store on the CPU when no ``offload_dir`` is named).
 * ``grad_tolerance``: the absolute tolerance ``gradients_match`` used: 1e-5 for memfit's runtime (as
   ``memfit run``), 1e-4 for compiled code; ``max_rel_grad_diff`` is the largest difference relative to the
   largest plain gradient.
@@ -54,25 +59,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.api import optimizer_state_bytes
+from memfit.api import offload_store, optimizer_state_bytes
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.bench.job import measure_plain
 from memfit.budget import fmt_bytes
 from memfit.graph.capture import capture
 from memfit.profile.costs import profile_graph
+from memfit.profile.link import measure_link
 from memfit.runtime.planned import PlannedModule
-from memfit.solve.strategies import STRATEGIES, InfeasibleBudgetError, make_plan
+from memfit.runtime.stores import CopyEngine, HostStore
+from memfit.solve.strategies import OFFLOAD_STRATEGIES, STRATEGIES, InfeasibleBudgetError, make_plan
 
 from . import peers
 
 #: activation-peak fractions measured by default (``--budgets 100%,70%,50%,40%,33%,25%``).
 BUDGETS = (1.0, 0.7, 0.5, 0.4, 0.33, 0.25)
-#: strategies measured by default.
+#: strategies measured by default (plus :data:`OFFLOAD_STRATEGIES` where offloading is on: see
+#: :func:`default_strategies`).
 BENCH_STRATEGIES = ("none", "chen", "checkpoint-all", "memfit", "torch-budget")
 #: every name ``--strategies`` accepts.
 ALL_STRATEGIES = (*STRATEGIES, "torch-budget", "rockmate")
 #: memfit strategies that ignore the budget: measured once, one row each.
-BUDGET_FREE = ("none", "chen", "checkpoint-all")
+BUDGET_FREE = ("none", "chen", "checkpoint-all", *OFFLOAD_STRATEGIES)
 #: gradient tolerance of memfit's own runtime (the same as ``memfit run``).
 RUNTIME_GRAD_TOLERANCE = 1e-5
 
@@ -104,6 +112,18 @@ class Workload:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def default_strategies(device: str | torch.device = "cpu", offload_dir: str | None = None,
+                       offload: bool | None = None) -> list[str]:
+    """The strategies ``memfit bench`` measures by default: :data:`BENCH_STRATEGIES`, with ``vdnn-all`` and
+    ``vdnn-conv`` before ``memfit`` where offloading is on (an ``offload_dir`` is named, or on CUDA, unless
+    ``offload`` is False)."""
+    names = list(BENCH_STRATEGIES)
+    on = offload is not False and (offload_dir is not None or torch.device(device).type == "cuda")
+    if on:
+        names[names.index("memfit"):names.index("memfit")] = list(OFFLOAD_STRATEGIES)
+    return names
 
 
 def zoo_workload(name: str, batch_size: int, image_size: int, device: str = "cpu", seed: int = 0) -> Workload:
@@ -189,13 +209,13 @@ def _row(work: Workload, baseline: StepFigures, strategy: str, backend: str, fra
         "planned": None, "overhead": None, "solve_seconds": None, "profile_seconds": None,
         "profile_and_solve_seconds": None, "mip_gap": None, "decisions": None, "regions": None,
         "gradients_match": None, "max_abs_grad_diff": None, "bn_stats_match": None, "grad_tolerance": None,
-        "max_rel_grad_diff": None, "under_budget": None, "error": None,
+        "max_rel_grad_diff": None, "under_budget": None, "offload_store": None, "error": None,
     }
 
 
 def _fill(row: dict, figures: StepFigures, baseline: StepFigures, plain_s: float, other_s: float,
           tolerance: float, predicted_peak: int | None = None, predicted_fixed: int | None = None,
-          predicted_s: float | None = None) -> dict:
+          predicted_s: float | None = None, host_peak: int | None = None) -> dict:
     row["baseline"]["step_seconds"] = plain_s
     row["planned"] = {
         "peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
@@ -203,6 +223,7 @@ def _fill(row: dict, figures: StepFigures, baseline: StepFigures, plain_s: float
         "predicted_step_seconds": predicted_s,
         "predicted_activation_peak_bytes": (None if predicted_peak is None
                                             else predicted_peak - (predicted_fixed or 0)),
+        "host_peak_bytes": host_peak,
     }
     row["overhead"] = other_s / plain_s
     row.update(_grad_figures(baseline, figures, tolerance))
@@ -211,13 +232,19 @@ def _fill(row: dict, figures: StepFigures, baseline: StepFigures, plain_s: float
     return row
 
 
-def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed: int):
-    pm = PlannedModule(capture(fresh_copy(work.model)), plan)
+def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed: int,
+                  store: HostStore | None = None):
+    """Memory, gradients and step times of ``plan``; also the most bytes ``store`` held at once during the
+    measured steps (0 without a store)."""
+    pm = PlannedModule(capture(fresh_copy(work.model)), plan, offload_store=store)
+    if store is not None:
+        store.reset_peak()
     figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+    host_peak = store.peak_bytes if store is not None else 0
     plain = fresh_copy(work.model)
     plain_s, planned_s = interleaved_step_seconds([(plain, plain), (pm, pm)], work.inputs, work.target,
                                                   work.loss_fn, rounds=steps)
-    return figures, plain_s, planned_s
+    return figures, plain_s, planned_s, host_peak
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,7 +254,8 @@ def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed:
 
 def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps: int = 3,
           torch_budgets=peers.TORCH_BUDGETS, torch_backends=(peers.AOT_EAGER,), time_limit: float = 20.0,
-          seed: int = 0, progress: Progress | None = None) -> tuple[StepFigures, list[dict]]:
+          seed: int = 0, progress: Progress | None = None, offload: bool | None = None,
+          offload_dir: str | None = None) -> tuple[StepFigures, list[dict]]:
     """Measure plain PyTorch once, profile once, then every strategy at every budget.
 
     Args:
@@ -241,6 +269,10 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         time_limit: solver time limit per plan (seconds).
         seed: RNG seed of every measured run.
         progress: called as ``progress(description, done, total)`` before each unit of work and at the end.
+        offload, offload_dir: as in :func:`memfit.api.plan`: whether ``memfit`` may offload activations
+            (``None``: on CUDA, or on the CPU when ``offload_dir`` names a disk store) and where. The
+            ``vdnn-*`` strategies always offload. One store (:func:`memfit.api.offload_store`) is made for
+            the sweep, its link measured once with the profile.
 
     Returns:
         ``(baseline, rows)``: plain PyTorch's :class:`StepFigures` and the rows (module docstring).
@@ -267,6 +299,12 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
     fixed = 0
     plain_predicted_s = None
     reference = None  # plain PyTorch's one-step gradients in float32 and float64, for compiled peers
+    # one host store for the sweep: memfit's (None when memfit may not offload), else the vDNN strategies'
+    joint_store = offload_store(work.inputs, "memfit", offload, offload_dir) if "memfit" in planners else None
+    store = joint_store
+    if store is None and any(s in OFFLOAD_STRATEGIES for s in planners):
+        store = offload_store(work.inputs, next(s for s in planners if s in OFFLOAD_STRATEGIES), offload,
+                              offload_dir)
     tick(f"{work.name}: profiling")
     if planners:
         profiled = fresh_copy(work.model)
@@ -274,6 +312,8 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         captured = capture(profiled)
         # operator variants are profiled only for the strategy that can choose them (as memfit.api.plan does)
         costs = profile_graph(captured, work.inputs, with_variants="memfit" in planners)
+        if store is not None:
+            costs.link = measure_link(CopyEngine(store, work.device))
         profile_s = time.perf_counter() - t0
         probe = torch.optim.SGD(profiled.parameters(), lr=0.01, momentum=0.9)
         fixed = costs.fixed_bytes + optimizer_state_bytes(probe, list(profiled.parameters()))
@@ -288,10 +328,13 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                 tick(f"{work.name}: {strategy}{label}")
                 row = _row(work, baseline, strategy, "eager", fraction, budget, plain_predicted_s)
                 row["profile_seconds"] = profile_s
+                row_store = (store if strategy in OFFLOAD_STRATEGIES
+                             else joint_store if strategy == "memfit" else None)
+                row["offload_store"] = None if row_store is None else row_store.describe()
                 t0 = time.perf_counter()
                 try:
                     plan = make_plan(strategy, captured.graph, costs, budget, fixed_bytes=fixed,
-                                     time_limit=time_limit)
+                                     time_limit=time_limit, use_offload=row_store is not None)
                 except InfeasibleBudgetError as exc:
                     row["solve_seconds"] = time.perf_counter() - t0  # incl. finding the smallest feasible
                     row["error"] = str(exc)
@@ -303,9 +346,10 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                     continue
                 if hasattr(plan, "input_shapes"):  # as memfit.api.plan records them
                     plan.input_shapes = [list(t.shape) for t in work.inputs if isinstance(t, torch.Tensor)]
-                figures, plain_s, planned_s = _measure_plan(work, baseline, plan, steps, seed)
+                figures, plain_s, planned_s, host_peak = _measure_plan(work, baseline, plan, steps, seed,
+                                                                       row_store)
                 _fill(row, figures, baseline, plain_s, planned_s, RUNTIME_GRAD_TOLERANCE,
-                      plan.predicted_peak_bytes, plan.fixed_bytes, plan.predicted_step_seconds)
+                      plan.predicted_peak_bytes, plan.fixed_bytes, plan.predicted_step_seconds, host_peak)
                 row.update(solve_seconds=plan.solve_seconds,
                            profile_and_solve_seconds=profile_s + plan.solve_seconds, mip_gap=plan.mip_gap,
                            decisions=plan.counts(), regions=len(plan.regions))
@@ -484,6 +528,7 @@ def results_table(rows: list[dict], baseline: StepFigures, title: str | None = N
         pred = "" if p.get("predicted_activation_peak_bytes") is None else fmt_bytes(
             p["predicted_activation_peak_bytes"])
         ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
+        host = f"; host {fmt_bytes(p['host_peak_bytes'])}" if p.get("host_peak_bytes") else ""
         solve = "" if r["solve_seconds"] is None else f"{r['solve_seconds']:.2f} s"
         if r["strategy"] == "torch-budget":
             solve = f"compile {solve}"
@@ -491,7 +536,7 @@ def results_table(rows: list[dict], baseline: StepFigures, title: str | None = N
                   fmt_bytes(p["activation_peak_bytes"]),
                   f"{p['activation_peak_bytes'] / act:.0%}" if act else "",
                   pred, f"{p['step_seconds']:.3f} s", f"{r['overhead']:.2f}x", solve,
-                  f"{ok} ({r['max_abs_grad_diff']:.1e})" + _one_step_note(r))
+                  f"{ok} ({r['max_abs_grad_diff']:.1e})" + host + _one_step_note(r))
     if notes:
         t.caption = "\n".join(f"[{k + 1}] {n}" for k, n in enumerate(notes))
     return t

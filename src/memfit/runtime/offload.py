@@ -33,13 +33,14 @@ from memfit.solve.plan import MIN_OFFLOAD_BYTES
 class _Saved:
     """One offloaded storage: its host copy and, during a backward pass, its prefetched device copy."""
 
-    __slots__ = ("__weakref__", "fetch", "host", "key", "left", "nbytes", "node", "packs", "savers", "sources", "ticket")
+    __slots__ = ("__weakref__", "fetch", "host", "key", "left", "nbytes", "node", "packed", "packs", "savers", "sources", "ticket")
 
     def __init__(self, nbytes: int, node: int, ticket):
         self.nbytes = nbytes
         self.node = node  # producer node index
         self.key = (0, 0)
         self.sources: list[weakref.ref] = []  # the tensors packed from it (the storage is alive while one is)
+        self.packed: list[weakref.ref] = []  # the _Packed handed to autograd
         self.savers: set[int] = set()
         self.ticket = ticket  # the device-to-host copy until waited for
         self.host: torch.Tensor | None = None
@@ -61,6 +62,7 @@ class _Packed:
     version: int
     source: weakref.ref = field(repr=False)
     name: str = ""
+    stale: int | None = None  # the version it was modified to after being offloaded, if it was
 
 
 class OffloadStep:
@@ -125,8 +127,20 @@ class OffloadStep:
         saved.sources.append(weakref.ref(t))
         saved.savers.add(self.current)
         saved.packs += 1
-        return _Packed(saved, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad,
-                       t._version, weakref.ref(t), self.names[self.current] if self.current >= 0 else "")
+        packed = _Packed(saved, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad,
+                         t._version, weakref.ref(t), self.names[self.current] if self.current >= 0 else "")
+        saved.packed.append(weakref.ref(packed))
+        return packed
+
+    def check_versions(self, node: int) -> None:
+        """Before the last forward references to node ``node``'s offloaded tensors go: note any that an
+        in-place operation changed after they were saved (their host copy is stale)."""
+        for saved in self.by_node.get(node, []):
+            for ref in saved.packed:
+                packed = ref()
+                source = packed.source() if packed is not None else None
+                if source is not None and source._version != packed.version:
+                    packed.stale = source._version
 
     def release(self, node: int) -> None:
         """The wait point of ``node``: wait for its copies and drop the device references."""
@@ -141,6 +155,7 @@ class OffloadStep:
     def finish_forward(self) -> None:
         """After the forward: finish every copy and arm the prefetches (one node ahead of each saver)."""
         for node in list(self.by_node):
+            self.check_versions(node)
             self.release(node)
         order = sorted(self.grad_fns)
         triggers: dict[int, list[_Saved]] = {}
@@ -162,9 +177,11 @@ class OffloadStep:
             return packed
         source = packed.source()
         if source is not None and source._version != packed.version:
+            packed.stale = source._version
+        if packed.stale is not None:
             raise RuntimeError(
                 f"memfit: a tensor saved for backward by node {packed.name!r} was offloaded to host memory and "
-                f"then modified by an in-place operation (version {packed.version} -> {source._version}); "
+                f"then modified by an in-place operation (version {packed.version} -> {packed.stale}); "
                 "the offloaded copy is stale. Avoid the in-place operation, or plan without offloading "
                 "(offload=False).")
         return _load(self.engine, packed)

@@ -212,6 +212,9 @@ class PlannedModule(nn.Module):
                     outs = checkpoint(_RegionCall(a, on_value), *[env[n] for n in a.inputs], use_reentrant=False,
                                       preserve_rng_state=True)
                     env.update(zip(a.outputs, outs))
+                if off is not None:
+                    for j in self._releases.get(k, []):
+                        off.check_versions(j)
                 for f in frees:
                     del env[f]
                 if off is not None:

@@ -79,10 +79,13 @@ class _Problem:
                  self.finish([(0, self.acc.n - 1)])]
         if self.offload:
             plans.append(self.finish([], offloads=candidates(self.acc)))
-        res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True, variants=self.options,
-                            offload=self.offload)
-        if res.spans is not None:
-            plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
+        # with offloading the search space is larger and the node-limited search may end higher: solve
+        # without it too, so that allowing offloading never raises the floor
+        for offload in sorted({False, self.offload}):
+            res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True, variants=self.options,
+                                offload=offload)
+            if res.spans is not None:
+                plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
         return plans
 
     def smallest_feasible(self, time_limit: float) -> int:

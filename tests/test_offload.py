@@ -1,0 +1,240 @@
+"""Offloading (vDNN) against plain PyTorch on the CPU with the disk store: same gradients and BatchNorm
+statistics, device peak as predicted, and the correctness traps (retain_graph, autograd.grad, in-place)."""
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import zoo
+from memfit.api import optimizer_state_bytes
+from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.graph import capture
+from memfit.graph.calls import compute_nodes
+from memfit.profile import MemoryTracker, profile_graph
+from memfit.profile.link import LinkCost, measure_link
+from memfit.runtime.offload import OffloadStep
+from memfit.runtime.stores import CopyEngine, DiskStore
+from memfit.solve import simulate
+from memfit.solve.accounting import Accounting
+from memfit.solve.offload import offload_waits
+from memfit.solve.plan import Plan
+from memfit.solve.strategies import make_plan, smallest_feasible
+
+
+def _setup(name, store):
+    batch, size = zoo.tiny_size(name)
+    model = zoo.build_model(name).train()
+    images, target = zoo.example_batch(name, batch, size)
+    loss_fn = zoo.loss_for(name)
+    base = measure_training(*[fresh_copy(model)] * 2, (images,), target, loss_fn, steps=1)
+    m = fresh_copy(model)
+    initial = copy.deepcopy(m.state_dict())
+    captured = capture(m)
+    costs = profile_graph(captured, (images,), loss_fn=lambda out: loss_fn(out, target))
+    costs.link = measure_link(CopyEngine(store, torch.device("cpu")), nbytes=1 << 20, repeats=2)
+    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                                      list(m.parameters()))
+    return m, initial, (images,), target, loss_fn, base, captured, costs, fixed
+
+
+def _run(m, initial, plan, captured, inputs, target, loss_fn, store):
+    m.load_state_dict(initial)
+    for p in m.parameters():
+        p.grad = None
+    planned = memfit.PlannedModule(captured, plan, offload_store=store)
+    fig = measure_training(planned, planned, inputs, target, loss_fn, steps=1)
+    store.reset_peak()  # one more step, to count what it moves to the host
+    loss_fn(planned(*inputs), target).backward()
+    return fig
+
+
+def _assert_matches(base, fig, plan):
+    check = compare(base, fig)
+    assert check["gradients_match"] and check["bn_stats_match"], check
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (
+        plan.predicted_peak_bytes, fig.peak_bytes)
+
+
+def test_disk_store_counts_host_bytes_not_device_bytes(tmp_path):
+    store = DiskStore(tmp_path / "store")
+    with MemoryTracker("cpu") as tracker:
+        buf = store.allocate(4 << 20)
+        buf.fill_(7)
+    assert tracker.peak_bytes < 1 << 20  # the file's pages are not device (allocator) memory
+    assert store.live_bytes == store.peak_bytes == 4 << 20
+    assert int(buf[123]) == 7
+    del buf
+    assert store.live_bytes == 0 and store.peak_bytes == 4 << 20
+    assert os.listdir(tmp_path / "store") == []  # files are unlinked as soon as they are mapped
+
+
+def test_disk_store_rejects_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(OSError):
+        DiskStore(path)
+
+
+def test_copy_engine_round_trip(tmp_path):
+    engine = CopyEngine(DiskStore(tmp_path), torch.device("cpu"))
+    src = torch.randn(300_001).view(torch.uint8)  # odd byte count
+    host = engine.wait(engine.offload(src))
+    dst = torch.empty_like(src)
+    engine.wait(engine.fetch(host, dst))
+    assert torch.equal(src, dst)
+    link = measure_link(engine, nbytes=1 << 20, repeats=2)
+    assert link.d2h_bytes_per_second > 0 and link.h2d_bytes_per_second > 0 and link.latency_seconds >= 0
+
+
+def test_parameters_are_never_offloaded(tmp_path):
+    lin = nn.Linear(256, 256)
+    engine = CopyEngine(DiskStore(tmp_path), torch.device("cpu"))
+    step = OffloadStep(engine, {0}, ["lin"], {lin.weight.untyped_storage().data_ptr()})
+    step.current = 0
+    assert step.pack(lin.weight) is lin.weight
+    big = torch.randn(128, 256)
+    assert step.pack(big) is not big  # an activation made by node 0 is offloaded
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_vdnn_all_matches_pytorch_and_prediction(name, tmp_path):
+    store = DiskStore(tmp_path)
+    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _setup(name, store)
+    plan = make_plan("vdnn-all", captured.graph, costs, fixed_bytes=fixed)
+    assert plan.offloads
+    fig = _run(m, initial, plan, captured, inputs, target, loss_fn, store)
+    _assert_matches(base, fig, plan)
+    sim = simulate(captured.graph, costs, plan, fixed_bytes=fixed)
+    # every offloaded storage moves once, however many nodes save it
+    assert store.total_bytes == store.peak_bytes == sim.host_peak_bytes > 0
+    # the device peak drops by what the simulator says offloading saves
+    plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
+    saved_pred = plain.predicted_peak_bytes - plan.predicted_peak_bytes
+    saved_meas = base.peak_bytes - fig.peak_bytes
+    assert abs(saved_meas - saved_pred) <= 0.05 * base.peak_bytes, (saved_meas, saved_pred)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_joint_plan_that_offloads_matches_pytorch(name, tmp_path):
+    store = DiskStore(tmp_path)
+    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _setup(name, store)
+    remat_floor = smallest_feasible(captured.graph, costs, fixed, use_variants=True, use_offload=False)
+    floor = smallest_feasible(captured.graph, costs, fixed, use_variants=True, use_offload=True)
+    assert floor <= remat_floor
+    budget = floor + (remat_floor - floor) // 2 if floor < remat_floor else floor
+    plan = make_plan("memfit", captured.graph, costs, budget, fixed_bytes=fixed)
+    if floor < remat_floor:
+        assert plan.offloads  # below the recompute-only floor, only offloading can fit
+    fig = _run(m, initial, plan, captured, inputs, target, loss_fn, store)
+    _assert_matches(base, fig, plan)
+    assert fig.peak_bytes <= budget
+
+
+def test_regions_and_offloads_together(tmp_path):
+    store = DiskStore(tmp_path)
+    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _setup("resnet18", store)
+    names = [n.name for n in captured.graph.nodes]
+    half = len(names) // 2
+    offloads = [n for n in names[:half] if n in make_plan("vdnn-all", captured.graph, costs).offloads]
+    plan = make_plan("chen", captured.graph, costs, fixed_bytes=fixed)
+    mixed = Plan.from_spans("mixed", names, [s for s in plan.region_spans() if s[0] >= half],
+                            offloads=offloads, fixed_bytes=fixed)
+
+    acc = Accounting.build(captured.graph, costs)
+    mixed.offload_waits = offload_waits(acc, names, [names.index(n) for n in offloads])
+    mixed.predicted_peak_bytes = simulate(captured.graph, costs, mixed, fixed_bytes=fixed).peak_bytes
+    assert mixed.regions and mixed.offloads
+    fig = _run(m, initial, mixed, captured, inputs, target, loss_fn, store)
+    _assert_matches(base, fig, mixed)
+    again = Plan.from_dict(mixed.to_dict())
+    assert again.offloads == mixed.offloads and again.offload_waits == mixed.offload_waits
+    assert again.counts()["offload"] == len(offloads)
+
+
+def _offload_everything(model, x, tmp_path):
+    captured = capture(model)
+    names = [n.name for n in compute_nodes(captured.gm)]
+    plan = Plan(strategy="test", nodes=names, offloads=names)  # wait points default to the end of forward
+    return memfit.PlannedModule(captured, plan, offload_store=DiskStore(tmp_path))
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_retain_graph_and_second_backward(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Sigmoid(), nn.Linear(512, 8))
+    ref = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+    planned = _offload_everything(model, x, tmp_path)
+    loss = planned(x).square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()  # every saved tensor is unpacked a second time
+    rloss = ref(x).square().sum()
+    rloss.backward(retain_graph=True)
+    rloss.backward()
+    assert planned.offload_store.total_bytes > 0
+    for a, b in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_autograd_grad(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 8))
+    ref = copy.deepcopy(model)
+    x = torch.randn(256, 64, requires_grad=True)
+    planned = _offload_everything(model, x, tmp_path)
+    got = torch.autograd.grad(planned(x).square().sum(), [x, *model.parameters()])
+    want = torch.autograd.grad(ref(x).square().sum(), [x, *ref.parameters()])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _InPlaceAfterSave(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = torch.sin(y)  # saves y
+        y.add_(1.0)  # ...which is then modified in place: the saved copy is stale
+        return z + y
+
+
+def test_in_place_update_of_an_offloaded_tensor_raises_like_pytorch(tmp_path):
+    x = torch.randn(128, 256)
+    ref = _InPlaceAfterSave()
+    with pytest.raises(RuntimeError, match="inplace"):
+        ref(x).sum().backward()
+    planned = _offload_everything(copy.deepcopy(ref), x, tmp_path)
+    with pytest.raises(RuntimeError, match="in-place"):
+        planned(x).sum().backward()
+
+
+def test_offloading_strategies_need_measured_link():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    captured = capture(model)
+    costs = profile_graph(captured, (torch.randn(4, 8),), with_variants=False)
+    with pytest.raises(ValueError, match="offload"):
+        make_plan("vdnn-all", captured.graph, costs)
+    costs.link = LinkCost("test", 1e9, 1e9, 1e-5)
+    assert make_plan("vdnn-all", captured.graph, costs).strategy == "vdnn-all"
+
+
+def test_optimize_with_offload_dir(tmp_path):
+    torch.manual_seed(0)
+    model = zoo.build_model("resnet18").train()
+    images, target = zoo.example_batch("resnet18", 4, 32)
+    ref = fresh_copy(model)
+    planned = memfit.optimize(model, images, budget="min", offload_dir=str(tmp_path))
+    assert planned.offload_store is not None and planned.offload_store.kind == "disk"
+    torch.nn.functional.cross_entropy(planned(images), target).backward()
+    torch.nn.functional.cross_entropy(ref(images), target).backward()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=n)
