@@ -188,3 +188,134 @@ def test_cli_bench_and_max_batch(tmp_path, capsys):
     (plain,) = rep["results"]
     assert plain["strategy"] == "plain"
     assert plain["peak_bytes"] <= rep["budget_bytes"] < plain["next_peak_bytes"]
+
+
+# --------------------------------------------------------------------------------------------------
+# offloading (vDNN) through the CLI and the harness
+# --------------------------------------------------------------------------------------------------
+
+RUN_KEYS = (REPORT_KEYS - {"budget_fraction", "backend", "error"}) | {"offload_store"}
+
+
+def _run(tmp_path, *flags) -> tuple[int, dict]:
+    """``memfit run`` on resnet18 at its tiny size; the exit status and the JSON report."""
+    from memfit import zoo
+
+    batch, size = zoo.tiny_size("resnet18")
+    js = tmp_path / f"run{len(list(tmp_path.glob('run*.json')))}.json"
+    rc = main(["run", "--model", "resnet18", "--batch", str(batch), "--image-size", str(size), "--steps", "1",
+               "--json", str(js), *flags])
+    return rc, json.loads(js.read_text())
+
+
+def test_cli_run_vdnn_all_offloads_to_the_disk_store(tmp_path, capsys):
+    off = tmp_path / "offload"  # created by memfit
+    rc, r = _run(tmp_path, "--strategy", "vdnn-all", "--offload-dir", str(off))
+    assert rc == 0
+    assert RUN_KEYS <= set(r) and PLANNED_KEYS | {"host_peak_bytes"} <= set(r["planned"])
+    assert r["gradients_match"] and r["bn_stats_match"], r
+    assert r["decisions"]["offload"] > 0
+    assert r["planned"]["host_peak_bytes"] > 0
+    assert r["offload_store"] == f"disk:{off}"
+    assert off.is_dir() and list(off.iterdir()) == []  # the files are unlinked as soon as they are made
+    assert "host peak" in capsys.readouterr().out
+
+
+def test_cli_run_memfit_with_and_without_offload(tmp_path):
+    off = tmp_path / "offload"
+    rc, r = _run(tmp_path, "--strategy", "memfit", "--offload-dir", str(off))
+    assert rc == 0 and r["gradients_match"] and r["bn_stats_match"], r
+    assert r["offload_store"] == f"disk:{off}"
+    host = r["planned"]["host_peak_bytes"]
+    assert isinstance(host, int) and (host > 0) == (r["decisions"]["offload"] > 0)
+    rc, r = _run(tmp_path, "--strategy", "chen", "--no-offload")
+    assert rc == 0 and r["offload_store"] is None and r["planned"]["host_peak_bytes"] == 0
+    assert r["decisions"]["offload"] == 0
+
+
+def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for flags, words in [(["--strategy", "vdnn-all", "--offload-dir", str(not_a_dir)], "not a directory"),
+                         (["--strategy", "vdnn-conv", "--no-offload"], "contradicts"),
+                         (["--offload-dir", str(tmp_path), "--no-offload"], "not allowed with")]:
+        with pytest.raises(SystemExit) as exc:
+            main(["run", "--model", "resnet18", "--batch", "2", "--image-size", "32", *flags])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+    rc = main(["bench", "--model", "resnet18", "--batch", "2", "--image-size", "32", "--strategies", "vdnn-all",
+               "--no-offload", "--out", str(tmp_path / "b")])
+    assert rc == 2 and "contradicts" in capsys.readouterr().err
+
+
+def test_default_bench_strategies_offload_only_where_it_is_on():
+    from memfit.bench.sweep import BENCH_STRATEGIES, default_strategies
+
+    assert default_strategies("cpu") == list(BENCH_STRATEGIES)
+    with_vdnn = default_strategies("cpu", "/some/dir")
+    assert {"vdnn-all", "vdnn-conv"} <= set(with_vdnn) and set(BENCH_STRATEGIES) <= set(with_vdnn)
+    assert default_strategies("cuda") == with_vdnn
+    assert default_strategies("cuda", offload=False) == list(BENCH_STRATEGIES)
+
+
+def test_sweep_with_offload_store(tmp_path):
+    off = tmp_path / "offload"
+    baseline, rows = sweep(small_work(8), budgets=[1.0, 0.9], strategies=["vdnn-all", "vdnn-conv", "memfit"],
+                           steps=1, offload_dir=str(off))
+    assert [(r["strategy"], r["budget_fraction"]) for r in rows] == [
+        ("vdnn-all", None), ("vdnn-conv", None), ("memfit", 1.0), ("memfit", 0.9)]  # vDNN reads no budget
+    for r in rows:
+        assert r["error"] is None and r["gradients_match"] and r["bn_stats_match"], r
+        assert r["offload_store"] == f"disk:{off}"
+        assert (r["planned"]["host_peak_bytes"] > 0) == (r["decisions"]["offload"] > 0)
+    assert rows[0]["planned"]["host_peak_bytes"] > 0
+    paths = write_results(rows, baseline, tmp_path / "out", title="offload")
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "planned.host_peak_bytes" in paths["csv"].read_text().splitlines()[0]
+
+
+def _offload_gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_gpu_check.py"
+    spec = importlib.util.spec_from_file_location("offload_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offload_gpu_check_smoke_on_cpu(tmp_path, capsys, monkeypatch):
+    check = _offload_gpu_check()
+    out = tmp_path / "check.json"
+    rows = check.main(["--device", "cpu", "--tiny", "--models", "vgg16,resnet18", "--strategies",
+                       "none,vdnn-conv,memfit", "--budgets", "100%", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert [(r["model"], r["strategy"]) for r in rows] == [
+        (m, s) for m in ("vgg16", "resnet18") for s in ("plain", "none", "vdnn-conv", "memfit")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["peak_bytes"] > 0 and r["step_seconds"] > 0
+        if r["strategy"] != "plain":
+            assert r["gradients_match"], r
+        assert (r["host_peak_bytes"] > 0) == (r.get("decisions", {}).get("offload", 0) > 0)
+    assert rows[2]["host_peak_bytes"] > 0  # vgg16 vdnn-conv
+    assert len(capsys.readouterr().out.splitlines()) >= len(rows)
+
+    # plain PyTorch out of memory at the asked batch: its peak is extrapolated from two smaller batches
+    real_plain = check.Check.plain
+
+    def plain(self, b):
+        if b == self.batch:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_plain(self, b)
+
+    monkeypatch.setattr(check.Check, "plain", plain)
+    rows = check.main(["--device", "cpu", "--tiny", "--models", "vgg16", "--batch", "8", "--strategies", "none",
+                       "--out", str(out)])
+    (r,) = rows
+    assert r["plain_extrapolated"] and r["plain_measured_at"] == [4, 2] and r["gradients_match"] is None
+    report = json.loads(out.read_text())
+    assert "extrapolated linearly" in report["notes"][0]
+    assert "extrapolated linearly" in capsys.readouterr().out

@@ -12,6 +12,8 @@ def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -
     and backend, points sorted by memory; plain PyTorch is the black star at (its activation peak, 1.0).
     Rows without a measurement (infeasible budgets, peers that cannot run) are listed in a note under the
     axes instead of being plotted; points whose gradients differ from plain PyTorch are ringed in red.
+    Memory is the device's: bytes offloaded to the host store (``vdnn-all``, ``vdnn-conv``, ``memfit`` with
+    offloading) are not on the x axis; rows report them as ``planned.host_peak_bytes``.
 
     Args:
         rows: ``memfit bench`` rows (see :mod:`memfit.bench.sweep`).
