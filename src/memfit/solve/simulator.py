@@ -85,7 +85,9 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, fixed_bytes: int | None = N
         raise ValueError("the plan was solved for another graph (node names differ); solve again")
     spans = plan.region_spans()
     fixed = costs.fixed_bytes if fixed_bytes is None else fixed_bytes
-    choice = {k: v for k, v in plan.variants.items() if v != "default"}
+    # variants the profile measured (a plan may name others; they are then replayed at PyTorch's costs)
+    profiled = {c.name: c.variants for c in costs.nodes}
+    choice = {k: v for k, v in plan.variants.items() if v != "default" and v in profiled.get(k, {})}
     if choice:
         acc = Accounting.build(graph, costs.with_variants(choice))
     index = {name: i for i, name in enumerate(plan.nodes)}
