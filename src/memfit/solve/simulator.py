@@ -85,7 +85,9 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, fixed_bytes: int | None = N
         raise ValueError("the plan was solved for another graph (node names differ); solve again")
     spans = plan.region_spans()
     fixed = costs.fixed_bytes if fixed_bytes is None else fixed_bytes
-    choice = {k: v for k, v in plan.variants.items() if v != "default"}
+    # variants the profile measured (a plan may name others; they are then replayed at PyTorch's costs)
+    profiled = {c.name: c.variants for c in costs.nodes}
+    choice = {k: v for k, v in plan.variants.items() if v != "default" and v in profiled.get(k, {})}
     if choice:
         acc = Accounting.build(graph, costs.with_variants(choice))
     index = {name: i for i, name in enumerate(plan.nodes)}
@@ -134,7 +136,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             if r >= 0 and reg[acc.producer[s]] != r:
                 holders[s].add(last_saver[r][1])
     live = 0  # held storages and rematerialized copies
-    grad = 0  # gradients of activations (the same for every plan: Accounting.grad_before/grad_during)
+    grad = acc.fwd_offset  # gradients of activations and parameters (the same for every plan: Accounting.grad_before/grad_during)
     peak = 0
     timeline: list[tuple[str, int]] = []
     alive: set[int] = set()
