@@ -45,7 +45,7 @@ def main(paths: list[str]) -> None:
 
             joint = fastest(("memfit",))
             rec, off = fastest(RECOMPUTE), fastest(OFFLOAD)
-            cell = lambda r: f"{r['strategy']} {r['overhead']:.2f}x" if r else "none fits"  # noqa: E731
+            cell = lambda r: f"{r['strategy']} {r['overhead']:.2f}x" if r else "none fits"
             best = min([r["overhead"] for r in (rec, off) if r] or [float("inf")])
             verdict = "-" if joint is None else ("yes" if joint["overhead"] <= best + 0.02 else "no")
             print(f"| {b:.0%} | {cell(joint)} | {cell(rec)} | {cell(off)} | {verdict} |")

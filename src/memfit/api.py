@@ -60,7 +60,8 @@ def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_di
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0, variants: bool = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
-         _captured: Captured | None = None, _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
+         grads_exist: bool = False, _captured: Captured | None = None,
+         _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
     Args:
@@ -86,6 +87,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             given. The copy bandwidth is measured for the plan.
         offload_dir: directory for the disk store (memory-mapped files, deleted as soon as they are made):
             on the CPU, the only store that lowers the process's memory.
+        grads_exist: your loop keeps parameter gradients allocated when the backward starts
+            (``optimizer.zero_grad(set_to_none=False)``, or accumulation over micro-batches). The default
+            models PyTorch's ``optimizer.zero_grad()``, which sets them to ``None``: each gradient then
+            appears when the backward completes it, and no temporary is added into an existing ``.grad``.
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -101,7 +106,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     if not model.training:
         raise ValueError("memfit plans a training step: call model.train() first")
     captured = _captured or capture(model)
-    costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn)
+    costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
+                          grads_exist=grads_exist)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))

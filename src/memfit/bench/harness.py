@@ -46,13 +46,19 @@ class StepFigures:
 
 
 def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn: Callable,
-                     steps: int = 3, seed: int = 0, lr: float = 0.01) -> StepFigures:
+                     steps: int = 3, seed: int = 0, lr: float = 0.01, grads_exist: bool = False) -> StepFigures:
     """Train ``module`` for ``1 + steps`` SGD steps (momentum 0.9) on one batch and measure it.
 
-    Step 1 is the warm-up (it allocates gradients and optimizer state); step 2 runs under the memory
-    tracker; the time is the median of steps 2..``1 + steps`` measured without the tracker (step 2 is run
-    again untracked for that). The RNG is seeded with ``seed`` first, so two modules that compute the same
-    thing draw the same dropout masks.
+    Step 1 is the warm-up (it allocates the optimizer state); step 2 runs under the memory tracker; the time
+    is the median of steps 2..``1 + steps`` measured without the tracker (step 2 is run again untracked for
+    that). The RNG is seeded with ``seed`` first, so two modules that compute the same thing draw the same
+    dropout masks. Every step starts with ``optimizer.zero_grad()`` (``.grad`` set to ``None``, PyTorch's
+    default), or, with ``grads_exist``, ``zero_grad(set_to_none=False)`` on preallocated gradients.
+
+    Memory: ``fixed_bytes`` is what is live before the tracked step (parameters, buffers, optimizer state,
+    batch; gradients too when they exist) plus, when they do not exist yet, the bytes of the parameter
+    gradients the step will create (DESIGN.md counts gradients as fixed); ``peak_bytes`` is what is live
+    before the step plus the tracked peak above it.
 
     Args:
         module: the callable model (plain, or a :class:`~memfit.PlannedModule`).
@@ -63,6 +69,7 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
         steps: timed steps (>= 1).
         seed: RNG seed.
         lr: SGD learning rate.
+        grads_exist: keep gradients allocated between steps (``zero_grad(set_to_none=False)``).
 
     Returns:
         :class:`StepFigures`.
@@ -72,9 +79,12 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
     torch.manual_seed(seed)
     opt = torch.optim.SGD(params_of.parameters(), lr=lr, momentum=0.9)
     losses: list[float] = []
+    trainable = [p for p in params_of.parameters() if p.requires_grad]
+
+    def zero() -> None:
+        opt.zero_grad(set_to_none=not grads_exist)
 
     def step() -> None:
-        opt.zero_grad(set_to_none=False)
         out = module(*inputs)
         loss = loss_fn(out, target)
         del out
@@ -82,26 +92,36 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
         opt.step()
         losses.append(float(loss.detach()))
 
-    for p in params_of.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
+    if grads_exist:
+        for p in trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    zero()
     step()
-    fixed = live_bytes(list(params_of.parameters()) + [p.grad for p in params_of.parameters()]
-                       + list(params_of.buffers()) + [t for t in inputs if isinstance(t, torch.Tensor)]
-                       + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-                       + ([target] if isinstance(target, torch.Tensor) else []))
+    zero()
+    live = live_bytes(list(params_of.parameters()) + [p.grad for p in params_of.parameters()]
+                      + list(params_of.buffers()) + [t for t in inputs if isinstance(t, torch.Tensor)]
+                      + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+                      + ([target] if isinstance(target, torch.Tensor) else []))
+    fixed = live if grads_exist else live + sum(p.untyped_storage().nbytes() for p in trainable)
     with MemoryTracker(device) as tracker:
         step()
-    step_seconds = median_seconds(step, device, steps)
+
+    def timed() -> None:
+        zero()
+        step()
+
+    step_seconds = median_seconds(timed, device, steps)
     grads = {n: p.grad.detach().clone() for n, p in params_of.named_parameters() if p.grad is not None}
     buffers = {n: b.detach().clone() for n, b in params_of.named_buffers()}
-    return StepFigures(peak_bytes=fixed + tracker.peak_bytes, fixed_bytes=fixed,
-                       activation_peak_bytes=tracker.peak_bytes, step_seconds=step_seconds,
-                       grads=grads, buffers=buffers, losses=losses)
+    peak = live + tracker.peak_bytes
+    return StepFigures(peak_bytes=peak, fixed_bytes=fixed, activation_peak_bytes=peak - fixed,
+                       step_seconds=step_seconds, grads=grads, buffers=buffers, losses=losses)
 
 
 def interleaved_step_seconds(setups: list[tuple[nn.Module, nn.Module]], inputs: tuple, target,
-                             loss_fn: Callable, rounds: int = 5, lr: float = 0.01) -> list[float]:
+                             loss_fn: Callable, rounds: int = 5, lr: float = 0.01,
+                             grads_exist: bool = False) -> list[float]:
     """Median step time (seconds) of several training setups, timed in alternation (A, B, A, B, ...) so that
     machine noise hits them alike; compare them as ratios of these medians.
 
@@ -110,6 +130,7 @@ def interleaved_step_seconds(setups: list[tuple[nn.Module, nn.Module]], inputs: 
             parameters with SGD (momentum 0.9); run them on copies you do not need afterwards.
         inputs, target, loss_fn: the batch and loss.
         rounds: timed steps per setup, after one untimed warm-up step each.
+        grads_exist: zero gradients in place instead of setting them to ``None``.
 
     Returns:
         One median per setup, in order.
@@ -121,7 +142,7 @@ def interleaved_step_seconds(setups: list[tuple[nn.Module, nn.Module]], inputs: 
         for k, ((module, _), opt) in enumerate(zip(setups, opts)):
             sync(device)
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=not grads_exist)
             loss = loss_fn(module(*inputs), target)
             loss.backward()
             opt.step()

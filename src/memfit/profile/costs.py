@@ -81,6 +81,10 @@ class NodeCost:
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
+        param_grad_bytes: bytes of the ``.grad`` of the parameters whose gradient is complete once this node's
+            backward is done (the parameters it is the first node in forward order to use). When gradients are
+            set to ``None`` before the step (PyTorch's ``optimizer.zero_grad()``), autograd makes the computed
+            gradient itself the ``.grad``, so these bytes stay allocated from then on.
         variants: operator variants that can replace this node, by name, with their measured costs.
     """
 
@@ -96,6 +100,7 @@ class NodeCost:
     bwd_workspace: int = 0
     grad_in_bytes: int = 0
     grad_alias: bool = False
+    param_grad_bytes: int = 0
     variants: dict[str, VariantCost] = field(default_factory=dict)
 
 
@@ -113,6 +118,11 @@ class Costs:
             measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
             (two output-sized tensors).
         link: copy costs to the host store used for offloading, or ``None`` (no offloading).
+        grads_exist: gradients are allocated when the backward pass starts (``zero_grad(set_to_none=False)``
+            or gradient accumulation over micro-batches): each parameter gradient is then computed into a
+            temporary and added into ``.grad``. ``False`` (the default, PyTorch's ``optimizer.zero_grad()``):
+            ``.grad`` is ``None`` and becomes the computed gradient itself. Either way the gradients count in
+            ``fixed_bytes``; with ``False`` they are not yet allocated during the forward pass.
     """
 
     device: str
@@ -121,6 +131,7 @@ class Costs:
     fixed_bytes: int
     loss_bytes: int | None = None
     link: LinkCost | None = None
+    grads_exist: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,7 +145,7 @@ class Costs:
             nodes.append(NodeCost(**n))
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
                    fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
-                   link=LinkCost(**d["link"]) if d.get("link") else None)
+                   link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -161,11 +172,12 @@ class Costs:
                 name=c.name, outputs=list(c.outputs), creates=[x for x in c.creates if x in outs] + list(v.creates),
                 saves=list(v.saves), mutates=list(c.mutates), grad_bytes=c.grad_bytes,
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
-                bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias))
+                bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias,
+                param_grad_bytes=c.param_grad_bytes))
         storages = [Storage(id=s.id, nbytes=s.nbytes, producer=s.producer, kind=kinds[s.id],
                             requires_grad=s.requires_grad) for s in self.storages]
         return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
-                     loss_bytes=self.loss_bytes, link=self.link)
+                     loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist)
 
     @property
     def step_seconds(self) -> float:
@@ -178,7 +190,7 @@ def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
-                  with_variants: bool = True, loss_fn=None) -> Costs:
+                  with_variants: bool = True, loss_fn=None, grads_exist: bool = False) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
 
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
@@ -195,6 +207,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             (``memfit.variants``; MONeT, Shah et al., ICLR 2021, section 4).
         loss_fn: ``loss_fn(output) -> scalar tensor``, the training loss (a closure over the targets); when
             given, its memory is measured instead of assumed.
+        grads_exist: parameter gradients are allocated when the backward starts (see :class:`Costs`).
 
     Returns:
         :class:`Costs`.
@@ -224,7 +237,34 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     costs.fixed_bytes = param_bytes + grad_bytes + buffer_bytes + sum(
         s.nbytes for s in costs.storages if s.kind == "input")
     costs.device = device.type
+    costs.grads_exist = grads_exist
+    _param_grads(gm, costs)
     return costs
+
+
+def _param_grads(gm: fx.GraphModule, costs: Costs) -> None:
+    """Assign each trainable parameter's gradient bytes to the first node in forward order that uses it:
+    its gradient is complete when that node's backward is done."""
+    seen: set[int] = set()
+    for node, cost in zip(compute_nodes(gm), costs.nodes):
+        if node.op == "call_module":
+            params = list(gm.get_submodule(node.target).parameters())
+        elif node.op == "get_attr":
+            value = _attr(gm, node.target)
+            params = [value] if isinstance(value, nn.Parameter) else []
+        else:
+            params = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                cost.param_grad_bytes += p.untyped_storage().nbytes()
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True) -> Costs:

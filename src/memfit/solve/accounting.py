@@ -32,6 +32,10 @@ class Accounting:
         activation: storage ids that are not model inputs.
         needs_grad: node index -> whether its output takes part in the backward pass.
         link: the profile's :class:`~memfit.profile.link.LinkCost`, or ``None`` (no offloading).
+        fwd_offset: bytes to add to the activation part during the forward pass and the loss: minus the
+            parameter gradients, which the fixed bytes count but which do not exist yet when the step starts
+            with ``.grad`` set to ``None`` (0 when ``Costs.grads_exist``). ``grad_before`` / ``grad_during``
+            include the same offset, less the gradients completed so far.
     """
 
     n: int
@@ -59,6 +63,7 @@ class Accounting:
     loss_bytes: int | None = None
     needs_grad: list[bool] | None = None
     link: object | None = None
+    fwd_offset: int = 0
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -151,6 +156,11 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         if token_refs[t] == 0:
             total -= token_bytes[t]
 
+    # parameter gradients: counted in the fixed bytes, but with .grad set to None before the step they only
+    # come into existence as the backward completes them
+    pending = 0 if costs.grads_exist else sum(c.param_grad_bytes for c in costs.nodes)
+    acc.fwd_offset = -pending
+    total -= pending
     for s in acc.output_storages:
         p = acc.producer[s]
         if p >= 0 and p not in grads:
@@ -172,6 +182,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         during[i] = total + extra
         if t is not None:
             release(t)
+        if not costs.grads_exist:
+            total += costs.nodes[i].param_grad_bytes  # the node's own gradients, now the parameters' .grad
     acc.grad_before, acc.grad_during = before, during
     acc.needs_grad = needs
     return acc

@@ -219,7 +219,7 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     # forward peak at node i
     internal_of = [set(acc.internal[i]) for i in range(n)]
     for i in range(n):
-        const = acc.fwd_ws[i] / UNIT
+        const = (acc.fwd_ws[i] + acc.fwd_offset) / UNIT  # parameter gradients do not exist yet
         terms: dict[int, float] = {}
         for name, vc in options[i].items():  # the chosen implementation's workspace
             terms[v[i][name]] = (vc.fwd_workspace - acc.fwd_ws[i]) / UNIT

@@ -136,7 +136,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             if r >= 0 and reg[acc.producer[s]] != r:
                 holders[s].add(last_saver[r][1])
     live = 0  # held storages and rematerialized copies
-    grad = 0  # gradients of activations (the same for every plan: Accounting.grad_before/grad_during)
+    grad = acc.fwd_offset  # gradients of activations and parameters (the same for every plan: Accounting.grad_before/grad_during)
     peak = 0
     timeline: list[tuple[str, int]] = []
     alive: set[int] = set()
