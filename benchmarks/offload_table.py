@@ -38,7 +38,7 @@ def main(paths: list[str]) -> None:
         print("\n| budget | memfit (joint) | fastest recompute-only | fastest offload-only | joint at least as fast |")
         print("|---|---|---|---|---|")
         for b in budgets:
-            def fastest(names, b=b):
+            def fastest(names, b=b, rows=rows, plain=plain):
                 fit = [r for r in rows if r["strategy"] in names
                        and r["planned"]["activation_peak_bytes"] <= b * plain * 1.0001]
                 return min(fit, key=lambda r: r["overhead"]) if fit else None
