@@ -127,7 +127,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
              optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
              time_limit: float = 20.0, variants: bool = True, offload: bool | None = None,
-             offload_dir: str | None = None, plan_: Plan | None = None) -> PlannedModule:
+             offload_dir: str | None = None, grads_exist: bool = False, plan_: Plan | None = None) -> PlannedModule:
     """Make ``model`` train under a memory budget.
 
     Example::
@@ -143,7 +143,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
 
     Args:
         model, example_inputs, budget, strategy, optimizer, time_limit, variants, loss_fn, offload,
-            offload_dir: as in :func:`plan`.
+            offload_dir, grads_exist: as in :func:`plan`.
         plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
             the same model and input shapes.
 
@@ -162,7 +162,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
-                               variants=variants, loss_fn=loss_fn, time_limit=time_limit, _store=store)
+                               variants=variants, loss_fn=loss_fn, time_limit=time_limit, grads_exist=grads_exist,
+                               _store=store)
     return PlannedModule(captured, result, report=_report(result), offload_store=store)
 
 
