@@ -94,12 +94,57 @@ def test_copy_engine_round_trip(tmp_path):
 
 def test_parameters_are_never_offloaded(tmp_path):
     lin = nn.Linear(256, 256)
-    engine = CopyEngine(DiskStore(tmp_path), torch.device("cpu"))
+    store = DiskStore(tmp_path)
+    engine = CopyEngine(store, torch.device("cpu"))
     step = OffloadStep(engine, {0}, ["lin"], {lin.weight.untyped_storage().data_ptr()})
     step.current = 0
-    assert step.pack(lin.weight) is lin.weight
+    assert step.unpack(step.pack(lin.weight)).data_ptr() == lin.weight.data_ptr()  # left in place
+    assert store.total_bytes == 0
     big = torch.randn(128, 256)
-    assert step.pack(big) is not big  # an activation made by node 0 is offloaded
+    packed = step.pack(big)  # an activation made by node 0 is offloaded
+    step.finish_forward()
+    assert store.total_bytes == big.numel() * 4
+    torch.testing.assert_close(step.unpack(packed), big, rtol=0, atol=0)
+
+
+def test_kept_tensor_modified_in_place_raises(tmp_path):
+    """Saved-tensor hooks switch off autograd's version check; memfit's runtime makes it instead, also for
+    tensors it keeps on the device (here a parameter changed between forward and backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 8))
+    x = torch.randn(256, 64)
+    planned = _offload_everything(copy.deepcopy(model), x, tmp_path)
+    loss = planned(x).square().sum()
+    with torch.no_grad():
+        model_param = next(p for n, p in planned.named_parameters() if n.endswith("2.weight"))
+        model_param.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_model_input_is_not_offloaded(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 8))
+    x = torch.randn(256, 512)  # 512 KiB, saved by the first Linear, which the plan offloads
+    planned = _offload_everything(model, x, tmp_path)
+    planned(x).sum().backward()
+    assert planned.offload_store.total_bytes == 256 * 512 * 4  # the Tanh output only, not the input
+
+
+def test_store_released_when_the_graph_is_dropped(tmp_path):
+    import gc
+
+    model = zoo.build_model("resnet18").train()
+    images, _ = zoo.example_batch("resnet18", 4, 32)
+    store = DiskStore(tmp_path)
+    plan, captured, _ = memfit.plan(fresh_copy(model), images, "min", _store=store, loss_fn=lambda o: o.sum())
+    assert plan.offloads
+    planned = memfit.PlannedModule(captured, plan, offload_store=store)
+    for _ in range(3):
+        out = planned(images)
+        del out  # no backward: e.g. an exception in the loss
+    gc.collect()
+    assert store.live_bytes == 0
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)

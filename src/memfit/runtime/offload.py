@@ -90,7 +90,7 @@ class OffloadStep:
     def produced(self, index: int, tensors: list[torch.Tensor]) -> None:
         """Record node ``index``'s output tensors (and its autograd node, the prefetch trigger)."""
         for t in tensors:
-            if t.grad_fn is not None and index not in self.grad_fns:
+            if index >= 0 and t.grad_fn is not None and index not in self.grad_fns:
                 self.grad_fns[index] = t.grad_fn
             ptr = t.untyped_storage().data_ptr()
             entry = self.producer.get(ptr)
@@ -107,14 +107,14 @@ class OffloadStep:
 
     def pack(self, t: torch.Tensor):
         if t.device.type == "meta" or t.is_sparse:
-            return t
+            return _Kept(t, t._version, self._name())
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.fixed_ptrs or storage.nbytes() < MIN_OFFLOAD_BYTES:
-            return t
+            return _Kept(t, t._version, self._name())
         node = self._producer_of(ptr)
         if node not in self.offload_nodes:
-            return t
+            return _Kept(t, t._version, self._name())
         key = (ptr, t._version)
         saved = self.by_key.get(key)
         if saved is not None and not any(r() is not None for r in saved.sources):
@@ -128,9 +128,12 @@ class OffloadStep:
         saved.savers.add(self.current)
         saved.packs += 1
         packed = _Packed(saved, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad,
-                         t._version, weakref.ref(t), self.names[self.current] if self.current >= 0 else "")
+                         t._version, weakref.ref(t), self._name())
         saved.packed.append(weakref.ref(packed))
         return packed
+
+    def _name(self) -> str:
+        return self.names[self.current] if 0 <= self.current < len(self.names) else ""
 
     def check_versions(self, node: int) -> None:
         """Before the last forward references to node ``node``'s offloaded tensors go: note any that an
@@ -167,12 +170,17 @@ class OffloadStep:
                 triggers.setdefault(trigger, []).append(saved)
         for k, group in triggers.items():
             self.grad_fns[k].register_prehook(_Prefetch(self.engine, group))
+        # from here on autograd alone holds the offloaded storages (through the packed handles), so that a
+        # graph dropped without a backward pass releases them
         self.producer.clear()
         self.by_key.clear()
+        self.by_node.clear()
         self.grad_fns.clear()
 
     # backward -----------------------------------------------------------------------------------------
     def unpack(self, packed):
+        if isinstance(packed, _Kept):
+            return packed.unpack()
         if not isinstance(packed, _Packed):
             return packed
         source = packed.source()
@@ -185,6 +193,27 @@ class OffloadStep:
                 "the offloaded copy is stale. Avoid the in-place operation, or plan without offloading "
                 "(offload=False).")
         return _load(self.engine, packed)
+
+
+class _Kept:
+    """A saved tensor left on the device. Saved-tensor hooks turn off autograd's own check that a saved tensor
+    was not modified in place before the backward pass, so the check is made here."""
+
+    __slots__ = ("name", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int, name: str):
+        # a detached alias: same storage and version counter, but no autograd node, so that a saved output
+        # does not hold its own graph alive (which would leak a graph dropped without a backward pass)
+        self.tensor, self.version, self.name = tensor.detach(), version, name
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a {tuple(self.tensor.shape)} tensor saved by node {self.name!r} is at version "
+                f"{self.tensor._version}; expected version {self.version} instead (memfit's offloading runtime "
+                "made this check in place of autograd's).")
+        return self.tensor
 
 
 class _Prefetch:

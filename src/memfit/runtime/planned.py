@@ -57,6 +57,7 @@ class _RegionCall:
                     self.on_value(name, env[name])
                 for f in frees:
                     del env[f]
+            self.on_value = None  # needed in the forward pass only; it would keep the offloader alive
             return tuple(env[o] for o in region.outputs)
         finally:
             # running statistics are updated once per step, in the forward pass, never by a recomputation
@@ -200,6 +201,8 @@ class PlannedModule(nn.Module):
                  else contextlib.nullcontext())
         index = self._index
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
+        if off is not None:
+            off.produced(-1, [t for a in args for t in tensors_in(a)])  # model inputs: never offloaded
         with hooks:
             for k, (kind, a, b, frees) in enumerate(self._steps):
                 if kind == "node":
@@ -212,6 +215,7 @@ class PlannedModule(nn.Module):
                     outs = checkpoint(_RegionCall(a, on_value), *[env[n] for n in a.inputs], use_reentrant=False,
                                       preserve_rng_state=True)
                     env.update(zip(a.outputs, outs))
+                    del outs  # the environment alone holds the outputs, so each goes after its last use
                 if off is not None:
                     for j in self._releases.get(k, []):
                         off.check_versions(j)
