@@ -285,3 +285,36 @@ def test_optimize_with_offload_dir(tmp_path):
     torch.nn.functional.cross_entropy(ref(images), target).backward()
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=n)
+
+
+def test_offload_dir_errors_say_what_to_change(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for bad in (afile, afile / "sub", ""):
+        with pytest.raises(OSError, match="offload directory"):
+            DiskStore(bad)
+
+
+def test_offload_false_contradicting_a_vdnn_strategy_is_refused():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with pytest.raises(ValueError, match="offload=False"):
+        memfit.plan(model, torch.randn(4, 8), strategy="vdnn-all", offload=False)
+
+
+def test_plan_load_rejects_what_is_not_a_plan(tmp_path):
+    for text in ("{not json", "[1, 2]", '{"strategy": "x"}'):
+        path = tmp_path / "plan.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="not a memfit plan"):
+            Plan.load(path)
+
+
+def test_host_bytes_reported_after_planning(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 8))
+    x = torch.randn(256, 512)
+    planned = memfit.optimize(model, x, strategy="vdnn-all", offload_dir=str(tmp_path))
+    assert planned.offload_store.peak_bytes == 0  # nothing left over from measuring the link
+    assert planned.report["predicted_host_bytes"] == 256 * 512 * 4
+    planned(x).sum().backward()
+    assert planned.offload_store.peak_bytes == planned.report["predicted_host_bytes"]

@@ -51,6 +51,9 @@ def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_di
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     if strategy in OFFLOAD_STRATEGIES:
+        if offload is False:
+            raise ValueError(f"the {strategy} strategy offloads activations; offload=False contradicts it "
+                             "(choose another strategy, or drop offload=False)")
         offload = True
     if offload is None:
         offload = device.type == "cuda" or offload_dir is not None
@@ -158,6 +161,9 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if plan_.input_shapes and shapes != plan_.input_shapes:
             raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                              "memory figures would not hold; make a new plan for these shapes")
+        if plan_.offloads and offload is False:
+            raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
+                             "(make a plan with offload=False instead)")
         captured = capture(model)
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)
@@ -171,5 +177,6 @@ def _report(p: Plan) -> dict:
     return {"strategy": p.strategy, "budget_bytes": p.budget_bytes, "fixed_bytes": p.fixed_bytes,
             "predicted_peak_bytes": p.predicted_peak_bytes,
             "predicted_activation_peak_bytes": p.predicted_peak_bytes - p.fixed_bytes,
-            "predicted_step_seconds": p.predicted_step_seconds, "solve_seconds": p.solve_seconds,
+            "predicted_step_seconds": p.predicted_step_seconds, "predicted_host_bytes": p.predicted_host_bytes,
+            "solve_seconds": p.solve_seconds,
             "mip_gap": p.mip_gap, "decisions": p.counts()}

@@ -75,5 +75,6 @@ def measure_link(engine, nbytes: int = 16 << 20, repeats: int = 7) -> LinkCost:
     lat = min(a + b for a, b in small) / 2
     d2h = max(min(a for a, _ in big) - lat, 1e-9)
     h2d = max(min(b for _, b in big) - lat, 1e-9)
+    engine.store.reset_peak()  # the probe's buffers are not part of any step
     return LinkCost(store=engine.store.describe(), d2h_bytes_per_second=nbytes / d2h,
                     h2d_bytes_per_second=nbytes / h2d, latency_seconds=lat)

@@ -17,8 +17,10 @@ one worker thread (PyTorch releases the GIL inside ``copy_``).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -89,14 +91,26 @@ class DiskStore(HostStore):
 
     kind = "disk"
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, remove_when_done: bool = False) -> None:
         super().__init__()
         self._free: dict[int, list[np.memmap]] = {}
         self.cached_bytes = 0  # bytes of all mappings made, in use or waiting to be reused
+        if str(directory) == "":
+            raise OSError("memfit: the offload directory is empty; name a directory on a local disk")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(self.directory, os.W_OK):
-            raise OSError(f"memfit: the offload directory {self.directory} is not writable; name another one")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"memfit: cannot use {self.directory} as the offload directory ({exc.strerror}); "
+                          "name a writable directory on a local disk") from exc
+        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK):
+            raise OSError(f"memfit: the offload directory {self.directory} is not a writable directory; "
+                          "name another one")
+        if _filesystem(self.directory) == "tmpfs":
+            warnings.warn(f"memfit: the offload directory {self.directory} is on a tmpfs, which keeps its files "
+                          "in RAM: offloading there saves no memory. Name a directory on a disk.", stacklevel=2)
+        if remove_when_done:  # a temporary directory memfit made: remove it (it is empty) with the store
+            weakref.finalize(self, shutil.rmtree, str(self.directory), True)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         # a file written before is ~9x faster to write again than a fresh one (no page allocation), so
@@ -140,7 +154,22 @@ def default_store(device: torch.device, directory: str | os.PathLike | None = No
         return DiskStore(directory)
     if device.type == "cuda":
         return PinnedStore()
-    return DiskStore(tempfile.mkdtemp(prefix="memfit-offload-"))
+    return DiskStore(tempfile.mkdtemp(prefix="memfit-offload-"), remove_when_done=True)
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the file system holding ``path`` (``"tmpfs"``, ``"ext4"``, ...), from /proc/mounts; ``""``
+    where that cannot be read."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return ""
+    target = str(path.resolve())
+    best, kind = "", ""
+    for point, fstype in mounts:
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

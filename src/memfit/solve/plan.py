@@ -43,6 +43,7 @@ class Plan:
         fixed_bytes: parameters, gradients, buffers, optimizer state and inputs (bytes).
         predicted_peak_bytes: simulated total peak (bytes).
         predicted_step_seconds: simulated step time (seconds).
+        predicted_host_bytes: bytes the host store holds at once (every offloaded storage).
         solve_seconds: wall time the solver took.
         mip_gap: relative optimality gap of the integer program, ``None`` for heuristics.
         input_shapes: shapes of the example inputs the plan was made for (its figures hold for those).
@@ -59,6 +60,7 @@ class Plan:
     fixed_bytes: int = 0
     predicted_peak_bytes: int = 0
     predicted_step_seconds: float = 0.0
+    predicted_host_bytes: int = 0
     solve_seconds: float = 0.0
     mip_gap: float | None = None
     input_shapes: list[list[int]] = field(default_factory=list)
@@ -120,7 +122,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
-        return cls(**d)
+        """The plan in ``d`` (as written by :meth:`to_dict`).
+
+        Raises:
+            ValueError: ``d`` is not a plan (missing or unknown fields).
+        """
+        try:
+            return cls(**d)
+        except TypeError as exc:
+            raise ValueError(f"not a memfit plan ({exc}); make one with memfit.plan(...) and Plan.save") from exc
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON to ``path``."""
@@ -129,4 +139,10 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan written by :meth:`save`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a memfit plan: invalid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a memfit plan: expected a JSON object")  # noqa: TRY004
+        return cls.from_dict(data)

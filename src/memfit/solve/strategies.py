@@ -67,7 +67,7 @@ class _Problem:
         plan = Plan.from_spans(self.strategy, self.names, spans, budget_bytes=self.budget, fixed_bytes=self.fixed,
                                predicted_peak_bytes=sim.peak_bytes, predicted_step_seconds=sim.step_seconds,
                                solve_seconds=time.perf_counter() - self.t0, mip_gap=gap,
-                               offloads=[self.names[j] for j in offloads],
+                               offloads=[self.names[j] for j in offloads], predicted_host_bytes=sim.host_peak_bytes,
                                offload_waits=offload_waits(self.acc, self.names, offloads))
         plan.variants.update(choice)
         return plan
