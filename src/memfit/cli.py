@@ -269,6 +269,16 @@ def _check_vdnn(strategies: list[str], args) -> None:
                          "offload; drop one of the two")
 
 
+def _bench_run_flags(p: argparse.ArgumentParser) -> None:
+    """Device, solver, thread, seed and offload flags of ``bench`` and ``max-batch`` (one thread by default,
+    for stable CPU timings)."""
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    _offload_flags(p)
+
+
 def _add_bench_commands(sub) -> None:
     from memfit import zoo
     from memfit.bench.maxbatch import MAXBATCH_STRATEGIES
@@ -295,11 +305,7 @@ def _add_bench_commands(sub) -> None:
                    help="also run torch-budget with torch.compile's inductor backend (minutes of compiling)")
     p.add_argument("--out", default=None, help="output folder (default bench-MODEL-bBATCH-SIZEpx)")
     p.add_argument("--steps", type=_positive, default=3, help="timed rounds per row, interleaved with plain PyTorch")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
-    p.add_argument("--seed", type=int, default=0)
-    _offload_flags(p)
+    _bench_run_flags(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("max-batch", help="the largest batch each strategy trains within a total-peak budget, "
                        "found by measuring")
@@ -315,11 +321,7 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--start-batch", type=_positive, default=2, help="first batch probed (BatchNorm needs 2)")
     p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
     p.add_argument("--json", default=None, help="write the results as JSON here")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
-    p.add_argument("--seed", type=int, default=0)
-    _offload_flags(p)
+    _bench_run_flags(p)
     p.set_defaults(func=cmd_max_batch)
 
 
