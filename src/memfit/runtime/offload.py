@@ -48,6 +48,12 @@ class _Saved:
         self.left = 0  # unpacks still expected for the prefetched copy
         self.fetch = None  # ticket of the prefetch (host-to-device)
 
+    def land(self, engine: CopyEngine) -> None:
+        """Wait for the copy to the host, if still in flight; the device source is released with the ticket."""
+        if self.ticket is not None:
+            self.host = engine.wait(self.ticket)
+            self.ticket = None
+
 
 @dataclass
 class _Packed:
@@ -148,9 +154,7 @@ class OffloadStep:
     def release(self, node: int) -> None:
         """The wait point of ``node``: wait for its copies and drop the device references."""
         for saved in self.by_node.get(node, []):
-            if saved.ticket is not None:
-                saved.host = self.engine.wait(saved.ticket)
-                saved.ticket = None
+            saved.land(self.engine)
             # the device storage may now be freed and its address reused by a new tensor
             if self.by_key.get(saved.key) is saved:
                 del self.by_key[saved.key]
@@ -235,9 +239,7 @@ class _Prefetch:
 
 def _load(engine: CopyEngine, packed: _Packed) -> torch.Tensor:
     saved = packed.saved
-    if saved.host is None and saved.ticket is not None:
-        saved.host = engine.wait(saved.ticket)
-        saved.ticket = None
+    saved.land(engine)
     if saved.fetch is not None:
         data = engine.wait(saved.fetch)
         saved.left -= 1

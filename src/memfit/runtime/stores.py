@@ -196,15 +196,19 @@ class CopyEngine:
         else:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-offload")
 
+    def _side_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        """``dst.copy_(src)`` on the side stream, after the work queued so far; the event marks its end."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
     def offload(self, src: torch.Tensor):
         if self.cuda:
             host = self.store.allocate(src.numel())
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            return [event, host, src]
+            return [self._side_copy(host, src), host, src]
 
         def job() -> torch.Tensor:
             host = self.store.allocate(src.numel())
@@ -217,12 +221,7 @@ class CopyEngine:
 
     def fetch(self, host: torch.Tensor, dst: torch.Tensor):
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                dst.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            return [event, dst, None]
+            return [self._side_copy(dst, host), dst, None]
         future: Future = self.pool.submit(lambda: dst.copy_(host))
         return [future, dst, None]
 
