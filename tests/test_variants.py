@@ -14,12 +14,16 @@ from torch import nn
 from memfit.variants import (
     VARIANTS,
     BatchNorm2dFromOutput,
+    Conv1dSplitBackward,
+    Conv2dSplitBackward,
+    Conv3dSplitBackward,
     HardtanhMask,
     LeakyReLUMask,
     MaxPool2dCompact,
     ReLU6Mask,
     ReLUMask,
     bn_from_module,
+    conv_split_backward,
     fuse_bn_leaky_relu,
     leaky_relu_mask,
     max_pool2d_compact,
@@ -445,17 +449,117 @@ def test_maxpool_registry_limits():
         spec.make(nn.MaxPool2d(2, return_indices=True))
 
 
+# ---------------------------------------------------------------- conv-split-backward
+
+CONVS = [
+    ("2d", lambda: nn.Conv2d(4, 6, 3, padding=1)),
+    ("2d-strided-grouped-nobias", lambda: nn.Conv2d(4, 6, (3, 2), stride=2, padding=(1, 0), groups=2, bias=False)),
+    ("2d-dilated", lambda: nn.Conv2d(3, 5, 3, dilation=2, padding=2)),
+    ("2d-depthwise", lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4)),
+    ("1d", lambda: nn.Conv1d(3, 5, 5, stride=2)),
+    ("3d", lambda: nn.Conv3d(2, 3, 3, padding=(1, 0, 1))),
+]
+
+
+def _conv_input(conv: nn.Module, dtype) -> torch.Tensor:
+    rank = conv.weight.dim() - 2
+    return torch.randn(3, conv.in_channels, *([7, 9, 6][:rank])).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,make", CONVS, ids=[c[0] for c in CONVS])
+def test_conv_split_backward_matches_torch(name, make, dtype):
+    torch.manual_seed(6)
+    ref = make().to(dtype)
+    var = VARIANTS["conv-split-backward"].make(ref)
+    assert isinstance(var, type(ref)) and var.weight is ref.weight
+    x = _conv_input(ref, dtype)
+    layouts_ = list(layouts(x))
+    if x.dim() == 4:
+        layouts_.append(("channels_last", x.contiguous(memory_format=torch.channels_last), lambda t: t * 1))
+    for lay, leaf, feed in layouts_:
+        outs = []
+        for m in (ref, var):
+            lf = leaf.detach().clone().requires_grad_()
+            y = m(feed(lf))
+            g = y.detach().cos()
+            grads = torch.autograd.grad(y, [lf, *m.parameters()], g)
+            outs.append((y, grads))
+        (y_ref, g_ref), (y_var, g_var) = outs
+        assert same(y_ref, y_var), (name, lay)
+        for a, b in zip(g_ref, g_var):
+            assert same(a, b), (name, lay)
+
+
+def test_conv_split_backward_partial_grads_and_saved_bytes():
+    torch.manual_seed(7)
+    ref = nn.Conv2d(3, 4, 3, padding=1)
+    var = VARIANTS["conv-split-backward"].make(ref)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    b_ref, y_ref = saved_bytes(lambda: ref(x))
+    b_var, _ = saved_bytes(lambda: var(x))
+    assert b_ref == b_var  # saves what PyTorch saves: the input (the weight is a parameter)
+    # frozen weight: only the input gradient; input without grad: only the parameter gradients
+    ref.weight.requires_grad_(False)
+    (gx_ref,) = torch.autograd.grad(ref(x).sum(), [x])
+    (gx_var,) = torch.autograd.grad(var(x).sum(), [x])
+    assert same(gx_ref, gx_var)
+    ref.weight.requires_grad_(True)
+    x2 = x.detach()
+    g_ref = torch.autograd.grad(ref(x2).sum(), [ref.weight, ref.bias])
+    g_var = torch.autograd.grad(var(x2).sum(), [var.weight, var.bias])
+    assert all(same(a, b) for a, b in zip(g_ref, g_var))
+    # the functional form and its errors
+    assert same(conv_split_backward(x, ref.weight, ref.bias, 1, 1), y_ref)
+    with pytest.raises(TypeError, match="numeric padding"):
+        conv_split_backward(x, ref.weight, padding="same")
+    with pytest.raises(ValueError, match="3-, 4- or 5-D"):
+        conv_split_backward(x[0, 0], ref.weight)
+
+
+def test_conv_split_backward_registry_limits():
+    spec = VARIANTS["conv-split-backward"]
+    assert isinstance(spec.make(nn.Conv1d(1, 1, 1)), Conv1dSplitBackward)
+    assert isinstance(spec.make(nn.Conv2d(1, 1, 1)), Conv2dSplitBackward)
+    assert isinstance(spec.make(nn.Conv3d(1, 1, 1)), Conv3dSplitBackward)
+    assert not spec.applies(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"))
+    assert not spec.applies(nn.Conv2d(1, 1, 3, padding="same"))
+    assert not spec.applies(Conv2dSplitBackward(1, 1, 1))  # already converted
+    with pytest.raises(TypeError):
+        spec.make(nn.Conv2d(1, 1, 3, padding="same"))
+
+
+def test_conv_split_backward_lowers_the_backward_transient():
+    """On the CPU, PyTorch's joint backward holds the input gradient and oneDNN's reordered copies at once;
+    the split backward never holds more (memory, measured by the exact tracker, not time)."""
+    from memfit.profile.tracker import MemoryTracker
+
+    ref = nn.Conv2d(16, 16, 3, padding=1)
+    var = VARIANTS["conv-split-backward"].make(ref)
+    x = torch.randn(2, 16, 32, 32, requires_grad=True)
+    peaks = []
+    for m in (ref, var):
+        y = m(x)
+        g = torch.ones_like(y)
+        with MemoryTracker() as t:
+            grads = torch.autograd.grad(y, [x, m.weight, m.bias], g)
+        del grads
+        peaks.append(t.peak_bytes)
+    assert peaks[1] <= peaks[0]
+
+
 # ---------------------------------------------------------------- registry and whole models
 
 
 def test_registry_specs():
-    assert set(VARIANTS) == {"relu-mask", "bn-from-output", "maxpool-compact"}
+    assert set(VARIANTS) == {"relu-mask", "bn-from-output", "maxpool-compact", "conv-split-backward"}
     for spec in VARIANTS.values():
         assert spec.saves and spec.module_types
     assert [s.name for s in variants_for(nn.ReLU())] == ["relu-mask"]
     assert [s.name for s in variants_for(nn.ReLU6())] == ["relu-mask"]
     assert [s.name for s in variants_for(nn.BatchNorm1d(3))] == ["bn-from-output"]
-    assert variants_for(nn.Conv2d(1, 1, 1)) == []
+    assert [s.name for s in variants_for(nn.Conv2d(1, 1, 1))] == ["conv-split-backward"]
+    assert variants_for(nn.ConvTranspose2d(1, 1, 1)) == [] and variants_for(nn.Linear(2, 2)) == []
     # already-converted modules (subclasses) are not converted again
     assert variants_for(ReLUMask()) == [] and variants_for(bn_from_module(nn.BatchNorm2d(2))) == []
     assert isinstance(VARIANTS["relu-mask"].make(nn.Hardtanh(-2, 3)), HardtanhMask)
@@ -487,7 +591,7 @@ def test_whole_model_training_steps():
     torch.manual_seed(4)
     ref = _small_net()
     var = _convert(copy.deepcopy(ref))
-    assert sum(type(m).__module__.startswith("memfit.variants") for m in var.modules()) == 9
+    assert sum(type(m).__module__.startswith("memfit.variants") for m in var.modules()) == 12
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_v = torch.optim.SGD(var.parameters(), lr=0.1)
     for _ in range(3):

@@ -5,7 +5,10 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
 
 * ``relu-mask``: ReLU / LeakyReLU / ReLU6 / Hardtanh save a 1-bit mask (bit-exact gradients);
 * ``bn-from-output``: BatchNorm1d/2d/3d computes its backward from its output (float32 rounding);
-* ``maxpool-compact``: MaxPool2d saves uint8 in-window argmax offsets (bit-exact gradients).
+* ``maxpool-compact``: MaxPool2d saves uint8 in-window argmax offsets (bit-exact gradients);
+* ``conv-split-backward``: Conv1d/2d/3d saves what PyTorch saves but computes its weight and input
+  gradients in two calls, so their workspaces never coexist (bit-exact gradients; MONeT's
+  convolution-algorithm choice, on the CPU).
 
 ``VARIANTS`` maps a variant name to a :class:`VariantSpec`; ``spec.applies(m)`` says whether it can
 replace module ``m`` and ``spec.make(m)`` builds the replacement, which shares ``m``'s Parameter and
@@ -31,6 +34,15 @@ from .bn_from_output import (
     fuse_bn_leaky_relu,
 )
 from .bn_from_output import from_module as bn_from_module
+from .conv_split_backward import (
+    Conv1dSplitBackward,
+    Conv2dSplitBackward,
+    Conv3dSplitBackward,
+    ConvSplitBackwardFn,
+    conv_split_backward,
+)
+from .conv_split_backward import applies as _conv_split_applies
+from .conv_split_backward import from_module as conv_split_from_module
 from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
 from .relu_mask import (
     HardtanhMask,
@@ -52,6 +64,10 @@ __all__ = [
     "BatchNorm1dFromOutput",
     "BatchNorm2dFromOutput",
     "BatchNorm3dFromOutput",
+    "Conv1dSplitBackward",
+    "Conv2dSplitBackward",
+    "Conv3dSplitBackward",
+    "ConvSplitBackwardFn",
     "HardtanhMask",
     "LeakyReLUMask",
     "MaskedActivationFn",
@@ -62,6 +78,8 @@ __all__ = [
     "VariantSpec",
     "bn_from_module",
     "bn_from_output",
+    "conv_split_backward",
+    "conv_split_from_module",
     "fuse_bn_leaky_relu",
     "hardtanh_mask",
     "leaky_relu_mask",
@@ -142,6 +160,10 @@ VARIANTS: dict[str, VariantSpec] = {
         _spec("maxpool-compact", (nn.MaxPool2d,),
               "uint8 in-window argmax offsets instead of the input and int64 indices",
               True, _maxpool_applies, MaxPool2dCompact.from_module),
+        _spec("conv-split-backward", (nn.Conv1d, nn.Conv2d, nn.Conv3d),
+              "the same as PyTorch (input and weight); the weight and input gradients are computed in two "
+              "calls, so their workspaces never coexist",
+              True, _conv_split_applies, conv_split_from_module),
     )
 }
 

@@ -158,13 +158,13 @@ class MaskedActivationFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         (packed,) = ctx.saved_tensors
-        # 0/1 in the gradient's dtype, in the logical order of the input
-        m = unpack_mask(packed, ctx.numel).to(grad.dtype).view(ctx.shape)
-        if ctx.kind == "leaky_relu":
-            gx = torch.ops.aten.leaky_relu_backward(grad, m, ctx.a, False)  # m > 0 ? g : g * slope
-        else:
-            gx = torch.ops.aten.threshold_backward(grad, m, 0)  # m <= 0 ? 0 : g
-        return gx, None, None, None, None
+        # one byte per element (0/1 read as bool), in the logical order of the input: a quarter of a
+        # float32 mask, which would be the backward's largest temporary
+        m = unpack_mask(packed, ctx.numel).view(torch.bool).view(ctx.shape)
+        if ctx.kind == "leaky_relu":  # as aten.leaky_relu_backward: x > 0 ? g : g * slope
+            gx = grad.mul(ctx.a)
+            return torch.where(m, grad, gx, out=gx), None, None, None, None
+        return torch.where(m, grad, 0), None, None, None, None  # as aten.threshold_backward: 0 or g
 
 
 def relu_mask(x: Tensor, inplace: bool = False) -> Tensor:

@@ -1,0 +1,149 @@
+"""Convolution whose backward computes the weight and the input gradients in two separate calls.
+
+PyTorch's convolution backward (``aten.convolution_backward`` with ``output_mask=[True, True, True]``)
+computes the input gradient and the weight gradient in one call. On the CPU, oneDNN then holds, at
+the same time, the new input gradient and reordered copies of ``grad_output`` and of the input in its
+blocked layout: for a contiguous (NCHW) float32 ``[2, 64, 128, 128]`` 3x3 convolution that is 24 MiB of
+transient memory, three activation-sized tensors. Calling the same kernel twice, first for the weight
+(and bias) gradient and then for the input gradient, never holds more than two (16 MiB there), at
+about 10% more backward time for that layer (``grad_output`` is reordered twice). In networks whose
+peak is the backward of their widest full-resolution convolutions (VGG-16, UNet), that transient is
+what sets the peak, and no recomputation or offloading plan can lower it.
+
+This is the CPU counterpart of MONeT's convolution-algorithm choice (Shah et al., ICLR 2021,
+section 4.2: each cuDNN algorithm trades workspace for time): the solver picks, per convolution,
+PyTorch's joint backward or this split one from their measured time and workspace. PyTorch does not
+expose a per-call cuDNN algorithm choice from Python (only the global ``torch.backends.cudnn.benchmark``),
+so on CUDA this is the only convolution choice available; there the split backward runs cuDNN's
+backward-data and backward-filter one after the other, as the joint call does.
+
+The forward is ``F.conv1d/2d/3d`` and the backward is PyTorch's own kernel with a partial
+``output_mask``, so outputs and gradients are bit-for-bit PyTorch's. What is saved (input and
+weight) is what PyTorch saves. Only ``padding_mode="zeros"`` and numeric padding are handled (other
+modes pad in a separate op; ``padding="same"`` is resolved by the caller of ``F.conv*d``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "Conv1dSplitBackward",
+    "Conv2dSplitBackward",
+    "Conv3dSplitBackward",
+    "ConvSplitBackwardFn",
+    "conv_split_backward",
+    "from_module",
+]
+
+_FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+class ConvSplitBackwardFn(torch.autograd.Function):
+    """``apply(x, weight, bias, stride, padding, dilation, groups)``.
+
+    ``x``: ``[N, C_in, *spatial]`` (1, 2 or 3 spatial dimensions); ``weight``: ``[C_out, C_in / groups,
+    *kernel]``; ``bias``: ``[C_out]`` or ``None``; ``stride``, ``padding``, ``dilation``: tuples of ints
+    of the spatial rank. Returns ``[N, C_out, *spatial_out]``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
+                groups: int) -> Tensor:
+        out = _FORWARD[x.dim() - 2](x, weight, bias, stride, padding, dilation, groups)
+        ctx.save_for_backward(x, weight)
+        ctx.args = (list(stride), list(padding), list(dilation), groups)
+        ctx.bias_sizes = None if bias is None else [bias.shape[0]]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.args
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        zeros = [0] * len(stride)
+
+        def call(mask):
+            return torch.ops.aten.convolution_backward(
+                grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
+
+        gw = gb = gx = None
+        if need_w or need_b:  # first: its reorders are freed before the input gradient exists
+            _, gw, gb = call([False, bool(need_w), bool(need_b) and ctx.bias_sizes is not None])
+        if need_x:
+            gx = call([True, False, False])[0]
+        return gx, gw, gb, None, None, None, None
+
+
+def conv_split_backward(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+                        dilation=1, groups: int = 1) -> Tensor:
+    """``F.conv1d/2d/3d`` (chosen by ``x.dim()``: 3, 4 or 5) whose backward computes the weight and input
+    gradients in two calls. ``stride``, ``padding``, ``dilation``: ints or tuples; string padding is
+    not accepted (``TypeError``); an input of another rank raises ``ValueError``."""
+    rank = x.dim() - 2
+    if rank not in _FORWARD:
+        raise ValueError(f"expected a 3-, 4- or 5-D input [N, C, *spatial], got shape {list(x.shape)}")
+    if isinstance(padding, str):
+        raise TypeError("conv_split_backward needs numeric padding, not a string like 'same'")
+
+    def tup(v):
+        return tuple(v) if isinstance(v, (list, tuple)) else (int(v),) * rank
+
+    return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups)
+
+
+torch.fx.wrap("conv_split_backward")
+
+
+class _SplitMixin:
+    def forward(self, input: Tensor) -> Tensor:
+        return conv_split_backward(input, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                                   self.groups)
+
+    @classmethod
+    def from_module(cls, conv: nn.modules.conv._ConvNd):
+        """A variant sharing ``conv``'s Parameter objects (same state_dict keys, ``isinstance`` of its class)."""
+        if not applies(conv):
+            raise TypeError(f"no split-backward variant for {conv!r}")
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
+                  padding=conv.padding, dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None,
+                  padding_mode=conv.padding_mode, device="meta")
+        for name in list(new._parameters):
+            new._parameters[name] = conv._parameters[name]
+        new.train(conv.training)
+        return new
+
+
+class Conv1dSplitBackward(_SplitMixin, nn.Conv1d):
+    """``nn.Conv1d`` subclass whose backward computes the weight and input gradients in two calls."""
+
+
+class Conv2dSplitBackward(_SplitMixin, nn.Conv2d):
+    """``nn.Conv2d`` subclass whose backward computes the weight and input gradients in two calls."""
+
+
+class Conv3dSplitBackward(_SplitMixin, nn.Conv3d):
+    """``nn.Conv3d`` subclass whose backward computes the weight and input gradients in two calls."""
+
+
+_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Conv1d: Conv1dSplitBackward, nn.Conv2d: Conv2dSplitBackward, nn.Conv3d: Conv3dSplitBackward,
+}
+
+
+def applies(m: nn.Module) -> bool:
+    """True for an ``nn.Conv1d/2d/3d`` (exact type) with zero padding given as numbers."""
+    return type(m) in _CLASSES and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+
+
+def from_module(conv: nn.Module) -> nn.Module:
+    """The split-backward variant of ``conv``, sharing its parameters. Raises ``TypeError`` if it does not
+    apply (see :func:`applies`)."""
+    if not applies(conv):
+        raise TypeError(f"no split-backward variant for {conv!r}")
+    return _CLASSES[type(conv)].from_module(conv)
