@@ -647,3 +647,22 @@ def test_make_shares_parameter_objects_for_all_variants():
     conv = _convert(model)
     after = {id(p) for p in conv.parameters()} | {id(b) for b in conv.buffers()}
     assert before == after
+
+
+def test_conv_split_backward_under_autocast():
+    """Autocast casts a convolution's inputs to bfloat16; the variant must do the same (it once saved the
+    float32 input and failed in backward against the bfloat16 gradient)."""
+    torch.manual_seed(8)
+    ref = nn.Conv2d(3, 8, 3, padding=1)
+    var = VARIANTS["conv-split-backward"].make(ref)
+    x = torch.randn(2, 3, 10, 10)
+    outs = []
+    for m in (ref, var):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(leaf)
+        grads = torch.autograd.grad(y.float().square().sum(), [leaf, m.weight, m.bias])
+        outs.append((y, grads))
+    assert outs[1][0].dtype == torch.bfloat16 and same(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert a.dtype == torch.float32 and same(a, b)

@@ -148,10 +148,11 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
         timeline.append((label, live + grad))
 
     def transient(nbytes, label):
+        # the peak is checked even without a workspace: during a backward step both the gradient of the
+        # node's output and the one it makes for its input are alive (``grad`` is then grad_during)
         nonlocal peak
-        if nbytes:
-            peak = max(peak, live + grad + nbytes)
-            timeline.append((label, live + grad + nbytes))
+        peak = max(peak, live + grad + nbytes)
+        timeline.append((label, live + grad + nbytes))
 
     def free(nbytes, label):
         nonlocal live

@@ -94,6 +94,15 @@ def conv_split_backward(x: Tensor, weight: Tensor, bias: Tensor | None = None, s
     def tup(v):
         return tuple(v) if isinstance(v, (list, tuple)) else (int(v),) * rank
 
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # what autocast does for PyTorch's convolution (a lower-precision op on CPU and CUDA): cast the
+        # floating inputs with differentiable casts, so the saved tensors and the gradients' dtypes match
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups)
     return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups)
 
 
