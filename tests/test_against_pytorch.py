@@ -171,6 +171,12 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
     assert again.plan == planned.plan
     assert [n.name for n in again.gm.graph.nodes if n.op != "placeholder"][:-1] == again.plan.nodes
     assert again(images).shape == (2, 10)
+    # the same node names, other shapes: refused with the first difference named
+    narrow = zoo.build_model("resnet18", num_classes=7).train()
+    with pytest.raises(ValueError, match=r"another model: fc\.bias is \[10\] .* and \[7\]"):
+        memfit.optimize(narrow, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="inputs of shape"):
+        memfit.optimize(fresh_copy(model), images[:1], plan_=memfit.Plan.load(tmp_path / "p.json"))
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "unet"])

@@ -40,6 +40,31 @@ def _shapes(inputs: tuple) -> list[list[int]]:
     return [list(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
 
 
+def state_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Shape of each tensor of ``model.state_dict()`` (parameters and buffers), by key."""
+    return {k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs) -> None:
+    """Check that a saved plan was made for this model and these input shapes.
+
+    Raises:
+        ValueError: the input shapes, or the model's parameter and buffer shapes, differ from the plan's
+            (its memory figures would not hold); the message names the first difference.
+    """
+    shapes = _shapes(_as_tuple(example_inputs))
+    if plan_.input_shapes and shapes != plan_.input_shapes:
+        raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
+                         "memory figures would not hold; make a new plan for these shapes")
+    if plan_.state_shapes:
+        mine = state_shapes(model)
+        for key in sorted(set(mine) | set(plan_.state_shapes)):
+            theirs, ours = plan_.state_shapes.get(key), mine.get(key)
+            if theirs != ours:
+                raise ValueError(f"the plan was made for another model: {key} is {theirs} in the plan's model "
+                                 f"and {ours} in this one; make a new plan for this model")
+
+
 def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
@@ -124,6 +149,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit,
                        use_variants=variants)
     result.input_shapes = _shapes(inputs)
+    result.state_shapes = state_shapes(model)
     return result, captured, costs
 
 
@@ -154,13 +180,11 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         :class:`PlannedModule`.
 
     Raises:
-        as :func:`plan`; ``ValueError`` if ``plan_`` belongs to another graph.
+        as :func:`plan`; ``ValueError`` if ``plan_`` was made for another model (node names, parameter or
+        buffer shapes) or other input shapes.
     """
     if plan_ is not None:
-        shapes = _shapes(_as_tuple(example_inputs))
-        if plan_.input_shapes and shapes != plan_.input_shapes:
-            raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
-                             "memory figures would not hold; make a new plan for these shapes")
+        check_plan_fits(plan_, model, example_inputs)
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")

@@ -47,6 +47,8 @@ class Plan:
         solve_seconds: wall time the solver took.
         mip_gap: relative optimality gap of the integer program, ``None`` for heuristics.
         input_shapes: shapes of the example inputs the plan was made for (its figures hold for those).
+        state_shapes: shape of every parameter and buffer of the model it was made for, by
+            ``state_dict`` key (a plan names graph nodes only, and two models can share node names).
     """
 
     strategy: str
@@ -64,6 +66,7 @@ class Plan:
     solve_seconds: float = 0.0
     mip_gap: float | None = None
     input_shapes: list[list[int]] = field(default_factory=list)
+    state_shapes: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}
