@@ -28,13 +28,14 @@ class Budget:
         """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``123456789`` (bytes), ``"40%"`` or ``"min"``.
 
         Raises:
-            ValueError: the text is not a size or a percentage in (0, 100].
+            ValueError: the text is not a size of at least one byte or a percentage in (0, 100].
         """
         if isinstance(spec, Budget):
             return spec
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-            if spec <= 0:
-                raise ValueError(f"budget must be positive, got {spec}")
+            if int(spec) <= 0:
+                raise ValueError(f"budget {spec!r}: must be at least one byte (or a percentage such as '40%', "
+                                 "or 'min' for the least memory memfit can reach)")
             return cls(nbytes=int(spec))
         text = str(spec).strip()
         if text.lower() == "min":
@@ -51,7 +52,11 @@ class Budget:
         if not match or match.group(2).upper() not in _UNITS:
             raise ValueError(f"budget {spec!r}: expected bytes such as '2GiB', '512MB', 1000000 or a "
                              "percentage such as '40%', or 'min'")
-        return cls(nbytes=int(float(match.group(1)) * _UNITS[match.group(2).upper()]))
+        nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+        if nbytes <= 0:
+            raise ValueError(f"budget {spec!r}: must be at least one byte (or a percentage such as '40%', or "
+                             "'min' for the least memory memfit can reach)")
+        return cls(nbytes=nbytes)
 
     def resolve(self, plain_peak_bytes: int, smallest_feasible: int | None = None) -> int:
         """The budget in bytes, given the plain PyTorch total peak and, for ``"min"``, the smallest feasible
