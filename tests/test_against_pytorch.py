@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 import memfit
@@ -267,3 +268,26 @@ def test_bfloat16_autocast_plan_matches_pytorch_and_its_prediction(strategy):
     assert check["gradients_match"] and check["bn_stats_match"], check
     assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.01 * fig.peak_bytes, (
         plan.predicted_peak_bytes, fig.peak_bytes)
+
+
+# torchvision architectures outside the zoo: SiLU and squeeze-excitation (EfficientNet), LayerNorm, GELU and
+# stochastic depth (ConvNeXt), windowed attention with shifted masks (Swin), attention blocks (ViT)
+OUTSIDE_ZOO = {
+    "efficientnet_b0": lambda: torchvision.models.efficientnet_b0(num_classes=10),
+    "convnext_tiny": lambda: torchvision.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.2),
+    "vit": lambda: torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                       hidden_dim=32, mlp_dim=64, num_classes=10),
+    "swin_t": lambda: torchvision.models.swin_t(num_classes=10),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:memfit sees")
+@pytest.mark.parametrize("name", list(OUTSIDE_ZOO))
+def test_torchvision_models_outside_the_zoo(name):
+    """The least-memory plan on architectures the zoo does not cover: gradients (stochastic depth and dropout
+    masks included) and BatchNorm statistics equal plain PyTorch's, and the prediction holds."""
+    torch.manual_seed(0)
+    model = OUTSIDE_ZOO[name]().train()
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    _check(model, (x,), y, nn.functional.cross_entropy, "min")
