@@ -45,6 +45,12 @@ def _offload_flags(p: argparse.ArgumentParser) -> None:
                    help="never offload activations (on CUDA memfit otherwise may, to pinned host memory)")
 
 
+def _grads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grads-exist", action="store_true",
+                   help="model a loop that keeps gradients allocated (optimizer.zero_grad(set_to_none=False) or "
+                   "gradient accumulation); default: PyTorch's zero_grad(), which sets them to None")
+
+
 def _offload(args) -> bool | None:
     """``offload`` for :func:`memfit.api.plan`: False with ``--no-offload``, else None (the default rule)."""
     return False if getattr(args, "no_offload", False) else None
@@ -83,7 +89,8 @@ def _sizes(args) -> tuple[int, int]:
 
 def _report_table(r: dict) -> Table:
     t = Table(title=f"memfit run: {r['model']} batch {r['batch_size']} input {r['input_shape']} "
-              f"on {r['device']}, strategy {r['strategy']}, budget {fmt_bytes(r['budget_bytes'])}")
+              f"on {r['device']}, strategy {r['strategy']}, budget {fmt_bytes(r['budget_bytes'])}"
+              f"{', gradients kept allocated' if r.get('grads_exist') else ''}")
     t.add_column("")
     t.add_column("plain PyTorch", justify="right")
     t.add_column("planned", justify="right")
@@ -122,7 +129,7 @@ def cmd_run(args) -> int:
     with console.status(f"measuring plain PyTorch, profiling and solving {args.model} ..."):
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
                          args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
-                         offload_dir=args.offload_dir)
+                         offload_dir=args.offload_dir, grads_exist=args.grads_exist)
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -144,14 +151,15 @@ def cmd_plan(args) -> int:
     store = offload_store((images,), args.strategy, _offload(args), args.offload_dir)
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
                         time_limit=args.time_limit, variants=not args.no_variants, offload=_offload(args),
-                        offload_dir=args.offload_dir, _store=store)
+                        offload_dir=args.offload_dir, grads_exist=args.grads_exist, _store=store)
     result.save(args.out)
     c = result.counts()
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
                     f"{fmt_bytes(result.predicted_peak_bytes)} (fixed {fmt_bytes(result.fixed_bytes)}), "
                     f"step {result.predicted_step_seconds:.3f} s; keep {c['keep']}, recompute {c['recompute']},"
                     f" offload {c['offload']}{'' if store is None else ' (to ' + store.describe() + ')'};"
-                    f" {len(result.regions)} checkpoint region(s); wrote {args.out}")
+                    f" {len(result.regions)} checkpoint region(s)"
+                    f"{'; gradients kept allocated' if args.grads_exist else ''}; wrote {args.out}")
     return 0
 
 
@@ -337,10 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=_positive, default=5, help="timed steps per setup (interleaved with plain)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     _offload_flags(p)
+    _grads_flag(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="solve only and save the plan as JSON")
     _common(p)
     _offload_flags(p)
+    _grads_flag(p)
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
@@ -348,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
     p.add_argument("--epochs", type=_positive, default=1)
     p.add_argument("--lr", type=float, default=0.05)
+    _grads_flag(p)
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)
     args = parser.parse_args(argv)
