@@ -251,6 +251,25 @@ def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):
     assert abs(on["planned"]["predicted_peak_bytes"] - on["planned"]["peak_bytes"]) < gap / 10
 
 
+def test_cli_bench_and_max_batch_grads_exist(tmp_path):
+    out = tmp_path / "b"
+    rc = main(["bench", "--model", "resnet18", "--batch", "2", "--image-size", "32", "--strategies", "none",
+               "--out", str(out), "--steps", "1", "--grads-exist"])
+    assert rc == 0
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["grads_exist"] is True and row["gradients_match"], row
+    # plain PyTorch measured and the `none` plan predicted with gradients preallocated (both ~19 MB above
+    # what they are without the flag)
+    assert abs(row["planned"]["predicted_peak_bytes"] - row["baseline"]["peak_bytes"]) < 2**20
+    js = tmp_path / "mb.json"
+    budget = row["baseline"]["peak_bytes"]
+    rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget", str(budget), "--strategies",
+               "", "--start-batch", "2", "--batch-limit", "3", "--json", str(js), "--grads-exist"])
+    assert rc == 0
+    rep = json.loads(js.read_text())
+    assert rep["grads_exist"] is True and rep["results"][0]["max_batch"] == 2  # batch 2 is the budget
+
+
 def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -215,7 +215,7 @@ def cmd_bench(args) -> int:
         baseline, rows = sweep(work, budgets, strategies, steps=args.steps,
                                torch_budgets=torch_budgets, torch_backends=backends, time_limit=args.time_limit,
                                seed=args.seed, progress=progress, offload=_offload(args),
-                               offload_dir=args.offload_dir)
+                               offload_dir=args.offload_dir, grads_exist=args.grads_exist)
     from memfit.bench.sweep import machine_line
 
     paths = write_results(rows, baseline, out, title=f"{args.model} batch {batch} {size}x{size} on {args.device}"
@@ -245,7 +245,8 @@ def cmd_max_batch(args) -> int:
         budget_bytes = budget.nbytes
     else:
         with console.status(f"measuring plain PyTorch at batch {args.budget_from_batch} ..."):
-            budget_bytes = plain_peak_bytes(args.model, args.budget_from_batch, size, args.device, args.seed)
+            budget_bytes = plain_peak_bytes(args.model, args.budget_from_batch, size, args.device, args.seed,
+                                            grads_exist=args.grads_exist)
         console.print(f"budget = plain PyTorch's measured total peak at batch {args.budget_from_batch}: "
                       f"{budget_bytes} bytes ({fmt_bytes(budget_bytes)})")
     backend = peers.INDUCTOR if args.inductor else peers.AOT_EAGER
@@ -254,12 +255,13 @@ def cmd_max_batch(args) -> int:
                                 device=args.device, seed=args.seed, start=args.start_batch,
                                 limit=args.batch_limit, backend=backend, time_limit=args.time_limit,
                                 offload=_offload(args), offload_dir=args.offload_dir,
-                                progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
+                                grads_exist=args.grads_exist, progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
     console.print(max_batch_table(results, budget_bytes, title=f"memfit max-batch: {args.model} {size}x{size} "
                                   f"on {args.device}, budget {fmt_bytes(budget_bytes)} (total peak, measured)"))
     if args.json:
         report = {"model": args.model, "image_size": size, "device": args.device, "budget_bytes": budget_bytes,
                   "budget_from_batch": args.budget_from_batch, "offload_dir": args.offload_dir,
+                  "grads_exist": args.grads_exist,
                   "results": [r.to_dict() for r in results]}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -278,13 +280,14 @@ def _check_vdnn(strategies: list[str], args) -> None:
 
 
 def _bench_run_flags(p: argparse.ArgumentParser) -> None:
-    """Device, solver, thread, seed and offload flags of ``bench`` and ``max-batch`` (one thread by default,
-    for stable CPU timings)."""
+    """Device, solver, thread, seed, offload and gradient flags of ``bench`` and ``max-batch`` (one thread by
+    default, for stable CPU timings)."""
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
     p.add_argument("--seed", type=int, default=0)
     _offload_flags(p)
+    _grads_flag(p)
 
 
 def _add_bench_commands(sub) -> None:
