@@ -233,6 +233,43 @@ def test_cli_run_memfit_with_and_without_offload(tmp_path):
     assert r["decisions"]["offload"] == 0
 
 
+def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):
+    # with gradients preallocated, each one is computed into a temporary and added into .grad, and every
+    # gradient is live from the start of the backward: plain PyTorch's measured peak grows (ResNet-18's
+    # 45 MB of gradients dwarf its activations at this size) while the fixed bytes stay the same
+    rc, off = _run(tmp_path, "--strategy", "chen", "--no-offload")
+    rc2, on = _run(tmp_path, "--strategy", "chen", "--no-offload", "--grads-exist")
+    assert rc == 0 and rc2 == 0
+    assert off["grads_exist"] is False and on["grads_exist"] is True
+    assert on["gradients_match"] and on["bn_stats_match"], on
+    assert on["baseline"]["fixed_bytes"] == off["baseline"]["fixed_bytes"]
+    assert on["baseline"]["peak_bytes"] > off["baseline"]["peak_bytes"]
+    assert on["baseline"]["activation_peak_bytes"] > off["baseline"]["activation_peak_bytes"]
+    # the planner used the same convention as the measurement: its prediction is close to the measured peak
+    # (ignoring the flag on either side would be off by about the difference above)
+    gap = on["baseline"]["peak_bytes"] - off["baseline"]["peak_bytes"]
+    assert abs(on["planned"]["predicted_peak_bytes"] - on["planned"]["peak_bytes"]) < gap / 10
+
+
+def test_cli_bench_and_max_batch_grads_exist(tmp_path):
+    out = tmp_path / "b"
+    rc = main(["bench", "--model", "resnet18", "--batch", "2", "--image-size", "32", "--strategies", "none",
+               "--out", str(out), "--steps", "1", "--grads-exist"])
+    assert rc == 0
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["grads_exist"] is True and row["gradients_match"], row
+    # plain PyTorch measured and the `none` plan predicted with gradients preallocated (both ~19 MB above
+    # what they are without the flag)
+    assert abs(row["planned"]["predicted_peak_bytes"] - row["baseline"]["peak_bytes"]) < 2**20
+    js = tmp_path / "mb.json"
+    budget = row["baseline"]["peak_bytes"]
+    rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget", str(budget), "--strategies",
+               "", "--start-batch", "2", "--batch-limit", "3", "--json", str(js), "--grads-exist"])
+    assert rc == 0
+    rep = json.loads(js.read_text())
+    assert rep["grads_exist"] is True and rep["results"][0]["max_batch"] == 2  # batch 2 is the budget
+
+
 def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

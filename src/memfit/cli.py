@@ -45,6 +45,12 @@ def _offload_flags(p: argparse.ArgumentParser) -> None:
                    help="never offload activations (on CUDA memfit otherwise may, to pinned host memory)")
 
 
+def _grads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grads-exist", action="store_true",
+                   help="model a loop that keeps gradients allocated (optimizer.zero_grad(set_to_none=False) or "
+                   "gradient accumulation); default: PyTorch's zero_grad(), which sets them to None")
+
+
 def _offload(args) -> bool | None:
     """``offload`` for :func:`memfit.api.plan`: False with ``--no-offload``, else None (the default rule)."""
     return False if getattr(args, "no_offload", False) else None
@@ -83,7 +89,8 @@ def _sizes(args) -> tuple[int, int]:
 
 def _report_table(r: dict) -> Table:
     t = Table(title=f"memfit run: {r['model']} batch {r['batch_size']} input {r['input_shape']} "
-              f"on {r['device']}, strategy {r['strategy']}, budget {fmt_bytes(r['budget_bytes'])}")
+              f"on {r['device']}, strategy {r['strategy']}, budget {fmt_bytes(r['budget_bytes'])}"
+              f"{', gradients kept allocated' if r.get('grads_exist') else ''}")
     t.add_column("")
     t.add_column("plain PyTorch", justify="right")
     t.add_column("planned", justify="right")
@@ -122,7 +129,7 @@ def cmd_run(args) -> int:
     with console.status(f"measuring plain PyTorch, profiling and solving {args.model} ..."):
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
                          args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
-                         offload_dir=args.offload_dir)
+                         offload_dir=args.offload_dir, grads_exist=args.grads_exist)
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -144,14 +151,15 @@ def cmd_plan(args) -> int:
     store = offload_store((images,), args.strategy, _offload(args), args.offload_dir)
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
                         time_limit=args.time_limit, variants=not args.no_variants, offload=_offload(args),
-                        offload_dir=args.offload_dir, _store=store)
+                        offload_dir=args.offload_dir, grads_exist=args.grads_exist, _store=store)
     result.save(args.out)
     c = result.counts()
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
                     f"{fmt_bytes(result.predicted_peak_bytes)} (fixed {fmt_bytes(result.fixed_bytes)}), "
                     f"step {result.predicted_step_seconds:.3f} s; keep {c['keep']}, recompute {c['recompute']},"
                     f" offload {c['offload']}{'' if store is None else ' (to ' + store.describe() + ')'};"
-                    f" {len(result.regions)} checkpoint region(s); wrote {args.out}")
+                    f" {len(result.regions)} checkpoint region(s)"
+                    f"{'; gradients kept allocated' if args.grads_exist else ''}; wrote {args.out}")
     return 0
 
 
@@ -207,7 +215,7 @@ def cmd_bench(args) -> int:
         baseline, rows = sweep(work, budgets, strategies, steps=args.steps,
                                torch_budgets=torch_budgets, torch_backends=backends, time_limit=args.time_limit,
                                seed=args.seed, progress=progress, offload=_offload(args),
-                               offload_dir=args.offload_dir)
+                               offload_dir=args.offload_dir, grads_exist=args.grads_exist)
     from memfit.bench.sweep import machine_line
 
     paths = write_results(rows, baseline, out, title=f"{args.model} batch {batch} {size}x{size} on {args.device}"
@@ -237,7 +245,8 @@ def cmd_max_batch(args) -> int:
         budget_bytes = budget.nbytes
     else:
         with console.status(f"measuring plain PyTorch at batch {args.budget_from_batch} ..."):
-            budget_bytes = plain_peak_bytes(args.model, args.budget_from_batch, size, args.device, args.seed)
+            budget_bytes = plain_peak_bytes(args.model, args.budget_from_batch, size, args.device, args.seed,
+                                            grads_exist=args.grads_exist)
         console.print(f"budget = plain PyTorch's measured total peak at batch {args.budget_from_batch}: "
                       f"{budget_bytes} bytes ({fmt_bytes(budget_bytes)})")
     backend = peers.INDUCTOR if args.inductor else peers.AOT_EAGER
@@ -246,12 +255,13 @@ def cmd_max_batch(args) -> int:
                                 device=args.device, seed=args.seed, start=args.start_batch,
                                 limit=args.batch_limit, backend=backend, time_limit=args.time_limit,
                                 offload=_offload(args), offload_dir=args.offload_dir,
-                                progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
+                                grads_exist=args.grads_exist, progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
     console.print(max_batch_table(results, budget_bytes, title=f"memfit max-batch: {args.model} {size}x{size} "
                                   f"on {args.device}, budget {fmt_bytes(budget_bytes)} (total peak, measured)"))
     if args.json:
         report = {"model": args.model, "image_size": size, "device": args.device, "budget_bytes": budget_bytes,
                   "budget_from_batch": args.budget_from_batch, "offload_dir": args.offload_dir,
+                  "grads_exist": args.grads_exist,
                   "results": [r.to_dict() for r in results]}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -270,13 +280,14 @@ def _check_vdnn(strategies: list[str], args) -> None:
 
 
 def _bench_run_flags(p: argparse.ArgumentParser) -> None:
-    """Device, solver, thread, seed and offload flags of ``bench`` and ``max-batch`` (one thread by default,
-    for stable CPU timings)."""
+    """Device, solver, thread, seed, offload and gradient flags of ``bench`` and ``max-batch`` (one thread by
+    default, for stable CPU timings)."""
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
     p.add_argument("--seed", type=int, default=0)
     _offload_flags(p)
+    _grads_flag(p)
 
 
 def _add_bench_commands(sub) -> None:
@@ -337,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=_positive, default=5, help="timed steps per setup (interleaved with plain)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     _offload_flags(p)
+    _grads_flag(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="solve only and save the plan as JSON")
     _common(p)
     _offload_flags(p)
+    _grads_flag(p)
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
@@ -348,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
     p.add_argument("--epochs", type=_positive, default=1)
     p.add_argument("--lr", type=float, default=0.05)
+    _grads_flag(p)
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)
     args = parser.parse_args(argv)

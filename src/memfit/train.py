@@ -35,13 +35,15 @@ def train_side_by_side(args) -> int:
     images, _ = next(iter(loader))
     opt_plan = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     plan, captured, _ = make_plan(model, (images.to(device),), args.budget, strategy=args.strategy,
-                                  optimizer=opt_plan, time_limit=args.time_limit, variants=not args.no_variants)
+                                  optimizer=opt_plan, time_limit=args.time_limit, variants=not args.no_variants,
+                                  grads_exist=args.grads_exist)
     planned = PlannedModule(captured, plan)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = zoo.loss_for(args.model)
     console.print(f"{args.model} on {args.data} ({len(dataset)} images, {classes} classes, {size}x{size}), "
                   f"batch {batch}: plan {plan.strategy}, predicted peak {fmt_bytes(plan.predicted_peak_bytes)}"
-                  f" (budget {fmt_bytes(plan.budget_bytes)}), {len(plan.regions)} checkpoint region(s)")
+                  f" (budget {fmt_bytes(plan.budget_bytes)}), {len(plan.regions)} checkpoint region(s)"
+                  f"{'; gradients kept allocated' if args.grads_exist else ''}")
     curve: list[tuple[int, float, float]] = []
     columns = (TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.4f} (plain {task.fields[plain]:.4f})"),
@@ -55,7 +57,7 @@ def train_side_by_side(args) -> int:
                 losses = []
                 for module, opt in ((planned, opt_plan), (plain, opt_plain)):
                     torch.set_rng_state(rng)
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=not args.grads_exist)
                     loss = loss_fn(module(x), y)
                     loss.backward()
                     opt.step()

@@ -17,16 +17,18 @@ from memfit.runtime.planned import PlannedModule
 from memfit.solve.strategies import make_plan
 
 
-def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, seed: int = 0) -> StepFigures:
-    """Plain PyTorch's figures (peak, fixed, gradients after 3 steps) on a copy of ``model``."""
+def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, seed: int = 0,
+                  grads_exist: bool = False) -> StepFigures:
+    """Plain PyTorch's figures (peak, fixed, gradients after 3 steps) on a copy of ``model``; ``grads_exist``
+    as in :func:`~memfit.bench.harness.measure_training`."""
     plain = fresh_copy(model)
-    return measure_training(plain, plain, inputs, target, loss_fn, steps=1, seed=seed)
+    return measure_training(plain, plain, inputs, target, loss_fn, steps=1, seed=seed, grads_exist=grads_exist)
 
 
 def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable, baseline: StepFigures,
                      strategy: str, budget, steps: int = 5, time_limit: float = 20.0, seed: int = 0,
                      plan_out: str | None = None, variants: bool = True, offload: bool | None = None,
-                     offload_dir: str | None = None) -> dict:
+                     offload_dir: str | None = None, grads_exist: bool = False) -> dict:
     """Solve ``strategy`` for ``budget`` on a copy of ``model``, train with the plan, and report.
 
     Memory and gradients come from :func:`measure_training` (3 steps from the same initial weights as
@@ -38,6 +40,9 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     ``offload_dir`` are as in :func:`memfit.api.plan`: one host store is made for the job
     (:func:`memfit.api.offload_store`) and used by the planner (its link is measured) and by both planned
     modules, so that ``planned.host_peak_bytes`` counts the bytes it held at once during the measured steps.
+
+    ``grads_exist`` (as in :func:`memfit.api.plan`) is used for the profile, the measured steps and the
+    timing alike; ``baseline`` must have been measured with the same value (:func:`measure_plain`).
 
     Returns:
         The report dict of ``memfit run --json`` (see the README).
@@ -54,7 +59,8 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     plan, captured, costs = make_plan_for(planned_model, inputs, budget, strategy=strategy,
                                           optimizer=opt_probe, time_limit=time_limit, variants=variants,
                                           loss_fn=lambda out: loss_fn(out, target), offload=offload,
-                                          offload_dir=offload_dir, _captured=captured, _store=store)
+                                          offload_dir=offload_dir, grads_exist=grads_exist, _captured=captured,
+                                          _store=store)
     plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes)
     solve_wall = time.perf_counter() - t0
     del opt_probe
@@ -63,18 +69,20 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     planned = PlannedModule(captured, plan, offload_store=store)
     if store is not None:
         store.reset_peak()  # the link measurement of the profile is not part of the step
-    figures = measure_training(planned, planned, inputs, target, loss_fn, steps=1, seed=seed)
+    figures = measure_training(planned, planned, inputs, target, loss_fn, steps=1, seed=seed,
+                               grads_exist=grads_exist)
     host_peak = store.peak_bytes if store is not None else 0
     check = compare(baseline, figures)
     del planned, captured, planned_model
     plain_copy, timed_copy = fresh_copy(model), fresh_copy(model)
     timed = PlannedModule(capture(timed_copy), plan, offload_store=store)
     plain_s, planned_s = interleaved_step_seconds([(plain_copy, plain_copy), (timed, timed)], inputs, target,
-                                                  loss_fn, rounds=steps)
+                                                  loss_fn, rounds=steps, grads_exist=grads_exist)
     images = inputs[0]
     return {
         "model": type(model).__name__, "batch_size": int(images.shape[0]), "input_shape": list(images.shape),
         "device": device.type, "strategy": strategy, "budget_bytes": plan.budget_bytes,
+        "grads_exist": grads_exist,
         "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
                      "activation_peak_bytes": baseline.activation_peak_bytes, "step_seconds": plain_s,
                      "predicted_step_seconds": plain_predicted.predicted_step_seconds},
@@ -90,7 +98,7 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
 def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", strategy: str = "memfit",
             steps: int = 5, device: str = "cpu", time_limit: float = 20.0, seed: int = 0,
             plan_out: str | None = None, variants: bool = True, offload: bool | None = None,
-            offload_dir: str | None = None) -> dict:
+            offload_dir: str | None = None, grads_exist: bool = False) -> dict:
     """``memfit run``: measure plain PyTorch, solve, train with the plan, check gradients.
 
     Args:
@@ -107,6 +115,9 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
         offload: offload activations to a host store (``None``: on for CUDA, and on the CPU when
             ``offload_dir`` is given; the ``vdnn-*`` strategies always offload). See :func:`memfit.api.plan`.
         offload_dir: directory of the disk store (memory-mapped files) for offloaded activations.
+        grads_exist: model a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
+            or gradient accumulation) in the profile, the plan and every measurement; default: PyTorch's
+            ``zero_grad()``, which sets them to ``None``.
 
     Returns:
         The report dict documented in the README (``memfit run --json``).
@@ -115,8 +126,9 @@ def run_job(model_name: str, batch_size: int, image_size: int, budget="50%", str
     model = zoo.build_model(model_name, seed=seed).to(dev).train()
     images, target = zoo.example_batch(model_name, batch_size, image_size, device=dev, seed=seed)
     loss_fn = zoo.loss_for(model_name)
-    baseline = measure_plain(model, (images,), target, loss_fn, seed)
+    baseline = measure_plain(model, (images,), target, loss_fn, seed, grads_exist=grads_exist)
     report = measure_strategy(model, (images,), target, loss_fn, baseline, strategy, budget, steps, time_limit,
-                              seed, plan_out, variants, offload=offload, offload_dir=offload_dir)
+                              seed, plan_out, variants, offload=offload, offload_dir=offload_dir,
+                              grads_exist=grads_exist)
     report["model"] = model_name
     return report

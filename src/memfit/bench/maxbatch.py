@@ -16,6 +16,9 @@ backend ``aot_eager_decomp_partition``, or ``inductor`` with ``--inductor``).
 Offloading (``offload``, ``offload_dir``) follows :func:`memfit.api.plan`: ``memfit`` may offload on CUDA, and
 on the CPU when an ``offload_dir`` names a disk store; ``vdnn-*`` always offload. Host bytes do not count
 against the (device) budget; each probe records the most the store held at once (``host_peak_bytes``).
+
+``grads_exist`` models a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``,
+gradient accumulation) in every probe's profile, plan and measured step, plain PyTorch's included.
 """
 
 from __future__ import annotations
@@ -134,12 +137,13 @@ def parse_strategy(name: str) -> tuple[str, float | None]:
 
 def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: str = peers.AOT_EAGER,
                 time_limit: float = 20.0, seed: int = 0, profile_repeats: int = 1,
-                store: HostStore | None = None) -> Probe:
+                store: HostStore | None = None, grads_exist: bool = False) -> Probe:
     """Plan and measure one training step of ``work`` with ``strategy``; does it fit ``budget_bytes``?
 
     ``profile_repeats`` is the timing repetitions of the profile behind memfit's plans (memory, which
     decides feasibility, is measured exactly either way). ``store`` is the host store the plan may offload
-    to (:func:`memfit.api.offload_store`; required by ``vdnn-*``, lets ``memfit`` offload).
+    to (:func:`memfit.api.offload_store`; required by ``vdnn-*``, lets ``memfit`` offload). ``grads_exist``:
+    gradients stay allocated between steps, in the profile and the measured step alike (module docstring).
     """
     t0 = time.perf_counter()
     base, knob = parse_strategy(strategy)
@@ -148,15 +152,17 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
     try:
         if base == "plain":
             m = fresh_copy(work.model)
-            figures = measure_training(m, m, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+            figures = measure_training(m, m, work.inputs, work.target, work.loss_fn, steps=1, seed=seed,
+                                       grads_exist=grads_exist)
         elif base == "torch-budget":
             figures = peers.measure_torch_budget(work.model, work.inputs, work.target, work.loss_fn, knob,
-                                                 backend, steps=1, seed=seed, time_it=False).figures
+                                                 backend, steps=1, seed=seed, time_it=False,
+                                                 grads_exist=grads_exist).figures
         else:
             m = fresh_copy(work.model)
             captured = capture(m)
             costs = profile_graph(captured, work.inputs, repeats=profile_repeats,
-                                  with_variants=base == "memfit")
+                                  with_variants=base == "memfit", grads_exist=grads_exist)
             if store is not None:
                 costs.link = measure_link(CopyEngine(store, work.device))
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
@@ -173,7 +179,8 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
             pm = PlannedModule(capture(fresh_copy(work.model)), plan, offload_store=store)
             if store is not None:
                 store.reset_peak()
-            figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+            figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed,
+                                       grads_exist=grads_exist)
             host_peak = store.peak_bytes if store is not None else None
     except TraceError:
         raise
@@ -191,7 +198,7 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
 def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategies=MAXBATCH_STRATEGIES, *,
               start: int = 1, limit: int = 4096, backend: str = peers.AOT_EAGER, time_limit: float = 20.0,
               seed: int = 0, profile_repeats: int = 1, offload: bool | None = None,
-              offload_dir: str | None = None,
+              offload_dir: str | None = None, grads_exist: bool = False,
               progress: Callable[[str], None] | None = None) -> list[SearchResult]:
     """The largest batch each strategy trains within ``budget_bytes`` (total peak), plain PyTorch first.
 
@@ -206,6 +213,7 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
         profile_repeats: see :func:`probe_batch`.
         offload, offload_dir: as in :func:`memfit.api.plan` (module docstring); one store per strategy,
             made once for its whole search.
+        grads_exist: see the module docstring.
         progress: called with a description before each probe.
 
     Returns:
@@ -227,7 +235,7 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
             if progress:
                 progress(f"{name}: batch {b}")
             p = probe_batch(make_work(b), name, budget_bytes, backend=backend, time_limit=time_limit,
-                            seed=seed, profile_repeats=profile_repeats, store=store)
+                            seed=seed, profile_repeats=profile_repeats, store=store, grads_exist=grads_exist)
             probes.append(p)
             return p.fits
 
@@ -251,12 +259,13 @@ def zoo_max_batch(model: str, image_size: int, budget_bytes: int, strategies=MAX
     return max_batch(make_work, budget_bytes, strategies, seed=seed, **kw)
 
 
-def plain_peak_bytes(model: str, batch: int, image_size: int, device: str = "cpu", seed: int = 0) -> int:
+def plain_peak_bytes(model: str, batch: int, image_size: int, device: str = "cpu", seed: int = 0,
+                     grads_exist: bool = False) -> int:
     """Measured total peak of plain PyTorch at ``batch`` (for ``--budget-from-batch``)."""
     from memfit.bench.job import measure_plain
 
     w = zoo_workload(model, batch, image_size, device, seed)
-    return measure_plain(w.model, w.inputs, w.target, w.loss_fn, seed).peak_bytes
+    return measure_plain(w.model, w.inputs, w.target, w.loss_fn, seed, grads_exist=grads_exist).peak_bytes
 
 
 def max_batch_table(results: list[SearchResult], budget_bytes: int, title: str = ""):

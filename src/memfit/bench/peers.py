@@ -142,7 +142,7 @@ class CompiledRun:
 
 def measure_torch_budget(model: nn.Module, inputs: tuple, target, loss_fn, budget: float,
                          backend: str = AOT_EAGER, steps: int = 3, seed: int = 0,
-                         time_it: bool = True) -> CompiledRun:
+                         time_it: bool = True, grads_exist: bool = False) -> CompiledRun:
     """Compile a copy of ``model`` with ``activation_memory_budget = budget`` and measure it with the same
     harness as everything else (the config is restored and dynamo reset afterwards).
 
@@ -153,6 +153,8 @@ def measure_torch_budget(model: nn.Module, inputs: tuple, target, loss_fn, budge
         steps: timed rounds, interleaved with a plain copy.
         seed: RNG seed.
         time_it: time the steps (``max-batch`` only needs the memory).
+        grads_exist: gradients stay allocated between steps (as in
+            :func:`~memfit.bench.harness.measure_training`), in the measured and the timed steps.
     """
     graphs_before = compiled_graph_count()
     with activation_memory_budget(budget):
@@ -161,12 +163,13 @@ def measure_torch_budget(model: nn.Module, inputs: tuple, target, loss_fn, budge
         t0 = time.perf_counter()
         first = _one_step_grads(compiled, m, inputs, target, loss_fn, seed)
         compile_s = time.perf_counter() - t0
-        figures = measure_training(compiled, m, inputs, target, loss_fn, steps=1, seed=seed)
+        figures = measure_training(compiled, m, inputs, target, loss_fn, steps=1, seed=seed,
+                                   grads_exist=grads_exist)
         plain_s = compiled_s = None
         if time_it:
             plain = fresh_copy(model)
             plain_s, compiled_s = interleaved_step_seconds([(plain, plain), (compiled, m)], inputs, target,
-                                                           loss_fn, rounds=steps)
+                                                           loss_fn, rounds=steps, grads_exist=grads_exist)
             del plain
         graphs = compiled_graph_count() - graphs_before
         del compiled, m
@@ -199,7 +202,7 @@ def rockmate_status(device: str | torch.device = "cpu") -> tuple[bool, str]:
 
 
 def measure_rockmate(model: nn.Module, inputs: tuple, target, loss_fn, activation_budget_bytes: int,
-                     steps: int = 3, seed: int = 0):
+                     steps: int = 3, seed: int = 0, grads_exist: bool = False):
     """Rockmate's module for an activation budget (bytes), measured like everything else (CUDA only).
 
     Untested here (no CUDA on the machines this was written on): it follows Rockmate 2.0's README
@@ -214,7 +217,9 @@ def measure_rockmate(model: nn.Module, inputs: tuple, target, loss_fn, activatio
     t0 = time.perf_counter()
     rk = Rockmate(m, inputs, budget=int(activation_budget_bytes))
     solve_s = time.perf_counter() - t0
-    figures: StepFigures = measure_training(rk, m, inputs, target, loss_fn, steps=1, seed=seed)
+    figures: StepFigures = measure_training(rk, m, inputs, target, loss_fn, steps=1, seed=seed,
+                                            grads_exist=grads_exist)
     plain = fresh_copy(model)
-    plain_s, rk_s = interleaved_step_seconds([(plain, plain), (rk, m)], inputs, target, loss_fn, rounds=steps)
+    plain_s, rk_s = interleaved_step_seconds([(plain, plain), (rk, m)], inputs, target, loss_fn, rounds=steps,
+                                             grads_exist=grads_exist)
     return figures, plain_s, rk_s, solve_s

@@ -31,6 +31,9 @@ Each row of the result is the ``memfit run --json`` report (README) with these k
 * ``grad_tolerance``: the absolute tolerance ``gradients_match`` used: 1e-5 for memfit's runtime (as
   ``memfit run``), 1e-4 for compiled code; ``max_rel_grad_diff`` is the largest difference relative to the
   largest plain gradient.
+* ``grads_exist``: the sweep modelled a loop that keeps parameter gradients allocated
+  (``zero_grad(set_to_none=False)``, gradient accumulation) instead of PyTorch's default ``zero_grad()``
+  (``false``); plain PyTorch, every plan's profile and every row's measurement and timing use it alike.
 * ``profile_seconds``: the one profile of the sweep (``profile_and_solve_seconds`` is it plus the solve);
   for ``torch-budget`` the solve is the compilation (first forward and backward), for ``rockmate`` its
   constructor.
@@ -196,13 +199,13 @@ def _grad_figures(reference: StepFigures, other: StepFigures, tolerance: float) 
 
 
 def _row(work: Workload, baseline: StepFigures, strategy: str, backend: str, fraction: float | None,
-         budget_bytes: int | None, plain_predicted_s: float | None = None) -> dict:
+         budget_bytes: int | None, plain_predicted_s: float | None = None, grads_exist: bool = False) -> dict:
     """A row without a measurement yet (an error row as it stands)."""
     images = work.inputs[0]
     return {
         "model": work.name, "batch_size": int(images.shape[0]), "input_shape": list(images.shape),
         "device": work.device.type, "strategy": strategy, "budget_bytes": budget_bytes,
-        "budget_fraction": fraction, "backend": backend,
+        "budget_fraction": fraction, "backend": backend, "grads_exist": grads_exist,
         "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
                      "activation_peak_bytes": baseline.activation_peak_bytes,
                      "step_seconds": baseline.step_seconds, "predicted_step_seconds": plain_predicted_s},
@@ -233,17 +236,18 @@ def _fill(row: dict, figures: StepFigures, baseline: StepFigures, plain_s: float
 
 
 def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed: int,
-                  store: HostStore | None = None):
+                  store: HostStore | None = None, grads_exist: bool = False):
     """Memory, gradients and step times of ``plan``; also the most bytes ``store`` held at once during the
     measured steps (0 without a store)."""
     pm = PlannedModule(capture(fresh_copy(work.model)), plan, offload_store=store)
     if store is not None:
         store.reset_peak()
-    figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed)
+    figures = measure_training(pm, pm, work.inputs, work.target, work.loss_fn, steps=1, seed=seed,
+                               grads_exist=grads_exist)
     host_peak = store.peak_bytes if store is not None else 0
     plain = fresh_copy(work.model)
     plain_s, planned_s = interleaved_step_seconds([(plain, plain), (pm, pm)], work.inputs, work.target,
-                                                  work.loss_fn, rounds=steps)
+                                                  work.loss_fn, rounds=steps, grads_exist=grads_exist)
     return figures, plain_s, planned_s, host_peak
 
 
@@ -255,7 +259,7 @@ def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed:
 def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps: int = 3,
           torch_budgets=peers.TORCH_BUDGETS, torch_backends=(peers.AOT_EAGER,), time_limit: float = 20.0,
           seed: int = 0, progress: Progress | None = None, offload: bool | None = None,
-          offload_dir: str | None = None) -> tuple[StepFigures, list[dict]]:
+          offload_dir: str | None = None, grads_exist: bool = False) -> tuple[StepFigures, list[dict]]:
     """Measure plain PyTorch once, profile once, then every strategy at every budget.
 
     Args:
@@ -273,6 +277,9 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
             (``None``: on CUDA, or on the CPU when ``offload_dir`` names a disk store) and where. The
             ``vdnn-*`` strategies always offload. One store (:func:`memfit.api.offload_store`) is made for
             the sweep, its link measured once with the profile.
+        grads_exist: model a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
+            or gradient accumulation) in plain PyTorch's baseline, the profile behind every plan, and every
+            row's measured and timed steps (peers included); default: PyTorch's ``zero_grad()``.
 
     Returns:
         ``(baseline, rows)``: plain PyTorch's :class:`StepFigures` and the rows (module docstring).
@@ -291,7 +298,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         done += 1
 
     tick(f"{work.name}: plain PyTorch")
-    baseline = measure_plain(work.model, work.inputs, work.target, work.loss_fn, seed)
+    baseline = measure_plain(work.model, work.inputs, work.target, work.loss_fn, seed, grads_exist=grads_exist)
     rows: list[dict] = []
     planners = [s for s in strategies if s in STRATEGIES]
     captured = costs = None
@@ -311,7 +318,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         t0 = time.perf_counter()
         captured = capture(profiled)
         # operator variants are profiled only for the strategy that can choose them (as memfit.api.plan does)
-        costs = profile_graph(captured, work.inputs, with_variants="memfit" in planners)
+        costs = profile_graph(captured, work.inputs, with_variants="memfit" in planners, grads_exist=grads_exist)
         if store is not None:
             costs.link = measure_link(CopyEngine(store, work.device))
         profile_s = time.perf_counter() - t0
@@ -326,7 +333,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                 budget = None if fraction is None else activation_budget_bytes(baseline, fraction)
                 label = "" if fraction is None else f" at {fraction:.0%}"
                 tick(f"{work.name}: {strategy}{label}")
-                row = _row(work, baseline, strategy, "eager", fraction, budget, plain_predicted_s)
+                row = _row(work, baseline, strategy, "eager", fraction, budget, plain_predicted_s, grads_exist)
                 row["profile_seconds"] = profile_s
                 row_store = (store if strategy in OFFLOAD_STRATEGIES
                              else joint_store if strategy == "memfit" else None)
@@ -347,7 +354,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                 if hasattr(plan, "input_shapes"):  # as memfit.api.plan records them
                     plan.input_shapes = [list(t.shape) for t in work.inputs if isinstance(t, torch.Tensor)]
                 figures, plain_s, planned_s, host_peak = _measure_plan(work, baseline, plan, steps, seed,
-                                                                       row_store)
+                                                                       row_store, grads_exist)
                 _fill(row, figures, baseline, plain_s, planned_s, RUNTIME_GRAD_TOLERANCE,
                       plan.predicted_peak_bytes, plan.fixed_bytes, plan.predicted_step_seconds, host_peak)
                 row.update(solve_seconds=plan.solve_seconds,
@@ -362,28 +369,29 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                 for knob in torch_budgets:
                     tick(f"{work.name}: torch-budget {knob:g} ({backend})")
                     rows.append(_torch_budget_row(work, baseline, float(knob), backend, steps, seed,
-                                                  reference))
+                                                  reference, grads_exist))
                     gc.collect()
         elif strategy == "rockmate":
             runnable, why = peers.rockmate_status(work.device)
             for k, fraction in enumerate(budgets):
                 tick(f"{work.name}: rockmate at {fraction:.0%}")
                 if runnable:
-                    rows.append(_rockmate_row(work, baseline, fraction, steps, seed))
+                    rows.append(_rockmate_row(work, baseline, fraction, steps, seed, grads_exist))
                 elif k == 0:  # one row says why it cannot run
-                    rows.append(_row(work, baseline, "rockmate", "rockmate", None, None) | {"error": why})
+                    rows.append(_row(work, baseline, "rockmate", "rockmate", None, None, grads_exist=grads_exist)
+                                | {"error": why})
     if progress:
         progress(f"{work.name}: done", units, units)
     return baseline, rows
 
 
 def _torch_budget_row(work: Workload, baseline: StepFigures, knob: float, backend: str, steps: int,
-                      seed: int, reference: tuple) -> dict:
-    row = _row(work, baseline, "torch-budget", backend, knob, None)
+                      seed: int, reference: tuple, grads_exist: bool = False) -> dict:
+    row = _row(work, baseline, "torch-budget", backend, knob, None, grads_exist=grads_exist)
     row["torch_activation_memory_budget"] = knob
     try:
         run = peers.measure_torch_budget(work.model, work.inputs, work.target, work.loss_fn, knob, backend,
-                                         steps, seed)
+                                         steps, seed, grads_exist=grads_exist)
     except Exception as exc:  # noqa: BLE001 - a peer that fails (compiler error...) is a finding, not a crash
         row["error"] = f"{type(exc).__name__}: {exc}".strip()[:2000]
         return row
@@ -394,14 +402,15 @@ def _torch_budget_row(work: Workload, baseline: StepFigures, knob: float, backen
     return row
 
 
-def _rockmate_row(work: Workload, baseline: StepFigures, fraction: float, steps: int, seed: int) -> dict:
+def _rockmate_row(work: Workload, baseline: StepFigures, fraction: float, steps: int, seed: int,
+                  grads_exist: bool = False) -> dict:
     budget = activation_budget_bytes(baseline, fraction)
-    row = _row(work, baseline, "rockmate", "rockmate", fraction, budget)
+    row = _row(work, baseline, "rockmate", "rockmate", fraction, budget, grads_exist=grads_exist)
     why = peers.rockmate_status(work.device)[1]
     try:
         figures, plain_s, rk_s, solve_s = peers.measure_rockmate(
             work.model, work.inputs, work.target, work.loss_fn,
-            int(fraction * baseline.activation_peak_bytes), steps, seed)
+            int(fraction * baseline.activation_peak_bytes), steps, seed, grads_exist=grads_exist)
     except Exception as exc:  # noqa: BLE001 - as for torch-budget
         row["error"] = f"{why}: {type(exc).__name__}: {exc}"[:2000]
         return row
