@@ -45,13 +45,17 @@ def state_shapes(model: nn.Module) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs) -> None:
-    """Check that a saved plan was made for this model and these input shapes.
+def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False) -> None:
+    """Check that a saved plan was made for this model, these input shapes and this gradient convention.
 
     Raises:
-        ValueError: the input shapes, or the model's parameter and buffer shapes, differ from the plan's
-            (its memory figures would not hold); the message names the first difference.
+        ValueError: the input shapes, the model's parameter and buffer shapes, or ``grads_exist`` differ
+            from the plan's (its memory figures would not hold); the message names the first difference.
     """
+    if plan_.grads_exist != grads_exist:
+        made = "keeps gradients allocated" if plan_.grads_exist else "sets gradients to None (zero_grad())"
+        raise ValueError(f"the plan was made for a training loop that {made}: pass grads_exist="
+                         f"{plan_.grads_exist} if yours does, or make a new plan")
     shapes = _shapes(_as_tuple(example_inputs))
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
@@ -184,7 +188,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         buffer shapes) or other input shapes.
     """
     if plan_ is not None:
-        check_plan_fits(plan_, model, example_inputs)
+        check_plan_fits(plan_, model, example_inputs, grads_exist)
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")

@@ -49,6 +49,8 @@ class Plan:
         input_shapes: shapes of the example inputs the plan was made for (its figures hold for those).
         state_shapes: shape of every parameter and buffer of the model it was made for, by
             ``state_dict`` key (a plan names graph nodes only, and two models can share node names).
+        grads_exist: made for a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
+            or accumulation) rather than PyTorch's default ``zero_grad()``.
     """
 
     strategy: str
@@ -67,6 +69,7 @@ class Plan:
     mip_gap: float | None = None
     input_shapes: list[list[int]] = field(default_factory=list)
     state_shapes: dict[str, list[int]] = field(default_factory=dict)
+    grads_exist: bool = False
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}

@@ -68,7 +68,8 @@ class _Problem:
                                predicted_peak_bytes=sim.peak_bytes, predicted_step_seconds=sim.step_seconds,
                                solve_seconds=time.perf_counter() - self.t0, mip_gap=gap,
                                offloads=[self.names[j] for j in offloads], predicted_host_bytes=sim.host_peak_bytes,
-                               offload_waits=offload_waits(self.acc, self.names, offloads))
+                               offload_waits=offload_waits(self.acc, self.names, offloads),
+                               grads_exist=self.costs.grads_exist)
         plan.variants.update(choice)
         return plan
 
