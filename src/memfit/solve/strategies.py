@@ -90,16 +90,16 @@ class _Problem:
         return plans
 
     def smallest_feasible(self, time_limit: float) -> int:
-        # keeping everything fits at its own peak, without headroom (see _solve): never name more than that
-        low = min(p.predicted_peak_bytes for p in self.low_memory_plans(time_limit)) + self.margin
-        return min(low, self.plain.peak_bytes)
+        # keeping everything is a plan too: the floor is never above its peak (plus the same headroom)
+        low = min(p.predicted_peak_bytes for p in self.low_memory_plans(time_limit))
+        return min(low, self.plain.peak_bytes) + self.margin
 
 
 def smallest_feasible(graph: Graph, costs: Costs, fixed: int, time_limit: float = 20.0,
                       use_variants: bool = True, use_offload: bool = True) -> int:
     """The smallest budget (bytes) for which :func:`make_plan` finds a ``memfit`` plan (``remat-ilp`` with
     ``use_variants=False`` and ``use_offload=False``): the lowest simulated peak among the lowest-memory
-    plans memfit knows, plus the safety margin, or plain PyTorch's simulated peak if that is lower."""
+    plans memfit knows or plain PyTorch's simulated peak, whichever is lower, plus the safety margin."""
     return _Problem("memfit", graph, costs, fixed, None, use_variants, use_offload).smallest_feasible(time_limit)
 
 
