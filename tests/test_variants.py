@@ -666,3 +666,20 @@ def test_conv_split_backward_under_autocast():
     assert outs[1][0].dtype == torch.bfloat16 and same(outs[0][0], outs[1][0])
     for a, b in zip(outs[0][1], outs[1][1]):
         assert a.dtype == torch.float32 and same(a, b)
+
+
+def test_profiled_variants_are_never_faster_than_pytorch():
+    """A variant does PyTorch's work plus its own; the profile raises a faster (noisy) measurement to 1.01x
+    the default's, so that the solver never picks a variant for time alone."""
+    from memfit.graph import capture
+    from memfit.profile import profile_graph
+
+    torch.manual_seed(9)
+    model = _small_net().train()
+    costs = profile_graph(capture(model), (torch.randn(4, 3, 16, 16),))
+    with_variants = [c for c in costs.nodes if c.variants]
+    assert {name for c in with_variants for name in c.variants} >= {"relu-mask", "maxpool-compact",
+                                                                     "conv-split-backward"}
+    for c in with_variants:
+        for v in c.variants.values():
+            assert v.fwd_seconds >= 1.01 * c.fwd_seconds and v.bwd_seconds >= 1.01 * c.bwd_seconds
