@@ -11,6 +11,7 @@ from memfit.budget import Budget
 from memfit.graph.capture import Captured, capture
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
+from memfit.profile.optimizer import measure_optimizer
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
@@ -105,7 +106,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             PyTorch peak (``"40%"``), or ``"min"`` for the least memory memfit can reach.
             See :class:`memfit.Budget`.
         strategy: ``memfit`` (integer program), ``chen``, ``checkpoint-all`` or ``none``.
-        optimizer: the optimizer you will train with, so its state is counted in the fixed bytes.
+        optimizer: the optimizer you will train with: its state counts in the fixed bytes, and the temporaries
+            of its ``step()`` (Adam: about twice the largest parameter) in the peak. Both are measured by
+            running its class with your hyperparameters on scratch copies of the parameters (for a moment,
+            about 4x the parameters' memory for Adam); your optimizer is not touched.
         time_limit: solver time limit in seconds.
         variants: let ``memfit`` choose memory-efficient operator implementations (ReLU with a 1-bit
             mask, max-pooling with compact indices, BatchNorm backward from its output) jointly with
@@ -143,7 +147,13 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
-    fixed = costs.fixed_bytes + optimizer_state_bytes(optimizer, list(model.parameters()))
+    measured = measure_optimizer(optimizer)
+    if measured is not None:
+        costs.step_bytes = measured.step_bytes
+    state = optimizer_state_bytes(optimizer, list(model.parameters()))
+    if measured is not None and not optimizer.state:  # before the first step: measured, not estimated
+        state = measured.state_bytes
+    fixed = costs.fixed_bytes + state
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     lowest = None
     if budget.minimum and strategy in ("memfit", "remat-ilp"):

@@ -125,6 +125,8 @@ class Costs:
             temporary and added into ``.grad``. ``False`` (the default, PyTorch's ``optimizer.zero_grad()``):
             ``.grad`` is ``None`` and becomes the computed gradient itself. Either way the gradients count in
             ``fixed_bytes``; with ``False`` they are not yet allocated during the forward pass.
+        step_bytes: temporaries of ``optimizer.step()`` above the fixed bytes (set by whoever knows the
+            optimizer: :func:`memfit.profile.optimizer.measure_optimizer`); 0 when unknown.
     """
 
     device: str
@@ -134,6 +136,7 @@ class Costs:
     loss_bytes: int | None = None
     link: LinkCost | None = None
     grads_exist: bool = False
+    step_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +150,8 @@ class Costs:
             nodes.append(NodeCost(**n))
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
                    fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
-                   link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False))
+                   link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
+                   step_bytes=d.get("step_bytes", 0))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -179,7 +183,8 @@ class Costs:
         storages = [Storage(id=s.id, nbytes=s.nbytes, producer=s.producer, kind=kinds[s.id],
                             requires_grad=s.requires_grad) for s in self.storages]
         return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
-                     loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist)
+                     loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist,
+                     step_bytes=self.step_bytes)
 
     @property
     def step_seconds(self) -> float:

@@ -36,6 +36,7 @@ class Accounting:
             parameter gradients, which the fixed bytes count but which do not exist yet when the step starts
             with ``.grad`` set to ``None`` (0 when ``Costs.grads_exist``). ``grad_before`` / ``grad_during``
             include the same offset, less the gradients completed so far.
+        step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
     """
 
     n: int
@@ -64,6 +65,7 @@ class Accounting:
     needs_grad: list[bool] | None = None
     link: object | None = None
     fwd_offset: int = 0
+    step_bytes: int = 0
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -117,7 +119,7 @@ class Accounting:
             fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
-            loss_bytes=costs.loss_bytes, link=costs.link,
+            loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
         )
         return _with_gradients(acc, costs)
 

@@ -266,6 +266,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             if not fetched[s]:
                 del fetched[s]
                 free(acc.nbytes[s], f"bwd {i} free prefetched {s}")
+    # the optimizer step: every gradient exists (in the fixed bytes), the activations are gone
+    transient(acc.step_bytes, "optimizer step")
     return Simulation(peak_bytes=fixed + peak, fixed_bytes=fixed, activation_peak_bytes=peak,
                       step_seconds=clock, recompute_seconds=recompute_seconds, offload_stall_seconds=stall,
                       host_peak_bytes=sum(acc.nbytes[s] for s in off), timeline=timeline)

@@ -1,0 +1,87 @@
+"""The optimizer's memory: its state, and the temporaries of ``optimizer.step()``.
+
+A training step's peak can be the optimizer step: after the backward pass every gradient exists, and
+``Adam.step()`` allocates temporaries (``exp_avg_sq.sqrt()`` and the denominator: about twice the largest
+parameter with the per-parameter implementation, a multiple of a whole parameter group with
+``foreach=True``). In a model whose activations are small next to its parameters that is the step's peak,
+and no plan lowers it; it still has to be inside the budget. Both figures are measured by running the
+user's optimizer class, with the user's hyperparameters, on scratch copies of the parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from memfit.profile.tracker import MemoryTracker, live_bytes
+
+
+@dataclass
+class OptimizerCost:
+    """Measured memory of an optimizer (bytes).
+
+    Attributes:
+        state_bytes: the state it keeps between steps (e.g. ``exp_avg`` and ``exp_avg_sq`` for Adam).
+        step_bytes: the most ``optimizer.step()`` allocates above that while it runs (freed when it returns).
+    """
+
+    state_bytes: int = 0
+    step_bytes: int = 0
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost | None:
+    """Measure ``optimizer``'s state and step temporaries on scratch copies of its parameters.
+
+    A new instance of ``type(optimizer)`` with the same parameter groups and hyperparameters runs two steps
+    on zero-valued copies of the trainable parameters (same shapes, dtypes and device) with constant
+    gradients; the second step runs under :class:`~memfit.profile.MemoryTracker`. The user's optimizer and
+    parameters are not touched. Needs, for a moment, the parameters' size again for the copies, their
+    gradients and their state (4x the parameters for Adam).
+
+    Args:
+        optimizer: the optimizer the user trains with, or ``None``.
+
+    Returns:
+        :class:`OptimizerCost`, or ``None`` when ``optimizer`` is ``None`` or cannot be rebuilt this way
+        (a warning then says so, and the caller falls back to an estimate of the state and no step
+        temporaries).
+    """
+    if optimizer is None:
+        return None
+    try:
+        groups, device = [], None
+        for g in optimizer.param_groups:
+            scratch = []
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                s = torch.zeros_like(p, memory_format=torch.preserve_format).requires_grad_()
+                s.grad = torch.full_like(s, 1e-3)
+                scratch.append(s)
+                device = p.device
+            if scratch:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": scratch})
+        if not groups:
+            return OptimizerCost()
+        try:
+            twin = type(optimizer)(groups, **optimizer.defaults)
+        except TypeError:
+            twin = type(optimizer)(groups)
+        twin.step()  # creates the state
+        state = live_bytes(_state_tensors(twin))
+        with MemoryTracker(device) as tracker:
+            twin.step()
+        step = max(0, tracker.peak_bytes - max(0, tracker.net_bytes))
+        del twin, groups, scratch
+        return OptimizerCost(state_bytes=state, step_bytes=step)
+    except Exception as exc:  # noqa: BLE001 -- a custom optimizer can fail in many ways; planning must not
+        warnings.warn(f"memfit could not measure {type(optimizer).__name__}.step()'s memory on scratch "
+                      f"parameters ({type(exc).__name__}: {exc}); its state is estimated and the temporaries "
+                      "of its step are not counted in the budget", stacklevel=3)
+        return None
