@@ -174,12 +174,23 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
     assert again(images).shape == (2, 10)
     # the same node names, other shapes: refused with the first difference named
     narrow = zoo.build_model("resnet18", num_classes=7).train()
-    with pytest.raises(ValueError, match=r"another model: fc\.bias is \[10\] .* and \[7\]"):
+    with pytest.raises(ValueError, match=r"another model: fc\.bias has shape \[10\] .* and \[7\]"):
         memfit.optimize(narrow, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="inputs of shape"):
         memfit.optimize(fresh_copy(model), images[:1], plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="sets gradients to None"):
         memfit.optimize(fresh_copy(model), images, plan_=memfit.Plan.load(tmp_path / "p.json"), grads_exist=True)
+    extra = fresh_copy(model)
+    extra.probe = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="probe.bias is in this model but not in the plan's"):
+        memfit.optimize(extra, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="bn1.bias has dtype torch.float32 .* and torch.float64"):
+        memfit.optimize(fresh_copy(model).double(), images.double(), plan_=memfit.Plan.load(tmp_path / "p.json"))
+    outside = r"made outside torch.autocast, and this call is under torch.autocast"
+    with pytest.raises(ValueError, match=outside), torch.autocast("cpu", dtype=torch.bfloat16):
+        memfit.optimize(fresh_copy(model), images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="model.train"):
+        memfit.optimize(fresh_copy(model).eval(), images, plan_=memfit.Plan.load(tmp_path / "p.json"))
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "unet"])
@@ -270,6 +281,9 @@ def test_bfloat16_autocast_plan_matches_pytorch_and_its_prediction(strategy):
     assert check["gradients_match"] and check["bn_stats_match"], check
     assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.01 * fig.peak_bytes, (
         plan.predicted_peak_bytes, fig.peak_bytes)
+    assert plan.autocast == "torch.bfloat16"
+    with pytest.raises(ValueError, match=r"made under torch.autocast\(torch.bfloat16\), and this call is outside"):
+        memfit.optimize(m, x, plan_=plan)
 
 
 # torchvision architectures outside the zoo: SiLU and squeeze-excitation (EfficientNet), LayerNorm, GELU and

@@ -46,13 +46,50 @@ def state_shapes(model: nn.Module) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
+def state_dtypes(model: nn.Module) -> dict[str, str]:
+    """Dtype of each tensor of ``model.state_dict()``, by key (``"torch.float32"``)."""
+    return {k: str(v.dtype) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def autocast_dtype(inputs: tuple) -> str | None:
+    """The dtype ``torch.autocast`` casts to on the inputs' device right now, or ``None`` outside autocast."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return str(torch.get_autocast_dtype(device_type))
+
+
+def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = theirs.get(key), mine.get(key)
+        if a == b:
+            continue
+        if a is None:
+            return f"{key} is in this model but not in the plan's"
+        if b is None:
+            return f"{key} is in the plan's model but not in this one"
+        return f"{key} has {what} {a} in the plan's model and {b} in this one"
+    return None
+
+
 def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False) -> None:
-    """Check that a saved plan was made for this model, these input shapes and this gradient convention.
+    """Check that a saved plan was made for this model (parameter and buffer shapes and dtypes), these input
+    shapes, this gradient convention and this autocast state.
 
     Raises:
-        ValueError: the input shapes, the model's parameter and buffer shapes, or ``grads_exist`` differ
-            from the plan's (its memory figures would not hold); the message names the first difference.
+        ValueError: any of those differs from the plan's (its memory figures would not hold); the message
+            names the first difference.
     """
+    if not model.training:
+        raise ValueError("memfit plans a training step: call model.train() first")
+    here = autocast_dtype(_as_tuple(example_inputs))
+    if (plan_.autocast or None) != here:
+        made = f"under torch.autocast({plan_.autocast})" if plan_.autocast else "outside torch.autocast"
+        now = f"under torch.autocast({here})" if here else "outside torch.autocast"
+        raise ValueError(f"the plan was made {made}, and this call is {now}: activations differ in size. "
+                         "Apply it in the same autocast state as it was made (and train in it), or make a "
+                         "new plan")
     if plan_.grads_exist != grads_exist:
         made = "keeps gradients allocated" if plan_.grads_exist else "sets gradients to None (zero_grad())"
         raise ValueError(f"the plan was made for a training loop that {made}: pass grads_exist="
@@ -61,13 +98,11 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                          "memory figures would not hold; make a new plan for these shapes")
-    if plan_.state_shapes:
-        mine = state_shapes(model)
-        for key in sorted(set(mine) | set(plan_.state_shapes)):
-            theirs, ours = plan_.state_shapes.get(key), mine.get(key)
-            if theirs != ours:
-                raise ValueError(f"the plan was made for another model: {key} is {theirs} in the plan's model "
-                                 f"and {ours} in this one; make a new plan for this model")
+    for what, theirs, mine in (("shape", plan_.state_shapes, state_shapes(model)),
+                               ("dtype", plan_.state_dtypes, state_dtypes(model))):
+        diff = _first_difference(what, theirs, mine) if theirs else None
+        if diff:
+            raise ValueError(f"the plan was made for another model: {diff}; make a new plan for this model")
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -164,6 +199,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                        use_variants=variants)
     result.input_shapes = _shapes(inputs)
     result.state_shapes = state_shapes(model)
+    result.state_dtypes = state_dtypes(model)
+    result.autocast = autocast_dtype(inputs)
     return result, captured, costs
 
 

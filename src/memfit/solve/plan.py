@@ -51,6 +51,8 @@ class Plan:
             ``state_dict`` key (a plan names graph nodes only, and two models can share node names).
         grads_exist: made for a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
             or accumulation) rather than PyTorch's default ``zero_grad()``.
+        state_dtypes: dtype of every parameter and buffer (``"torch.float32"``), by ``state_dict`` key.
+        autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
     """
 
     strategy: str
@@ -70,6 +72,8 @@ class Plan:
     input_shapes: list[list[int]] = field(default_factory=list)
     state_shapes: dict[str, list[int]] = field(default_factory=dict)
     grads_exist: bool = False
+    state_dtypes: dict[str, str] = field(default_factory=dict)
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}
