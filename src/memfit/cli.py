@@ -11,6 +11,7 @@ import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.budget import fmt_bytes
@@ -258,6 +259,13 @@ def cmd_max_batch(args) -> int:
                                 grads_exist=args.grads_exist, progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
     console.print(max_batch_table(results, budget_bytes, title=f"memfit max-batch: {args.model} {size}x{size} "
                                   f"on {args.device}, budget {fmt_bytes(budget_bytes)} (total peak, measured)"))
+    start = results[0].start_batch if results else args.start_batch
+    if start > args.start_batch:
+        console.print(f"note: {args.model} has BatchNorm layers, which need batch >= 2 in training; the search "
+                      f"started at batch {start}, not {args.start_batch}")
+    for r in results:
+        if r.max_batch == 0:
+            console.print(f"[yellow]{r.strategy}: {escape(r.why_not())}[/]")
     if args.json:
         report = {"model": args.model, "image_size": size, "device": args.device, "budget_bytes": budget_bytes,
                   "budget_from_batch": args.budget_from_batch, "offload_dir": args.offload_dir,
@@ -329,7 +337,8 @@ def _add_bench_commands(sub) -> None:
                    help=f"comma-separated: {', '.join(STRATEGIES)}, torch-budget[:K] (plain PyTorch is always "
                    "measured as the reference)")
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
-    p.add_argument("--start-batch", type=_positive, default=2, help="first batch probed (BatchNorm needs 2)")
+    p.add_argument("--start-batch", type=_positive, default=2, help="first and smallest batch probed (raised to "
+                   "2 for models with BatchNorm, which needs 2 in training)")
     p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     _bench_run_flags(p)
