@@ -319,6 +319,16 @@ def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
     assert rc == 2 and "contradicts" in capsys.readouterr().err
 
 
+def test_no_variants_help_says_what_it_turns_off(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help lines (and breaks them at hyphens)
+    for command in ("run", "plan", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "turn off operator variants" in text and "ablation" not in text, text
+        assert ("with --no-offload as well it equals the remat-ilp strategy" in text) == (command != "train")
+
+
 def test_default_bench_strategies_offload_only_where_it_is_on():
     from memfit.bench.sweep import BENCH_STRATEGIES, default_strategies
 

@@ -17,7 +17,9 @@ from rich.table import Table
 from memfit.budget import fmt_bytes
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, offload_flags: bool = True) -> None:
+    """Model, size, budget, strategy and solver flags of ``run``, ``plan`` and ``train`` (``offload_flags``:
+    the command also takes ``--offload-dir``/``--no-offload``, which the ``--no-variants`` help refers to)."""
     from memfit import zoo
     from memfit.solve.strategies import STRATEGIES
 
@@ -30,8 +32,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
-    p.add_argument("--no-variants", action="store_true", help="memfit strategy: recomputation only, no "
-                   "memory-efficient operator variants (the remat-ilp ablation)")
+    off = ("memfit strategy: turn off operator variants (the memory-efficient ReLU, BatchNorm, max-pool and "
+           "convolution implementations); recomputation stays")
+    p.add_argument("--no-variants", action="store_true", help=off + (
+        ", and so does offloading where a store exists (on CUDA, or with --offload-dir); with --no-offload as "
+        "well it equals the remat-ilp strategy (recomputation only)" if offload_flags else
+        ", and on CUDA so does offloading (to pinned host memory); on the CPU it equals the remat-ilp strategy "
+        "(recomputation only)"))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -366,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
-    _common(p)
+    _common(p, offload_flags=False)
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
     p.add_argument("--epochs", type=_positive, default=1)
     p.add_argument("--lr", type=float, default=0.05)
