@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import tempfile
 
 import pytest
 import torch
@@ -369,8 +370,12 @@ def _offload_gpu_check():
 def test_offload_gpu_check_smoke_on_cpu(tmp_path, capsys, monkeypatch):
     check = _offload_gpu_check()
     out = tmp_path / "check.json"
+    temp = tmp_path / "temp"  # where its temporary disk-store directory goes; it must remove it
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     rows = check.main(["--device", "cpu", "--tiny", "--models", "vgg16,resnet18", "--strategies",
                        "none,vdnn-conv,memfit", "--budgets", "100%", "--out", str(out)])
+    assert list(temp.iterdir()) == []
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     assert [(r["model"], r["strategy"]) for r in rows] == [
         (m, s) for m in ("vgg16", "resnet18") for s in ("plain", "none", "vdnn-conv", "memfit")]
