@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per plan, seconds")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--offload-dir", default=None,
-                    help="offload to a disk store here instead of pinned memory (CPU default: a temp dir)")
+                    help="offload to a disk store here instead of pinned memory (CPU default: a temporary directory, removed when done)")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test (for the CPU): batch 2 (unless --batch), 32x32 images, 10 classes, 1 timed step, and VGG-16's "
                     "classifier replaced by one linear layer")
@@ -271,13 +271,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.offload_dir is None and args.device == "cpu":  # a disk store in a directory removed when done
+        with tempfile.TemporaryDirectory(prefix="memfit-offload-check-") as offload_dir:
+            return run_checks(args, offload_dir)
+    return run_checks(args, args.offload_dir)
+
+
+def run_checks(args: argparse.Namespace, offload_dir: str | None) -> list[dict]:
+    """Every row of the check (see the module docstring), printed and written to ``args.out`` as made."""
     dev = torch.device(args.device)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
     size, classes, steps = (32, 10, 1) if args.tiny else (args.image_size, 1000, args.steps)
-    offload_dir = args.offload_dir
-    if offload_dir is None and dev.type == "cpu":
-        offload_dir = tempfile.mkdtemp(prefix="memfit-offload-check-")
     rtol = 1e-3 if dev.type == "cuda" else 1e-5
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "torch": torch.__version__, "image_size": size, "tiny": args.tiny, "rows": [], "notes": []}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import tempfile
 
 import pytest
 import torch
@@ -16,7 +17,13 @@ from torch import nn
 
 from memfit.bench import peers
 from memfit.bench.harness import measure_training
-from memfit.bench.maxbatch import largest_fitting, max_batch, parse_strategy
+from memfit.bench.maxbatch import (
+    BudgetBelowFixedError,
+    largest_fitting,
+    max_batch,
+    model_fixed_bytes,
+    parse_strategy,
+)
 from memfit.bench.sweep import Workload, parse_fractions, sweep, write_results
 from memfit.cli import main
 
@@ -140,7 +147,9 @@ def test_largest_fitting_search():
     assert largest_fitting(fits, 1, 4096) == (37, 38)
     assert probes[:7] == [1, 2, 4, 8, 16, 32, 64]
     assert largest_fitting(lambda b: True, 1, 100) == (100, None)
-    assert largest_fitting(lambda b: False, 4, 100) == (0, 1)
+    probes.clear()
+    assert largest_fitting(lambda b: fits(b) and False, 4, 100) == (0, 4)  # nothing below the start
+    assert probes == [4]
     assert parse_strategy("torch-budget:0.3") == ("torch-budget", 0.3)
     with pytest.raises(ValueError):
         parse_strategy("chen:0.5")
@@ -167,6 +176,31 @@ def test_max_batch_is_measured_and_tight():
     m = small_cnn()
     w = small_work(plain.max_batch + 1, m)
     assert measure_training(m, m, w.inputs, w.target, w.loss_fn, steps=1).peak_bytes > budget
+
+
+def test_max_batch_never_probes_below_the_start_and_says_why_none_fits(tmp_path, capsys):
+    model = small_cnn()  # BatchNorm: batch 1 would fail in training, so the search starts at 2
+    fixed, detail = model_fixed_bytes(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert fixed == 3 * params + sum(b.numel() * b.element_size() for b in model.buffers())
+    # a budget at the fixed bytes: refused before any probe, naming them
+    with pytest.raises(BudgetBelowFixedError, match=f"fixed bytes, {fixed} bytes") as info:
+        max_batch(lambda b: small_work(b, model), fixed, ["memfit"])
+    assert info.value.fixed_bytes == fixed and "gradients" in detail
+    # just above them: even batch 2 does not fit; one probe per strategy, none at batch 1
+    results = max_batch(lambda b: small_work(b, model), fixed + 1, ["memfit"], start=1)
+    for r in results:
+        assert r.max_batch == 0 and r.next_batch == 2 == r.start_batch
+        assert [p.batch for p in r.probes] == [2]
+        why = r.why_not()
+        assert why.startswith("batch 2 does not fit: ") and "the fixed bytes alone are" in why, why
+        assert r.to_dict()["why_not"] == why
+    assert "measured peak" in results[0].why_not() and "infeasible" in results[1].why_not()
+    # the CLI: a budget below a zoo model's fixed bytes is a user error (exit 2) naming them
+    rc = main(["max-batch", "--model", "mobilenet_v2", "--image-size", "32", "--budget", "10MB",
+               "--strategies", "memfit"])
+    err = " ".join(capsys.readouterr().err.split())  # (rich wraps lines)
+    assert rc == 2 and "fixed bytes, 26977048 bytes (25.7 MiB)" in err, err
 
 
 def test_cli_bench_and_max_batch(tmp_path, capsys):
@@ -286,6 +320,16 @@ def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
     assert rc == 2 and "contradicts" in capsys.readouterr().err
 
 
+def test_no_variants_help_says_what_it_turns_off(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help lines (and breaks them at hyphens)
+    for command in ("run", "plan", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "turn off operator variants" in text and "ablation" not in text, text
+        assert ("with --no-offload as well it equals the remat-ilp strategy" in text) == (command != "train")
+
+
 def test_default_bench_strategies_offload_only_where_it_is_on():
     from memfit.bench.sweep import BENCH_STRATEGIES, default_strategies
 
@@ -326,8 +370,12 @@ def _offload_gpu_check():
 def test_offload_gpu_check_smoke_on_cpu(tmp_path, capsys, monkeypatch):
     check = _offload_gpu_check()
     out = tmp_path / "check.json"
+    temp = tmp_path / "temp"  # where its temporary disk-store directory goes; it must remove it
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     rows = check.main(["--device", "cpu", "--tiny", "--models", "vgg16,resnet18", "--strategies",
                        "none,vdnn-conv,memfit", "--budgets", "100%", "--out", str(out)])
+    assert list(temp.iterdir()) == []
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     assert [(r["model"], r["strategy"]) for r in rows] == [
         (m, s) for m in ("vgg16", "resnet18") for s in ("plain", "none", "vdnn-conv", "memfit")]

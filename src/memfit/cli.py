@@ -11,12 +11,15 @@ import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.budget import fmt_bytes
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, offload_flags: bool = True) -> None:
+    """Model, size, budget, strategy and solver flags of ``run``, ``plan`` and ``train`` (``offload_flags``:
+    the command also takes ``--offload-dir``/``--no-offload``, which the ``--no-variants`` help refers to)."""
     from memfit import zoo
     from memfit.solve.strategies import STRATEGIES
 
@@ -29,8 +32,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
-    p.add_argument("--no-variants", action="store_true", help="memfit strategy: recomputation only, no "
-                   "memory-efficient operator variants (the remat-ilp ablation)")
+    off = ("memfit strategy: turn off operator variants (the memory-efficient ReLU, BatchNorm, max-pool and "
+           "convolution implementations); recomputation stays")
+    p.add_argument("--no-variants", action="store_true", help=off + (
+        ", and so does offloading where a store exists (on CUDA, or with --offload-dir); with --no-offload as "
+        "well it equals the remat-ilp strategy (recomputation only)" if offload_flags else
+        ", and on CUDA so does offloading (to pinned host memory); on the CPU it equals the remat-ilp strategy "
+        "(recomputation only)"))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -258,6 +266,13 @@ def cmd_max_batch(args) -> int:
                                 grads_exist=args.grads_exist, progress=lambda text: status.update(f"{args.model} {size}px: {text}"))
     console.print(max_batch_table(results, budget_bytes, title=f"memfit max-batch: {args.model} {size}x{size} "
                                   f"on {args.device}, budget {fmt_bytes(budget_bytes)} (total peak, measured)"))
+    start = results[0].start_batch if results else args.start_batch
+    if start > args.start_batch:
+        console.print(f"note: {args.model} has BatchNorm layers, which need batch >= 2 in training; the search "
+                      f"started at batch {start}, not {args.start_batch}")
+    for r in results:
+        if r.max_batch == 0:
+            console.print(f"[yellow]{r.strategy}: {escape(r.why_not())}[/]")
     if args.json:
         report = {"model": args.model, "image_size": size, "device": args.device, "budget_bytes": budget_bytes,
                   "budget_from_batch": args.budget_from_batch, "offload_dir": args.offload_dir,
@@ -329,7 +344,8 @@ def _add_bench_commands(sub) -> None:
                    help=f"comma-separated: {', '.join(STRATEGIES)}, torch-budget[:K] (plain PyTorch is always "
                    "measured as the reference)")
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
-    p.add_argument("--start-batch", type=_positive, default=2, help="first batch probed (BatchNorm needs 2)")
+    p.add_argument("--start-batch", type=_positive, default=2, help="first and smallest batch probed (raised to "
+                   "2 for models with BatchNorm, which needs 2 in training)")
     p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     _bench_run_flags(p)
@@ -357,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
-    _common(p)
+    _common(p, offload_flags=False)
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
     p.add_argument("--epochs", type=_positive, default=1)
     p.add_argument("--lr", type=float, default=0.05)

@@ -1,7 +1,11 @@
 """``memfit max-batch``: the largest batch each strategy trains within a total-peak budget, by measuring.
 
 For each strategy the batch size is searched exponentially (start, 2x start, 4x start, ... until a probe
-does not fit) and then by bisection between the largest batch that fit and the smallest that did not.
+does not fit) and then by bisection between the largest batch that fit and the smallest that did not; no
+batch below the start is probed, and the start is at least 2 when the model has BatchNorm layers (training
+BatchNorm needs more than one value per channel). A budget not above the model's fixed bytes (parameters,
+gradients, buffers, optimizer state: :func:`model_fixed_bytes`) is refused before any probe
+(:class:`BudgetBelowFixedError`).
 Each probe builds the batch, plans (memfit strategies profile the model at that batch; for ``memfit`` the
 plan must fit the budget, and :class:`~memfit.InfeasibleBudgetError` means the batch is too big), runs one
 training step under :func:`~memfit.bench.harness.measure_training` (the same harness as ``memfit run`` and
@@ -29,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from memfit.api import offload_store, optimizer_state_bytes
 from memfit.bench import peers
@@ -38,6 +44,7 @@ from memfit.budget import fmt_bytes
 from memfit.graph.capture import TraceError, capture
 from memfit.profile.costs import profile_graph
 from memfit.profile.link import measure_link
+from memfit.profile.tracker import live_bytes
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore
 from memfit.solve.strategies import STRATEGIES, InfeasibleBudgetError, make_plan
@@ -53,7 +60,8 @@ class Probe:
     Attributes:
         batch: the batch size.
         fits: the plan (if any) fits and the measured total peak is within the budget.
-        peak_bytes, fixed_bytes, activation_peak_bytes: measured (``None`` if not measured).
+        peak_bytes, fixed_bytes, activation_peak_bytes: measured (``None`` if not measured); when the plan
+            was infeasible, ``fixed_bytes`` is the fixed bytes it was planned with (batch included).
         predicted_peak_bytes: the plan's prediction (memfit strategies).
         reason: why it does not fit (``None`` when it fits).
         seconds: wall time of the probe.
@@ -74,18 +82,33 @@ class Probe:
 
 @dataclass
 class SearchResult:
-    """The answer for one strategy: ``max_batch`` fits (0: not even the first probe), ``next_batch`` (the
-    smallest batch probed that does not fit; ``None`` if the search stopped at ``limit``), and every probe
-    in the order made."""
+    """The answer for one strategy: ``max_batch`` fits (0: not even the first probe, ``start_batch``),
+    ``next_batch`` (the smallest batch probed that does not fit; ``None`` if the search stopped at
+    ``limit``), and every probe in the order made."""
 
     strategy: str
     backend: str
     max_batch: int
     next_batch: int | None
     probes: list[Probe] = field(default_factory=list)
+    start_batch: int = 1
 
     def probe(self, batch: int | None) -> Probe | None:
         return next((p for p in self.probes if p.batch == batch), None)
+
+    def why_not(self) -> str:
+        """Why ``next_batch`` does not fit ("limit" when the search stopped at the limit); when not even the
+        start batch fits, a sentence that says so and names the fixed bytes at that batch."""
+        nxt = self.probe(self.next_batch)
+        if nxt is None:
+            return "limit" if self.next_batch is None else ""
+        reason = nxt.reason or ""
+        if self.max_batch:
+            return reason
+        why = f"batch {nxt.batch} does not fit: {reason}"
+        if nxt.fixed_bytes is not None:
+            why += f"; the fixed bytes alone are {fmt_bytes(nxt.fixed_bytes)}"
+        return why
 
     def to_dict(self) -> dict:
         best, nxt = self.probe(self.max_batch), self.probe(self.next_batch)
@@ -94,14 +117,47 @@ class SearchResult:
                 "activation_peak_bytes": best.activation_peak_bytes if best else None,
                 "host_peak_bytes": best.host_peak_bytes if best else None,
                 "next_batch": self.next_batch, "next_peak_bytes": nxt.peak_bytes if nxt else None,
-                "next_reason": nxt.reason if nxt else None, "probes": [asdict(p) for p in self.probes]}
+                "next_reason": nxt.reason if nxt else None, "why_not": self.why_not(),
+                "start_batch": self.start_batch, "probes": [asdict(p) for p in self.probes]}
+
+
+class BudgetBelowFixedError(ValueError):
+    """The budget is not above the model's fixed bytes (parameters, gradients, buffers, optimizer state),
+    so no batch can fit whatever the strategy."""
+
+    def __init__(self, budget_bytes: int, fixed_bytes: int, detail: str = ""):
+        self.budget_bytes, self.fixed_bytes = budget_bytes, fixed_bytes
+        super().__init__(
+            f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is not above the model's fixed bytes, "
+            f"{fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}){' = ' + detail if detail else ''}, before any "
+            "batch or activation: no batch fits; raise the budget above the fixed bytes")
+
+
+def min_batch(model: nn.Module) -> int:
+    """The smallest batch worth probing: 2 when ``model`` has BatchNorm layers (training BatchNorm refuses a
+    single value per channel, which batch 1 gives after global pooling), else 1."""
+    return 2 if any(isinstance(m, _BatchNorm) for m in model.modules()) else 1
+
+
+def model_fixed_bytes(model: nn.Module) -> tuple[int, str]:
+    """Batch-independent fixed bytes of training ``model`` with SGD + momentum (as the harness does):
+    parameters, buffers, one gradient and one momentum buffer per trainable parameter. Returns the total
+    and its breakdown as text. A lower bound on every probe's fixed bytes (which add the batch)."""
+    params = live_bytes(model.parameters())
+    trainable = live_bytes(p for p in model.parameters() if p.requires_grad)
+    buffers = live_bytes(model.buffers())
+    detail = (f"parameters {fmt_bytes(params)} + gradients {fmt_bytes(trainable)} + optimizer state (SGD "
+              f"momentum) {fmt_bytes(trainable)}" + (f" + buffers {fmt_bytes(buffers)}" if buffers else ""))
+    return params + 2 * trainable + buffers, detail
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 4096) -> tuple[int, int | None]:
-    """Exponential search, then bisection, for the largest ``b`` in ``[1, limit]`` with ``fits(b)``.
+    """Exponential search, then bisection, for the largest ``b`` in ``[start, limit]`` with ``fits(b)``;
+    no batch below ``start`` is probed.
 
     Returns:
-        ``(largest fitting batch or 0, smallest probed batch that did not fit or None)``.
+        ``(largest fitting batch or 0, smallest probed batch that did not fit or None)``; ``(0, start)``
+        when ``start`` does not fit.
     """
     start = max(1, min(start, limit))
     lo, hi = 0, None
@@ -114,7 +170,7 @@ def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 40
             else:
                 hi = b
     else:
-        hi = start
+        return 0, start
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -172,9 +228,8 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
                 plan = make_plan(base, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
                                  time_limit=time_limit, use_offload=store is not None)
             except InfeasibleBudgetError as exc:
-                return Probe(b, False, reason=f"infeasible: smallest feasible budget "
-                             f"{fmt_bytes(exc.smallest_feasible_bytes)}",
-                             seconds=time.perf_counter() - t0)
+                return Probe(b, False, fixed_bytes=exc.fixed_bytes, reason=f"infeasible: smallest feasible "
+                             f"budget {fmt_bytes(exc.smallest_feasible_bytes)}", seconds=time.perf_counter() - t0)
             predicted = plan.predicted_peak_bytes
             pm = PlannedModule(capture(fresh_copy(work.model)), plan, offload_store=store)
             if store is not None:
@@ -206,7 +261,8 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
         make_work: ``batch -> Workload`` (same model weights for every batch).
         budget_bytes: total-peak bound (bytes).
         strategies: see the module docstring; ``plain`` is added first if missing.
-        start: first batch probed; limit: largest batch probed.
+        start: first (and smallest) batch probed, raised to 2 when the model has BatchNorm
+            (:func:`min_batch`); limit: largest batch probed.
         backend: ``torch.compile`` backend of ``torch-budget``.
         time_limit: solver time limit per plan (seconds).
         seed: RNG seed.
@@ -218,17 +274,29 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
 
     Returns:
         One :class:`SearchResult` per strategy.
+
+    Raises:
+        BudgetBelowFixedError: ``budget_bytes`` is not above the model's fixed bytes
+            (:func:`model_fixed_bytes`), checked before any probe.
     """
     names = list(strategies)
     if "plain" not in names:
         names.insert(0, "plain")
     for n in names:
         parse_strategy(n)
+    first = make_work(max(1, start))
+    fixed, detail = model_fixed_bytes(first.model)
+    if budget_bytes <= fixed:
+        raise BudgetBelowFixedError(budget_bytes, fixed, detail)
+    start = max(start, min_batch(first.model))
+    if limit < start:
+        raise ValueError(f"batch limit {limit} is below the start batch {start}"
+                         f"{' (models with BatchNorm start at 2)' if start == min_batch(first.model) > 1 else ''}")
     results = []
     for name in names:
         probes: list[Probe] = []
         base = parse_strategy(name)[0]
-        store = (offload_store(make_work(1).inputs, base, offload, offload_dir)  # (inputs: for the device)
+        store = (offload_store(first.inputs, base, offload, offload_dir)  # (inputs: for the device)
                  if base in STRATEGIES else None)
 
         def fits(b: int, name=name, probes=probes, store=store) -> bool:
@@ -241,7 +309,7 @@ def max_batch(make_work: Callable[[int], Workload], budget_bytes: int, strategie
 
         lo, hi = largest_fitting(fits, start, limit)
         be = backend if name.startswith("torch-budget") else "eager"
-        results.append(SearchResult(name, be, lo, hi, probes))
+        results.append(SearchResult(name, be, lo, hi, probes, start_batch=start))
     return results
 
 
@@ -279,12 +347,12 @@ def max_batch_table(results: list[SearchResult], budget_bytes: int, title: str =
         t.add_column(col, justify="left" if col in ("strategy", "backend", "why not") else "right")
     plain = next((r.max_batch for r in results if r.strategy == "plain"), None)
     for r in results:
-        best, nxt = r.probe(r.max_batch), r.probe(r.next_batch)
+        best = r.probe(r.max_batch)
         t.add_row(r.strategy, r.backend, str(r.max_batch),
                   f"{r.max_batch / plain:.2f}x" if plain else "",
                   fmt_bytes(best.peak_bytes) if best else "",
                   fmt_bytes(best.activation_peak_bytes) if best else "",
                   *((fmt_bytes(best.host_peak_bytes) if best and best.host_peak_bytes else "",) if host else ()),
-                  "" if r.next_batch is None else str(r.next_batch), (nxt.reason or "") if nxt else "limit",
+                  "" if r.next_batch is None else str(r.next_batch), r.why_not(),
                   str(len(r.probes)), f"{sum(p.seconds for p in r.probes):.0f} s")
     return t
