@@ -60,6 +60,11 @@ def autocast_dtype(inputs: tuple) -> str | None:
     return str(torch.get_autocast_dtype(device_type))
 
 
+def _require_training(model: nn.Module) -> None:
+    if not model.training:
+        raise ValueError("memfit plans a training step: call model.train() first")
+
+
 def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
     for key in sorted(set(mine) | set(theirs)):
         a, b = theirs.get(key), mine.get(key)
@@ -81,8 +86,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         ValueError: any of those differs from the plan's (its memory figures would not hold); the message
             names the first difference.
     """
-    if not model.training:
-        raise ValueError("memfit plans a training step: call model.train() first")
+    _require_training(model)
     here = autocast_dtype(_as_tuple(example_inputs))
     if (plan_.autocast or None) != here:
         made = f"under torch.autocast({plan_.autocast})" if plan_.autocast else "outside torch.autocast"
@@ -174,8 +178,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     """
     budget = Budget.parse(budget)
     inputs = _as_tuple(example_inputs)
-    if not model.training:
-        raise ValueError("memfit plans a training step: call model.train() first")
+    _require_training(model)
     captured = _captured or capture(model)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist)
@@ -232,7 +235,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
 
     Raises:
         as :func:`plan`; ``ValueError`` if ``plan_`` was made for another model (node names, parameter or
-        buffer shapes) or other input shapes.
+        buffer shapes or dtypes), other input shapes, another autocast state or another ``grads_exist``
+        (see :func:`check_plan_fits`).
     """
     if plan_ is not None:
         check_plan_fits(plan_, model, example_inputs, grads_exist)
