@@ -72,3 +72,12 @@ def test_adam_step_is_inside_the_budget(foreach):
     ref_opt.step()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_infeasible_budget_names_the_optimizer_step():
+    """When Adam's step temporaries set the floor, the error says so instead of "lower the batch size"."""
+    model, x = _mlp().train(), torch.randn(4, 256)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(memfit.InfeasibleBudgetError, match="optimizer step's temporaries") as err:
+        memfit.plan(model, x, "95%", optimizer=opt)
+    assert err.value.step_bytes > 0

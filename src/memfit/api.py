@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -240,6 +241,9 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     """
     if plan_ is not None:
         check_plan_fits(plan_, model, example_inputs, grads_exist)
+        if budget != "min":
+            warnings.warn(f"memfit.optimize: budget={budget!r} is ignored when plan_ is given (the plan was "
+                          f"solved for {plan_.budget_bytes} bytes)", stacklevel=2)
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")

@@ -24,15 +24,23 @@ Spans = list[tuple[int, int]]
 class InfeasibleBudgetError(ValueError):
     """No plan fits the budget. ``smallest_feasible_bytes`` is the lowest peak memfit found a plan for."""
 
-    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int):
+    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0):
         self.budget_bytes = budget_bytes
         self.smallest_feasible_bytes = smallest_feasible_bytes
         self.fixed_bytes = fixed_bytes
+        self.step_bytes = step_bytes
+        # the optimizer step's temporaries are most of the floor above the fixed bytes: no plan changes
+        # them, and a smaller batch barely does
+        by_step = step_bytes > (smallest_feasible_bytes - fixed_bytes) // 2
+        hint = (f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
+                "which set this floor: no plan and hardly any batch size changes them (a smaller model, or "
+                "an optimizer with less state, such as SGD, does)" if by_step else
+                ". Raise the budget, or lower the batch size")
         super().__init__(
             f"no plan fits a budget of {budget_bytes} bytes ({fmt_bytes(budget_bytes)}); the smallest "
             f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}), "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
-            "buffers, optimizer state, inputs). Raise the budget, or lower the batch size.")
+            f"buffers, optimizer state, inputs){hint}.")
 
 
 def _margin(activation_bytes: int) -> int:
@@ -218,4 +226,4 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
         return best
     if prob.plain.peak_bytes <= budget_bytes:  # nothing beats keeping everything, which fits without headroom
         return prob.finish([], gap=0.0)
-    raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit), fixed)
+    raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit), fixed, acc.step_bytes)
