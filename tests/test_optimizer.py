@@ -81,3 +81,13 @@ def test_infeasible_budget_names_the_optimizer_step():
     with pytest.raises(memfit.InfeasibleBudgetError, match="optimizer step's temporaries") as err:
         memfit.plan(model, x, "95%", optimizer=opt)
     assert err.value.step_bytes > 0
+
+
+def test_a_saved_plan_names_its_optimizer():
+    model, x = _mlp().train(), torch.randn(4, 256)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plan, _, _ = memfit.plan(model, x, "100%", optimizer=sgd)
+    assert plan.optimizer == "SGD"
+    assert memfit.optimize(model, x, plan_=plan, optimizer=sgd).plan is plan
+    with pytest.raises(ValueError, match="counted the state and step of SGD, not Adam"):
+        memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.Adam(model.parameters()))

@@ -79,9 +79,10 @@ def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
     return None
 
 
-def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False) -> None:
+def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
     """Check that a saved plan was made for this model (parameter and buffer shapes and dtypes), these input
-    shapes, this gradient convention and this autocast state.
+    shapes, this gradient convention, this autocast state and (when both name one) this optimizer class.
 
     Raises:
         ValueError: any of those differs from the plan's (its memory figures would not hold); the message
@@ -99,6 +100,10 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         made = "keeps gradients allocated" if plan_.grads_exist else "sets gradients to None (zero_grad())"
         raise ValueError(f"the plan was made for a training loop that {made}: pass grads_exist="
                          f"{plan_.grads_exist} if yours does, or make a new plan")
+    mine = None if optimizer is None else type(optimizer).__name__
+    if plan_.optimizer and mine and plan_.optimizer != mine:
+        raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {mine}: their memory "
+                         "differs; make a new plan with optimizer= your optimizer")
     shapes = _shapes(_as_tuple(example_inputs))
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
@@ -205,6 +210,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
     result.autocast = autocast_dtype(inputs)
+    result.optimizer = None if optimizer is None else type(optimizer).__name__
     return result, captured, costs
 
 
@@ -240,7 +246,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         (see :func:`check_plan_fits`).
     """
     if plan_ is not None:
-        check_plan_fits(plan_, model, example_inputs, grads_exist)
+        check_plan_fits(plan_, model, example_inputs, grads_exist, optimizer)
         if budget != "min":
             warnings.warn(f"memfit.optimize: budget={budget!r} is ignored when plan_ is given (the plan was "
                           f"solved for {plan_.budget_bytes} bytes)", stacklevel=2)

@@ -53,6 +53,8 @@ class Plan:
             or accumulation) rather than PyTorch's default ``zero_grad()``.
         state_dtypes: dtype of every parameter and buffer (``"torch.float32"``), by ``state_dict`` key.
         autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
+        optimizer: class name of the optimizer whose state and step the plan counted (``"Adam"``), or
+            ``None`` when none was given.
     """
 
     strategy: str
@@ -74,6 +76,7 @@ class Plan:
     grads_exist: bool = False
     state_dtypes: dict[str, str] = field(default_factory=dict)
     autocast: str | None = None
+    optimizer: str | None = None
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}
