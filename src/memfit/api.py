@@ -12,30 +12,11 @@ from memfit.budget import Budget
 from memfit.graph.capture import Captured, capture
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
-from memfit.profile.optimizer import measure_optimizer
-from memfit.profile.tracker import live_bytes
+from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, smallest_feasible
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
-    """Bytes of optimizer state (bytes). Uses the live state when the optimizer has stepped; before its
-    first step, estimates it as 2x the parameters for Adam-style optimizers (``exp_avg``, ``exp_avg_sq``),
-    1x for SGD with momentum, 0 otherwise."""
-    if optimizer is None:
-        return 0
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    if state:
-        return live_bytes(state)
-    pbytes = live_bytes([p for p in params if p.requires_grad])
-    name = type(optimizer).__name__.lower()
-    if "adam" in name:
-        return 2 * pbytes
-    if any(g.get("momentum", 0) for g in optimizer.param_groups):
-        return pbytes
-    return 0
 
 
 def _shapes(inputs: tuple) -> list[list[int]]:

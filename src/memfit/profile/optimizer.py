@@ -35,6 +35,24 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
+    """Bytes of optimizer state (bytes). Uses the live state when the optimizer has stepped; before its
+    first step, estimates it as 2x the parameters for Adam-style optimizers (``exp_avg``, ``exp_avg_sq``),
+    1x for SGD with momentum, 0 otherwise."""
+    if optimizer is None:
+        return 0
+    state = _state_tensors(optimizer)
+    if state:
+        return live_bytes(state)
+    pbytes = live_bytes([p for p in params if p.requires_grad])
+    name = type(optimizer).__name__.lower()
+    if "adam" in name:
+        return 2 * pbytes
+    if any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return pbytes
+    return 0
+
+
 def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost | None:
     """Measure ``optimizer``'s state and step temporaries on scratch copies of its parameters.
 

@@ -153,6 +153,6 @@ def applies(m: nn.Module) -> bool:
 def from_module(conv: nn.Module) -> nn.Module:
     """The split-backward variant of ``conv``, sharing its parameters. Raises ``TypeError`` if it does not
     apply (see :func:`applies`)."""
-    if not applies(conv):
+    if type(conv) not in _CLASSES:
         raise TypeError(f"no split-backward variant for {conv!r}")
-    return _CLASSES[type(conv)].from_module(conv)
+    return _CLASSES[type(conv)].from_module(conv)  # checks the rest
