@@ -138,8 +138,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             about 4x the parameters' memory for Adam); your optimizer is not touched.
         time_limit: solver time limit in seconds.
         variants: let ``memfit`` choose memory-efficient operator implementations (ReLU with a 1-bit
-            mask, max-pooling with compact indices, BatchNorm backward from its output) jointly with
-            recomputation (MONeT, Shah et al., ICLR 2021, section 4).
+            mask, max-pooling with compact indices, convolution backward in two calls, ReLUs and additions
+            written in place where autograd allows) jointly with recomputation (MONeT, Shah et al., ICLR
+            2021, section 4).
         loss_fn: ``loss_fn(output) -> scalar``, your training loss as a closure over the targets, e.g.
             ``lambda out: F.cross_entropy(out, labels)``; its memory is then measured instead of assumed
             (without it memfit assumes a log-softmax style loss: two output-sized tensors).

@@ -32,8 +32,8 @@ def _common(p: argparse.ArgumentParser, offload_flags: bool = True) -> None:
     p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
-    off = ("memfit strategy: turn off operator variants (the memory-efficient ReLU, BatchNorm, max-pool and "
-           "convolution implementations); recomputation stays")
+    off = ("memfit strategy: turn off operator variants (the memory-efficient ReLU, max-pool and convolution "
+           "implementations, and in-place ReLUs and additions); recomputation stays")
     p.add_argument("--no-variants", action="store_true", help=off + (
         ", and so does offloading where a store exists (on CUDA, or with --offload-dir); with --no-offload as "
         "well it equals the remat-ilp strategy (recomputation only)" if offload_flags else

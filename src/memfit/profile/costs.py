@@ -52,6 +52,9 @@ class VariantCost:
         fwd_seconds, bwd_seconds, fwd_workspace, bwd_workspace: as in :class:`NodeCost`; the times are at
             least 1.01x PyTorch's implementation's (a faster measurement is noise, see
             ``_no_faster_than_default``).
+        inplace_of: for an in-place form (:mod:`memfit.variants.inplace`), the storage id of the operand
+            it overwrites: the node then allocates no output, and its output (and every view of it) lives
+            in that storage. ``saves`` names the node's own output id, as PyTorch's op would save it.
     """
 
     saves: list[int] = field(default_factory=list)
@@ -60,6 +63,7 @@ class VariantCost:
     bwd_seconds: float = 0.0
     fwd_workspace: int = 0
     bwd_workspace: int = 0
+    inplace_of: int | None = None
 
 
 @dataclass
@@ -156,32 +160,64 @@ class Costs:
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
         name, ``"default"`` for PyTorch's own): a copy in which those nodes save, allocate and cost what
-        the variant does. The simulator and the program read plans through this.
+        the variant does. An in-place form's output storage is merged into the operand's storage (every
+        node's outputs, saves and views refer to the operand's id, and the dropped output has 0 bytes).
+        The simulator and the program read plans through this.
 
         Raises:
             ValueError: a node has no such variant.
         """
-        nodes = []
         kinds = {s.id: s.kind for s in self.storages}
+        merged: dict[int, int] = {}  # output storage of an in-place form -> the operand's storage
+        picked: dict[str, VariantCost] = {}
         for c in self.nodes:
             name = choice.get(c.name, "default")
             if name == "default":
-                nodes.append(c)
                 continue
             if name not in c.variants:
                 raise ValueError(f"node {c.name} has no variant {name!r} (it has: {', '.join(c.variants)})")
-            v = c.variants[name]
-            outs = set(c.outputs)
+            v = picked[c.name] = c.variants[name]
             for sid in v.creates:
                 kinds[sid] = "internal"
+            if v.inplace_of is not None:
+                for sid in c.creates:
+                    if sid in c.outputs:
+                        merged[sid] = v.inplace_of
+
+        def res(sid: int) -> int:
+            while sid in merged:
+                sid = merged[sid]
+            return sid
+
+        def ids(xs) -> list[int]:
+            out: list[int] = []
+            for x in xs:
+                if res(x) not in out:
+                    out.append(res(x))
+            return out
+
+        nodes = []
+        for c in self.nodes:
+            v = picked.get(c.name)
+            if v is None:
+                nodes.append(NodeCost(
+                    name=c.name, outputs=ids(c.outputs), creates=ids(c.creates), saves=ids(c.saves),
+                    mutates=ids(c.mutates), grad_bytes=c.grad_bytes, fwd_seconds=c.fwd_seconds,
+                    bwd_seconds=c.bwd_seconds, fwd_workspace=c.fwd_workspace, bwd_workspace=c.bwd_workspace,
+                    grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias, param_grad_bytes=c.param_grad_bytes,
+                    variants=c.variants))
+                continue
+            outs = set(c.outputs)
+            creates = [x for x in c.creates if x in outs and x not in merged] + list(v.creates)
+            mutates = ids(c.mutates) + ([res(v.inplace_of)] if v.inplace_of is not None else [])
             nodes.append(NodeCost(
-                name=c.name, outputs=list(c.outputs), creates=[x for x in c.creates if x in outs] + list(v.creates),
-                saves=list(v.saves), mutates=list(c.mutates), grad_bytes=c.grad_bytes,
+                name=c.name, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves),
+                mutates=ids(mutates), grad_bytes=c.grad_bytes,
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
                 bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias,
                 param_grad_bytes=c.param_grad_bytes))
-        storages = [Storage(id=s.id, nbytes=s.nbytes, producer=s.producer, kind=kinds[s.id],
-                            requires_grad=s.requires_grad) for s in self.storages]
+        storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
+                            kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
         return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
                      loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist,
                      step_bytes=self.step_bytes)
@@ -358,7 +394,69 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
     for c in nodes:  # backward from the output fails if a later in-place op rewrites that output
         if "bn-from-output" in c.variants and mutated & set(c.outputs):
             del c.variants["bn-from-output"]
+    if with_variants:
+        _profile_inplace(gm, env, nodes, storages, by_ptr, register, keep_alive)
     return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+
+
+def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by_ptr, register, keep_alive) -> None:
+    """Offer the in-place forms of element-wise nodes (:mod:`memfit.variants.inplace`) where autograd and
+    the graph allow them, with what they save.
+
+    A form of node ``i`` that overwrites operand ``x`` (storage ``S``, made by node ``p``) is legal when:
+    ``S`` is a storage ``p`` allocated for its output; no node but ``i`` reads any value living in ``S`` (so
+    no later reader sees the overwritten value, and no view of it exists elsewhere); no other node saves
+    ``S`` for backward under any implementation (autograd's version check would fail); no node modifies ``S``
+    in place; ``S`` is not a model output; and ``x`` covers ``S`` with the result's shape, dtype and
+    strides (so later nodes see the same tensor layout)."""
+    from memfit.variants import OPERAND, inplace_forms
+
+    fx_nodes = compute_nodes(gm)
+
+    def sid_of(t) -> int | None:
+        return by_ptr.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
+
+    readers: dict[int, set[int]] = {}
+    for i, node in enumerate(fx_nodes):
+        for a in node.all_input_nodes:
+            for t in tensors_in(env[a.name]):
+                sid = sid_of(t)
+                if sid is not None:
+                    readers.setdefault(sid, set()).add(i)
+    savers: dict[int, set[str]] = {}  # storage -> nodes saving it under some implementation
+    for c in nodes:
+        for x in set(c.saves).union(*[v.saves for v in c.variants.values()]):
+            savers.setdefault(x, set()).add(c.name)
+    mutated = {x for c in nodes for x in c.mutates}
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    model_outputs = {sid_of(t) for a in output_node.all_input_nodes for t in tensors_in(env[a.name])}
+    creators = {sid: c.name for c in nodes for sid in c.creates}
+    for i, (node, cost) in enumerate(zip(fx_nodes, nodes)):
+        forms = inplace_forms(gm, node)
+        out = env[node.name]
+        if not forms or not isinstance(out, torch.Tensor):
+            continue
+        t_out = sid_of(out)
+        if t_out is None or t_out not in cost.creates:
+            continue
+        for name, fn in forms.items():
+            arg = node.args[OPERAND[name]] if OPERAND[name] < len(node.args) else None
+            if not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr"):
+                continue
+            x = env[arg.name]
+            s = sid_of(x)
+            if s is None or storages[s].kind != "output" or creators.get(s) != arg.name:
+                continue
+            # the node's own default may save its operand (LeakyReLU saves its input): the form replaces it
+            if readers.get(s) != {i} or savers.get(s, set()) - {node.name} or s in mutated or s in model_outputs:
+                continue
+            if (x.shape != out.shape or x.dtype != out.dtype or x.stride() != out.stride()
+                    or x.storage_offset() != 0 or x.numel() * x.element_size() != storages[s].nbytes
+                    or storages[s].nbytes != storages[t_out].nbytes or (x.requires_grad and x.grad_fn is None)):
+                continue
+            vc = _variant_cost(node, fn, env, cost, storages, register, keep_alive, by_ptr, (arg.name,))
+            vc.inplace_of = s
+            cost.variants[name] = vc
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device) -> int:
@@ -379,7 +477,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:
     """What each applicable operator variant of ``node`` saves, in the storage ids of the default run."""
-    from memfit.variants import variants_for
+    from memfit.variants import variant_call, variants_for
 
     module = gm.get_submodule(node.target)
     for spec in variants_for(module):
@@ -387,37 +485,46 @@ def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register,
             # gradients equal PyTorch's only to rounding, which ill-conditioned layers (BatchNorm over a
             # few values per channel) amplify over steps: not offered to the planner
             continue
-        vmod = spec.make(module)
-        inplace = bool(getattr(vmod, "inplace", False))
-        local = dict(env)
-        alias: dict[int, int] = {}
-        for a in node.all_input_nodes:
-            v = local[a.name]
-            if inplace and isinstance(v, torch.Tensor):
-                copy = v.detach().clone().requires_grad_(v.requires_grad)
-                copy = copy.clone() if copy.requires_grad else copy  # a non-leaf can be updated in place
-                alias[copy.untyped_storage().data_ptr()] = by_ptr.get(v.untyped_storage().data_ptr(), -1)
-                local[a.name] = copy
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t), t)[1],
-                                                      lambda t: t):
-            out = node_fn(gm, node, module=vmod)(local)
-        for t, sid in zip(tensors_in(out), cost.outputs):
-            alias[t.untyped_storage().data_ptr()] = sid
-        vc = VariantCost()
-        for t in saved:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in alias:
-                sid = alias[ptr]
-            else:
-                n_before = len(storages)
-                sid = register(t, node.name, "variant")
-                if sid is not None and len(storages) > n_before:
-                    vc.creates.append(sid)
-            if sid is not None and sid >= 0 and sid not in vc.saves:
-                vc.saves.append(sid)
-        keep_alive.append((saved, out, local))
-        cost.variants[spec.name] = vc
+        inplace = bool(getattr(spec.make(module), "inplace", False))
+        overwrite = tuple(a.name for a in node.all_input_nodes) if inplace else ()
+        cost.variants[spec.name] = _variant_cost(node, variant_call(gm, node, spec.name), env, cost, storages,
+                                                 register, keep_alive, by_ptr, overwrite)
+
+
+def _variant_cost(node, fn, env, cost: NodeCost, storages, register, keep_alive, by_ptr,
+                  overwrite: tuple[str, ...] = ()) -> VariantCost:
+    """Run ``fn`` (an implementation of ``node``) once under the saved-tensor hook and map what it saves to
+    the default run's storage ids. The inputs named in ``overwrite`` are given as copies (the function
+    writes into them); a copy stands for the storage of the value it copies, and the result for the node's
+    outputs."""
+    local = dict(env)
+    alias: dict[int, int] = {}
+    for a in overwrite:
+        v = local[a]
+        if isinstance(v, torch.Tensor):
+            copy = v.detach().clone().requires_grad_(v.requires_grad)
+            copy = copy.clone() if copy.requires_grad else copy  # a non-leaf can be updated in place
+            alias[copy.untyped_storage().data_ptr()] = by_ptr.get(v.untyped_storage().data_ptr(), -1)
+            local[a] = copy
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
+        out = fn(local)
+    for t, sid in zip(tensors_in(out), cost.outputs):
+        alias[t.untyped_storage().data_ptr()] = sid
+    vc = VariantCost()
+    for t in saved:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in alias:
+            sid = alias[ptr]
+        else:
+            n_before = len(storages)
+            sid = register(t, node.name, "variant")
+            if sid is not None and len(storages) > n_before:
+                vc.creates.append(sid)
+        if sid is not None and sid >= 0 and sid not in vc.saves:
+            vc.saves.append(sid)
+    keep_alive.append((saved, out, local))
+    return vc
 
 
 def _isolated(gm: fx.GraphModule, inputs: tuple):
@@ -449,16 +556,17 @@ def _isolated(gm: fx.GraphModule, inputs: tuple):
             env[node.name] = fn(env)
 
 
-def _implementations(gm: fx.GraphModule, node: fx.Node, fn, cost: NodeCost) -> list[tuple[str, object, object]]:
-    """``(label, fn, record)`` for PyTorch's implementation of ``node`` and each profiled variant; measured
-    times and workspaces are written to ``record`` (the :class:`NodeCost` or its :class:`VariantCost`)."""
-    out = [("", fn, cost)]
+def _implementations(gm: fx.GraphModule, node: fx.Node, fn, cost: NodeCost) -> list[tuple[str, object, object, bool]]:
+    """``(label, fn, record, writes_inputs)`` for PyTorch's implementation of ``node`` and each profiled
+    variant; measured times and workspaces are written to ``record`` (the :class:`NodeCost` or its
+    :class:`VariantCost`); ``writes_inputs``: it modifies its inputs in place (so it runs on copies)."""
+    out = [("", fn, cost, bool(cost.mutates))]
     if cost.variants:
-        from memfit.variants import VARIANTS
+        from memfit.variants import variant_call
 
-        module = gm.get_submodule(node.target)
         for name, vc in cost.variants.items():
-            out.append((f":{name}", node_fn(gm, node, module=VARIANTS[name].make(module)), vc))
+            out.append((f":{name}", variant_call(gm, node, name), vc,
+                        bool(cost.mutates) or vc.inplace_of is not None))
     return out
 
 
@@ -471,10 +579,10 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     records: list[tuple[str, object]] = []
     with outer as tracker:
         for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
-            for suffix, fn, record in _implementations(gm, node, fn0, cost):
+            for suffix, fn, record, clone in _implementations(gm, node, fn0, cost):
                 label = node.name + suffix
                 records.append((label, record))
-                local, leaves = make_env(clone=bool(cost.mutates))
+                local, leaves = make_env(clone=clone)
                 part = tracker.mark(f"{label}:f") if cpu else MemoryTracker(device)
                 with part:
                     outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
@@ -509,22 +617,24 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
 
 def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int) -> None:
     """Median forward and backward time of each node (and of its variants), run in isolation on detached
-    copies of its inputs."""
+    copies of its inputs (made outside the timed part: an in-place implementation runs on a fresh copy)."""
     for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
-        clone = bool(cost.mutates)
-        for _, fn, record in _implementations(gm, node, fn0, cost):
+        for _, fn, record, clone in _implementations(gm, node, fn0, cost):
 
-            def forward(fn=fn, make_env=make_env, clone=clone):
-                return fn(make_env(clone=clone)[0])
+            def setup(make_env=make_env, clone=clone):
+                return make_env(clone=clone)
 
-            record.fwd_seconds = median_seconds(forward, device, repeats)
-            if not any(t.requires_grad for t in tensors_in(forward())) or not (params or make_env()[1]):
+            def forward(env_leaves, fn=fn):
+                return fn(env_leaves[0])
+
+            record.fwd_seconds = median_seconds(forward, device, repeats, setup=setup)
+            if not any(t.requires_grad for t in tensors_in(forward(setup()))) or not (params or make_env()[1]):
                 continue
 
-            def backward(fn=fn, make_env=make_env, params=params, clone=clone):
-                local, leaves = make_env(clone=clone)
+            def backward(env_leaves, fn=fn, params=params):
+                local, leaves = env_leaves
                 outs = [t for t in tensors_in(fn(local)) if t.requires_grad]
                 torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs],
                                     allow_unused=True)
 
-            record.bwd_seconds = max(0.0, median_seconds(backward, device, repeats) - record.fwd_seconds)
+            record.bwd_seconds = max(0.0, median_seconds(backward, device, repeats, setup=setup) - record.fwd_seconds)

@@ -118,6 +118,7 @@ class PlannedModule(nn.Module):
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
+        self._check_inplace(nodes, spans)
         region_at = {lo: hi for lo, hi in spans}
         # steps: ("node", name, fn) or ("region", _Region); compute last forward use of every value
         steps: list[tuple] = []
@@ -172,17 +173,40 @@ class PlannedModule(nn.Module):
                              inputs=sorted(reads[k]), outputs=outputs, frees=frees_local, buffers=buffers)
             self._steps.append(("region", region, None, frees))
 
+    def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:
+        """Refuse an in-place form inside a region that does not compute its operand: the region's
+        recomputation would start from the overwritten value and silently give wrong gradients."""
+        from memfit.variants import OPERAND
+
+        region = {}
+        for r, (lo, hi) in enumerate(spans):
+            for i in range(lo, hi + 1):
+                region[nodes[i].name] = r
+        for node in nodes:
+            name = self.plan.variants.get(node.name, "default")
+            if name not in OPERAND or node.name not in region:
+                continue
+            arg = node.args[OPERAND[name]] if OPERAND[name] < len(node.args) else None
+            if not isinstance(arg, fx.Node) or region.get(arg.name) != region[node.name]:
+                raise ValueError(
+                    f"the plan runs node {node.name} as {name!r} (writing into its operand) inside a checkpoint "
+                    "region that does not compute that operand, so recomputing the region would read the "
+                    "overwritten value; make the plan with memfit (it keeps such nodes outside or with their "
+                    "operand) or drop that variant")
+
     def _fn(self, node: fx.Node):
         """The call for ``node``: PyTorch's module, or the operator variant the plan chose for it (built on
         the same parameters and buffers)."""
         variant = self.plan.variants.get(node.name, "default")
         if variant == "default":
             return node_fn(self.gm, node)
-        from memfit.variants import VARIANTS
+        from memfit.variants import variant_call
 
-        if variant not in VARIANTS or node.op != "call_module":
-            raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply")
-        return node_fn(self.gm, node, module=VARIANTS[variant].make(self.gm.get_submodule(node.target)))
+        try:
+            return variant_call(self.gm, node, variant)
+        except ValueError as e:
+            raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply "
+                             f"({e})") from None
 
     def forward(self, *args):
         if len(args) != len(self._placeholders):

@@ -18,10 +18,14 @@ Variables (``i`` node index in forward order, ``s`` storage):
   o_j in {0,1}   node j's saved tensors are offloaded to the host store (vDNN), only where r_j = 0;
   S_i, B_i >= 0  cumulative time the compute waits for offload copies up to forward node i / for prefetches
                  down to backward node i (the copy stream is serial).
+  v_i^k in {0,1} node i uses operator variant k (at most one per node; none is PyTorch's own).
 Constraints: h_s >= 1 - r_n - o_p for every node n that saves s (made by p); h_s >= r_n - z_pn for every
 consumer n of s made by p (a region keeps its inputs); forward peak after each node and backward peak at
 each node <= budget - fixed bytes, where an offloaded storage counts until its wait point in the forward pass
-and from its prefetch to its first saver in the backward pass. Objective: minimize recomputation time plus
+and from its prefetch to its first saver in the backward pass. An in-place form k of node i, overwriting
+storage S made by p, removes S from i's forward row (operand and result are one storage) and requires
+v_i^k + r_i - z_pi <= 1, v_i^k + r_q - z_iq <= 1 for the readers q of its output, and v_i^k + o_i <= 1,
+v_i^k + o_p <= 1. Objective: minimize recomputation time plus
 the stalls of the copy stream (a linear bound of the simulator's critical path: copies up to each point take
 no longer than the compute up to it plus the stall, POFO, Beaumont et al., NeurIPS 2021).
 """
@@ -207,6 +211,29 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         if acc.producer[s] < 0 and s in mutated:
             for q in acc.consumers[s]:
                 m.row({r[q]: 1.0}, hi=0.0)
+    # in-place forms (memfit.variants.inplace): node i overwrites storage S made by p, so its output T is S
+    overwrites: dict[int, int] = {}  # x -> S for the variable x of an in-place choice
+    for i in range(n):
+        for name, vc in options[i].items():
+            if vc.inplace_of is None:
+                continue
+            x, s_op = v[i][name], vc.inplace_of
+            overwrites[x] = s_op
+            p = acc.producer[s_op]
+            # the node runs where its operand was made (a region must not overwrite one of its inputs), and
+            # whoever reads its output in a region is in that region too (the runtime's legality rule for a
+            # storage modified in place: memfit.solve.legal)
+            m.row({x: 1.0, r[i]: 1.0, same_region(p, i): -1.0}, hi=1.0)
+            for t in acc.creates[i]:
+                if t in acc.internal[i]:
+                    continue
+                for q in acc.consumers[t]:
+                    if q != i:
+                        m.row({x: 1.0, r[q]: 1.0, same_region(i, q): -1.0}, hi=1.0)
+            # offloading is keyed by the storage's producer, which the in-place form changes: not both
+            for j in (i, p):
+                if j in o:
+                    m.row({x: 1.0, o[j]: 1.0}, hi=1.0)
     # bytes enter the program in MiB: coefficients near 1 keep HiGHS numerically sound
     nb = {s: acc.nbytes[s] / UNIT for s in acc.nbytes}
     budget = activation_budget / UNIT
@@ -223,6 +250,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         terms: dict[int, float] = {}
         for name, vc in options[i].items():  # the chosen implementation's workspace
             terms[v[i][name]] = (vc.fwd_workspace - acc.fwd_ws[i]) / UNIT
+            if v[i][name] in overwrites:  # the operand (alive until here) and the output are one storage
+                terms[v[i][name]] -= acc.nbytes[overwrites[v[i][name]]] / UNIT
         for s in acts:
             p = acc.producer[s] if s not in variant_storage else variant_storage[s][0]
             if p > i:

@@ -66,17 +66,22 @@ class _Problem:
     def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
                offloads: list[int] | None = None) -> Plan:
         """Legalize, replay and package a plan."""
-        spans = legalize(self.acc, spans)
-        inside = {i for lo, hi in spans for i in range(lo, hi + 1)}
-        offloads = sorted(j for j in (offloads or []) if j not in inside)
         choice = {self.names[i]: name for i, name in (variants or {}).items()}
         acc = Accounting.build(self.graph, self.costs.with_variants(choice)) if choice else self.acc
+        spans = legalize(acc, spans)  # with the chosen in-place forms' writes
+        inside = {i for lo, hi in spans for i in range(lo, hi + 1)}
+        # an in-place form moves its output into its operand's storage: neither node is offloaded with it
+        # (the integer program never combines them; heuristics might)
+        tied = {j for i, name in (variants or {}).items()
+                for vc in [self.costs.nodes[i].variants.get(name)] if vc is not None and vc.inplace_of is not None
+                for j in (i, self.acc.producer[vc.inplace_of])}
+        offloads = sorted(j for j in (offloads or []) if j not in inside and j not in tied)
         sim = _replay(acc, spans, self.fixed, offloads)
         plan = Plan.from_spans(self.strategy, self.names, spans, budget_bytes=self.budget, fixed_bytes=self.fixed,
                                predicted_peak_bytes=sim.peak_bytes, predicted_step_seconds=sim.step_seconds,
                                solve_seconds=time.perf_counter() - self.t0, mip_gap=gap,
                                offloads=[self.names[j] for j in offloads], predicted_host_bytes=sim.host_peak_bytes,
-                               offload_waits=offload_waits(self.acc, self.names, offloads),
+                               offload_waits=offload_waits(acc, self.names, offloads),
                                grads_exist=self.costs.grads_exist)
         plan.variants.update(choice)
         return plan

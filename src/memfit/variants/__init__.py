@@ -8,7 +8,11 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
 * ``maxpool-compact``: MaxPool2d saves uint8 in-window argmax offsets (bit-exact gradients);
 * ``conv-split-backward``: Conv1d/2d/3d saves what PyTorch saves but computes its weight and input
   gradients in two calls, so their workspaces never coexist (bit-exact gradients; MONeT's
-  convolution-algorithm choice, on the CPU).
+  convolution-algorithm choice, on the CPU);
+* ``inplace`` / ``inplace-rhs`` / ``relu-mask-inplace``: ReLU-family activations and additions (modules,
+  functions or methods) written into their operand (:mod:`memfit.variants.inplace`; bit-exact). These
+  depend on the graph around the node, so they are not registry entries: the profile offers them where
+  autograd allows.
 
 ``VARIANTS`` maps a variant name to a :class:`VariantSpec`; ``spec.applies(m)`` says whether it can
 replace module ``m`` and ``spec.make(m)`` builds the replacement, which shares ``m``'s Parameter and
@@ -21,8 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from torch import nn
+from torch import fx, nn
 from torch.nn.modules.utils import _pair
 
 from .bn_from_output import (
@@ -43,6 +48,7 @@ from .conv_split_backward import (
 )
 from .conv_split_backward import applies as _conv_split_applies
 from .conv_split_backward import from_module as conv_split_from_module
+from .inplace import INPLACE_VARIANTS, OPERAND, inplace_forms
 from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
 from .relu_mask import (
     HardtanhMask,
@@ -59,6 +65,8 @@ from .relu_mask import (
 )
 
 __all__ = [
+    "INPLACE_VARIANTS",
+    "OPERAND",
     "VARIANTS",
     "BNFromOutputFn",
     "BatchNorm1dFromOutput",
@@ -82,12 +90,14 @@ __all__ = [
     "conv_split_from_module",
     "fuse_bn_leaky_relu",
     "hardtanh_mask",
+    "inplace_forms",
     "leaky_relu_mask",
     "max_pool2d_compact",
     "pack_mask",
     "relu6_mask",
     "relu_mask",
     "unpack_mask",
+    "variant_call",
     "variants_for",
 ]
 
@@ -171,3 +181,23 @@ VARIANTS: dict[str, VariantSpec] = {
 def variants_for(module: nn.Module) -> list[VariantSpec]:
     """The registered variants that can replace ``module``."""
     return [s for s in VARIANTS.values() if s.applies(module)]
+
+
+def variant_call(gm: fx.GraphModule, node: fx.Node, name: str) -> Callable[[dict[str, Any]], Any]:
+    """``f(env) -> value`` evaluating ``node`` with operator variant ``name`` (a registry entry for a
+    ``call_module`` node, or an in-place form), as :func:`memfit.graph.calls.node_fn` evaluates the default.
+
+    Raises:
+        ValueError: ``name`` is not a variant of this node.
+    """
+    from memfit.graph.calls import node_fn
+
+    if name in INPLACE_VARIANTS:
+        forms = inplace_forms(gm, node)
+        if name in forms:
+            return forms[name]
+    elif name in VARIANTS and node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if VARIANTS[name].applies(module):
+            return node_fn(gm, node, module=VARIANTS[name].make(module))
+    raise ValueError(f"variant {name!r} does not apply to node {node.name} ({node.op} {node.target})")

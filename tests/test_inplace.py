@@ -1,0 +1,242 @@
+"""In-place forms chosen by the planner (memfit.variants.inplace), against plain PyTorch."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import memfit
+from memfit.api import optimizer_state_bytes
+from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.graph import capture
+from memfit.graph.calls import node_fn
+from memfit.profile import profile_graph
+from memfit.profile.link import LinkCost
+from memfit.runtime.stores import DiskStore
+from memfit.solve import simulate
+from memfit.solve.accounting import Accounting
+from memfit.solve.legal import legalize
+from memfit.solve.plan import Plan
+from memfit.solve.strategies import make_plan, smallest_feasible
+from memfit.variants import INPLACE_VARIANTS, inplace_forms
+
+
+class _OutOfPlace(nn.Module):
+    """Element-wise ops written out of place, where memfit may write in place and where it must not."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.c0, self.b0 = nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c3, self.b3 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.leaky, self.act = nn.LeakyReLU(0.1), nn.ReLU()
+        self.r6, self.ht = nn.ReLU6(), nn.Hardtanh(-0.5, 0.5)
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        skip = F.relu(x)                                     # a model input: never overwritten
+        h = torch.relu(self.b0(self.c0(x)) + skip.mean())    # legal: the sum is read by nothing else
+        a = F.relu(self.b1(self.c1(h)))                      # legal
+        a = torch.add(self.b2(self.c2(a)), h, alpha=0.5)     # lhs legal; rhs h is read by c1 too
+        a = self.leaky(a)                                    # legal
+        g = h + self.b3(self.c3(a))                          # rhs legal; lhs h is read by c1 too
+        g = g.relu()                                         # legal (a method call)
+        s = self.act(torch.sigmoid(g))                       # illegal: sigmoid saves its output for backward
+        t = self.ht(self.r6(s))                              # r6: its operand is saved by act; ht: 1-bit form only
+        y = self.fc(t.mean((2, 3)))
+        return y, F.leaky_relu(y, 0.2)                       # illegal: y is a model output
+
+
+def _loss(out, target):
+    y, z = out
+    return F.cross_entropy(y, target) + z.square().mean()
+
+
+def _setup(batch=4, size=16):
+    torch.manual_seed(0)
+    model = _OutOfPlace().train()
+    x, target = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), target, _loss, steps=1, grads_exist=True)
+    m = fresh_copy(model)
+    initial = copy.deepcopy(m.state_dict())
+    captured = capture(m)
+    costs = profile_graph(captured, (x,), loss_fn=lambda out: _loss(out, target), grads_exist=True)
+    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                                      list(m.parameters()))
+    return m, initial, (x,), target, base, captured, costs, fixed
+
+
+def _run(m, initial, captured, plan, inputs, target, store=None):
+    m.load_state_dict(initial)
+    for p in m.parameters():
+        p.grad = None
+    planned = memfit.PlannedModule(captured, plan, offload_store=store)
+    return measure_training(planned, planned, inputs, target, _loss, steps=1, grads_exist=True)
+
+
+def _offered(costs):
+    return {c.name: sorted(k for k, v in c.variants.items() if v.inplace_of is not None)
+            for c in costs.nodes if any(v.inplace_of is not None for v in c.variants.values())}
+
+
+def test_profile_offers_in_place_forms_only_where_autograd_allows():
+    *_, captured, costs, _ = _setup()
+    offered = _offered(costs)
+    by_target = {n.name: (n.op, n.target) for n in captured.graph.nodes}
+    assert offered == {
+        "add": ["inplace"],                          # b0(...) + skip.mean()
+        "relu_1": ["inplace", "relu-mask-inplace"],  # torch.relu of that sum
+        "relu_2": ["inplace", "relu-mask-inplace"],  # F.relu(b1(...))
+        "add_1": ["inplace"],                        # torch.add(b2(...), h, alpha=0.5)
+        "leaky": ["inplace", "relu-mask-inplace"],
+        "add_2": ["inplace-rhs"],                    # h + b3(...)
+        "relu_3": ["inplace", "relu-mask-inplace"],  # g.relu()
+        "ht": ["relu-mask-inplace"],
+    }, (offered, by_target)
+    # the overwritten operand is the storage the node's operand lives in
+    nodes = {c.name: c for c in costs.nodes}
+    graph = {n.name: n for n in captured.graph.nodes}
+    for name, forms in offered.items():
+        for form in forms:
+            operand = graph[name].inputs[1 if form == "inplace-rhs" else 0]
+            assert nodes[name].variants[form].inplace_of in nodes[operand].outputs
+
+
+@pytest.mark.parametrize("spans", ["none", "chen", "one"])
+def test_every_in_place_form_at_once_matches_pytorch(spans):
+    """Forced everywhere it is offered (regions legalized as memfit's own plans are), with no regions,
+    Chen's segments and one region over the whole graph: bit-for-bit gradients, same BatchNorm statistics,
+    and the replay predicts the measured peak."""
+    m, initial, inputs, target, base, captured, costs, fixed = _setup()
+    choice = {name: forms[-1] for name, forms in _offered(costs).items()}
+    names = [n.name for n in captured.graph.nodes]
+    regions = {"none": [], "chen": make_plan("chen", captured.graph, costs).region_spans(),
+               "one": [(0, len(names) - 1)]}[spans]
+    acc = Accounting.build(captured.graph, costs.with_variants(choice))
+    plan = Plan.from_spans(spans, names, legalize(acc, regions), fixed_bytes=fixed)
+    plan.variants.update(choice)
+    predicted = simulate(captured.graph, costs, plan, fixed)
+    fig = _run(m, initial, captured, plan, inputs, target)
+    check = compare(base, fig)
+    assert check["gradients_match"] and check["max_abs_grad_diff"] == 0.0 and check["bn_stats_match"], check
+    assert abs(predicted.peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (predicted.peak_bytes,
+                                                                                  fig.peak_bytes)
+
+
+def test_in_place_forms_lower_the_floor_and_the_plan_at_it_matches_pytorch():
+    m, initial, inputs, target, base, captured, costs, fixed = _setup(batch=8, size=24)
+    without = copy.deepcopy(costs)
+    for c in without.nodes:
+        c.variants = {k: v for k, v in c.variants.items() if k not in INPLACE_VARIANTS}
+    floor_without = smallest_feasible(captured.graph, without, fixed, use_offload=False)
+    floor = smallest_feasible(captured.graph, costs, fixed, use_offload=False)
+    assert floor < floor_without
+    plan = make_plan("memfit", captured.graph, costs, floor, fixed_bytes=fixed)
+    assert set(plan.variants.values()) & set(INPLACE_VARIANTS), plan.variants
+    fig = _run(m, initial, captured, plan, inputs, target)
+    check = compare(base, fig)
+    assert check["gradients_match"] and check["max_abs_grad_diff"] == 0.0 and check["bn_stats_match"], check
+    assert fig.peak_bytes <= floor
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes
+
+
+def test_in_place_form_and_offloading_of_its_storage_are_not_combined(tmp_path):
+    m, initial, inputs, target, base, captured, costs, fixed = _setup(batch=8, size=24)
+    costs.link = LinkCost("test", 5e9, 5e9, 1e-5)
+    floor = smallest_feasible(captured.graph, costs, fixed, use_offload=True)
+    plan = make_plan("memfit", captured.graph, costs, floor, fixed_bytes=fixed)
+    graph = {n.name: n for n in captured.graph.nodes}
+    for name, form in plan.variants.items():
+        if form in INPLACE_VARIANTS:
+            operand = graph[name].inputs[1 if form == "inplace-rhs" else 0]
+            assert name not in plan.offloads and operand not in plan.offloads, plan
+    store = DiskStore(tmp_path)
+    fig = _run(m, initial, captured, plan, inputs, target, store)
+    check = compare(base, fig)
+    assert check["gradients_match"] and check["bn_stats_match"], check
+    assert fig.peak_bytes <= floor
+
+
+def test_runtime_refuses_an_in_place_form_in_a_region_without_its_operand():
+    *_, captured, _costs, fixed = _setup()
+    names = [n.name for n in captured.graph.nodes]
+    i = names.index("relu_2")  # F.relu(b1(...)): its operand is made by b1, just before it
+    plan = Plan.from_spans("hand-made", names, [(i, i + 1)], fixed_bytes=fixed)
+    plan.variants["relu_2"] = "inplace"
+    with pytest.raises(ValueError, match="overwritten value"):
+        memfit.PlannedModule(captured, plan)
+    plan = Plan.from_spans("hand-made", names, [(i - 1, i + 1)], fixed_bytes=fixed)
+    plan.variants["relu_2"] = "inplace"
+    memfit.PlannedModule(captured, plan)  # with its operand's producer in the region: fine
+
+
+class _Op(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, a, b):
+        return self.fn(a, b)
+
+
+_FORMS = [
+    ("relu-function", lambda a, b: torch.relu(a)),
+    ("F.relu", lambda a, b: F.relu(a)),
+    ("relu-method", lambda a, b: a.relu()),
+    ("F.leaky_relu", lambda a, b: F.leaky_relu(a, 0.3)),
+    ("add", lambda a, b: a + b),
+    ("torch.add-alpha", lambda a, b: torch.add(a, b, alpha=-1.5)),
+    ("add-method", lambda a, b: a.add(b)),
+]
+_MODULES = [nn.ReLU(), nn.LeakyReLU(0.2), nn.LeakyReLU(0.0), nn.ReLU6(), nn.Hardtanh(-0.25, 0.75)]
+
+
+def _op_graphs():
+    for label, fn in _FORMS:
+        gm = fx.symbolic_trace(_Op(fn))
+        yield label, gm
+    for mod in _MODULES:
+        class _M(nn.Module):
+            def __init__(self, mod=mod):
+                super().__init__()
+                self.m = mod
+
+            def forward(self, a, b):
+                return self.m(a)
+        yield type(mod).__name__ + str(getattr(mod, "negative_slope", "")), fx.symbolic_trace(_M())
+
+
+@pytest.mark.parametrize("label,gm", list(_op_graphs()), ids=[g[0] for g in _op_graphs()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "odd"])
+def test_each_in_place_form_is_bit_for_bit_pytorch(label, gm, dtype, layout):
+    """Each form against PyTorch's op on the same values: output, input gradients, and the gradient of
+    what produced the overwritten operand (the form must not disturb autograd's graph)."""
+    torch.manual_seed(1)
+    shape = (3, 5, 7) if layout == "odd" else (4, 6, 8)
+    base_a = torch.randn(shape) * 2
+    base_b = torch.randn(shape)
+    base_a.view(-1)[:5] = torch.tensor([0.0, -0.0, 6.0, -0.25, 0.75])  # the kinks of every form
+    node = next(n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    forms = inplace_forms(gm, node)
+    assert forms, label
+    for name, form in [("default", node_fn(gm, node))] + sorted(forms.items()):
+        a = base_a.to(dtype).clone().requires_grad_(True)
+        b = base_b.to(dtype).clone().requires_grad_(True)
+        ta, tb = a * 1, b * 1  # non-leaves, so the forms may overwrite them
+        if layout == "transposed":
+            ta, tb = ta.transpose(0, 2), tb.transpose(0, 2)
+        node_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        out = form(dict(zip(node_names, (ta, tb))))
+        seed = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype)
+        out.backward(seed)
+        result = (out.detach().clone(), a.grad.clone(), b.grad.clone() if b.grad is not None else None)
+        if name == "default":
+            expected = result
+            continue
+        assert torch.equal(result[0], expected[0]), (label, name)
+        assert torch.equal(result[1], expected[1]), (label, name)
+        assert (result[2] is None) == (expected[2] is None) and (result[2] is None or torch.equal(result[2], expected[2]))
