@@ -17,6 +17,9 @@ def test_budget_parse():
     for bad in ("lots", "0%", "150%", -5, "3 parsecs"):
         with pytest.raises(ValueError):
             Budget.parse(bad)
+    assert Budget.parse(6e9).nbytes == 6 * 10**9  # a whole number of bytes written as a float
+    with pytest.raises(ValueError, match="must be whole.*'1.5GiB'"):
+        Budget.parse(1.5)
     for zero in (0, "0", "0GiB", 0.5, "0.1B"):  # the same error whether written as text or as a number
         with pytest.raises(ValueError, match="at least one byte"):
             Budget.parse(zero)

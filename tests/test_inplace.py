@@ -46,6 +46,7 @@ class _OutOfPlace(nn.Module):
         g = g.relu()                                         # legal (a method call)
         s = self.act(torch.sigmoid(g))                       # illegal: sigmoid saves its output for backward
         t = self.ht(self.r6(s))                              # r6: its operand is saved by act; ht: 1-bit form only
+        t = t + t                                            # illegal: both arguments are the operand
         y = self.fc(t.mean((2, 3)))
         return y, F.leaky_relu(y, 0.2)                       # illegal: y is a model output
 

@@ -127,6 +127,23 @@ def test_plan_for_other_shapes_is_refused_and_warned(setup, tmp_path):
         planned(other)
 
 
+def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
+    import warnings
+
+    model, images, _ = setup
+    planned = _planned(model, images)
+    short, other = images[:2], torch.randn(4, 3, 48, 48)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            planned(short)  # evaluation saves nothing: no memory figure to warn about
+        planned(short)
+        planned(short)
+        planned(other)
+    msgs = [str(w.message) for w in seen if "planned memory figures" in str(w.message)]
+    assert len(msgs) == 2 and "[2, 3, 32, 32]" in msgs[0] and "[4, 3, 48, 48]" in msgs[1], msgs
+
+
 def test_opaque_torch_nn_blocks_are_named():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
     model = nn.Sequential(nn.Linear(16, 32), enc, nn.Linear(32, 4)).train()

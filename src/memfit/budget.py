@@ -28,7 +28,8 @@ class Budget:
         """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``123456789`` (bytes), ``"40%"`` or ``"min"``.
 
         Raises:
-            ValueError: the text is not a size of at least one byte or a percentage in (0, 100].
+            ValueError: the text is not a size of at least one byte or a percentage in (0, 100], or a
+                number of bytes is not whole (``1.5``).
         """
         if isinstance(spec, Budget):
             return spec
@@ -36,6 +37,10 @@ class Budget:
             if int(spec) <= 0:
                 raise ValueError(f"budget {spec!r}: must be at least one byte (or a percentage such as '40%', "
                                  "or 'min' for the least memory memfit can reach)")
+            if isinstance(spec, float) and not spec.is_integer():
+                raise ValueError(f"budget {spec!r}: a number is a count of bytes and must be whole; write "
+                                 f"'{spec:g}GiB' for gibibytes, or a percentage of plain PyTorch's peak such as "
+                                 "'40%'")
             return cls(nbytes=int(spec))
         text = str(spec).strip()
         if text.lower() == "min":

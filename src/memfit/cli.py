@@ -17,9 +17,9 @@ from rich.table import Table
 from memfit.budget import fmt_bytes
 
 
-def _common(p: argparse.ArgumentParser, offload_flags: bool = True) -> None:
-    """Model, size, budget, strategy and solver flags of ``run``, ``plan`` and ``train`` (``offload_flags``:
-    the command also takes ``--offload-dir``/``--no-offload``, which the ``--no-variants`` help refers to)."""
+def _common(p: argparse.ArgumentParser) -> None:
+    """Model, size, budget, strategy and solver flags of ``run``, ``plan`` and ``train`` (each also takes
+    ``--offload-dir``/``--no-offload``, which the ``--no-variants`` help refers to)."""
     from memfit import zoo
     from memfit.solve.strategies import STRATEGIES
 
@@ -32,13 +32,11 @@ def _common(p: argparse.ArgumentParser, offload_flags: bool = True) -> None:
     p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
-    off = ("memfit strategy: turn off operator variants (the memory-efficient ReLU, max-pool and convolution "
-           "implementations, and in-place ReLUs and additions); recomputation stays")
-    p.add_argument("--no-variants", action="store_true", help=off + (
-        ", and so does offloading where a store exists (on CUDA, or with --offload-dir); with --no-offload as "
-        "well it equals the remat-ilp strategy (recomputation only)" if offload_flags else
-        ", and on CUDA so does offloading (to pinned host memory); on the CPU it equals the remat-ilp strategy "
-        "(recomputation only)"))
+    p.add_argument("--no-variants", action="store_true", help=(
+        "memfit strategy: turn off operator variants (the memory-efficient ReLU, max-pool and convolution "
+        "implementations, and in-place ReLUs and additions); recomputation stays, and so does offloading where "
+        "a store exists (on CUDA, or with --offload-dir); with --no-offload as well it equals the remat-ilp "
+        "strategy (recomputation only)"))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -373,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
-    _common(p, offload_flags=False)
+    _common(p)
+    _offload_flags(p)
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
     p.add_argument("--epochs", type=_positive, default=1)
     p.add_argument("--lr", type=float, default=0.05)

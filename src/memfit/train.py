@@ -36,13 +36,15 @@ def train_side_by_side(args) -> int:
     opt_plan = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     plan, captured, _ = make_plan(model, (images.to(device),), args.budget, strategy=args.strategy,
                                   optimizer=opt_plan, time_limit=args.time_limit, variants=not args.no_variants,
-                                  grads_exist=args.grads_exist)
-    planned = PlannedModule(captured, plan)
+                                  grads_exist=args.grads_exist, offload=False if args.no_offload else None,
+                                  offload_dir=args.offload_dir)
+    planned = PlannedModule(captured, plan, offload_dir=args.offload_dir)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = zoo.loss_for(args.model)
     console.print(f"{args.model} on {args.data} ({len(dataset)} images, {classes} classes, {size}x{size}), "
                   f"batch {batch}: plan {plan.strategy}, predicted peak {fmt_bytes(plan.predicted_peak_bytes)}"
                   f" (budget {fmt_bytes(plan.budget_bytes)}), {len(plan.regions)} checkpoint region(s)"
+                  f"{f', {len(plan.offloads)} offloaded node(s)' if plan.offloads else ''}"
                   f"{'; gradients kept allocated' if args.grads_exist else ''}")
     curve: list[tuple[int, float, float]] = []
     columns = (TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),

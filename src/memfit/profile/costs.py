@@ -441,7 +441,8 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
             continue
         for name, fn in forms.items():
             arg = node.args[OPERAND[name]] if OPERAND[name] < len(node.args) else None
-            if not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr"):
+            if not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr") \
+                    or sum(a is arg for a in node.args) != 1:  # x + x: both arguments are the operand
                 continue
             x = env[arg.name]
             s = sid_of(x)

@@ -106,7 +106,7 @@ class PlannedModule(nn.Module):
             self.register_buffer(name, b)
         self.plan = plan
         self.report = report
-        self._warned_shapes = False
+        self._warned_shapes: set[str] = set()
         self._build()
 
     def _build(self) -> None:
@@ -212,10 +212,11 @@ class PlannedModule(nn.Module):
         if len(args) != len(self._placeholders):
             raise TypeError(f"expected {len(self._placeholders)} positional inputs "
                             f"({', '.join(self._placeholders)}), got {len(args)}")
-        if self.plan.input_shapes and not self._warned_shapes:
+        if self.plan.input_shapes and torch.is_grad_enabled():  # evaluation saves nothing: no figure to keep
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
-            if shapes != self.plan.input_shapes:
-                self._warned_shapes = True
+            key = repr(shapes)
+            if shapes != self.plan.input_shapes and key not in self._warned_shapes:
+                self._warned_shapes.add(key)  # once per shape: a last short batch each epoch warns once
                 warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
                               f"called with {shapes}; results are correct but the planned memory figures do "
                               "not hold. Make a plan for these shapes.", stacklevel=2)
