@@ -3,6 +3,7 @@ statistics, device peak as predicted, and the correctness traps (retain_graph, a
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,3 +319,18 @@ def test_host_bytes_reported_after_planning(tmp_path):
     assert planned.report["predicted_host_bytes"] == 256 * 512 * 4
     planned(x).sum().backward()
     assert planned.offload_store.peak_bytes == planned.report["predicted_host_bytes"]
+
+
+def test_default_store_removes_empty_directories_of_dead_processes(tmp_path, monkeypatch):
+    import tempfile
+
+    from memfit.runtime.stores import default_store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / "memfit-offload-999999999-abc"  # no such process
+    alive = tmp_path / f"memfit-offload-{os.getppid()}-abc"
+    dead.mkdir()
+    alive.mkdir()
+    store = default_store(torch.device("cpu"))
+    assert not dead.exists() and alive.exists()
+    assert Path(store.directory).parent == tmp_path and str(os.getpid()) in Path(store.directory).name

@@ -154,7 +154,26 @@ def default_store(device: torch.device, directory: str | os.PathLike | None = No
         return DiskStore(directory)
     if device.type == "cuda":
         return PinnedStore()
-    return DiskStore(tempfile.mkdtemp(prefix="memfit-offload-"), remove_when_done=True)
+    _remove_stale_directories()
+    return DiskStore(tempfile.mkdtemp(prefix=f"memfit-offload-{os.getpid()}-"), remove_when_done=True)
+
+
+def _remove_stale_directories() -> None:
+    """Remove the empty temporary store directories of processes that no longer run (a killed process cannot
+    remove its own; its files were unlinked when mapped, so only the empty directory is left)."""
+    if not Path("/proc/self").exists():  # no portable way to tell whether a process runs: leave them
+        return
+    for d in Path(tempfile.gettempdir()).glob("memfit-offload-*-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if pid == os.getpid() or Path(f"/proc/{pid}").exists():
+            continue
+        try:
+            d.rmdir()  # only if empty
+        except OSError:
+            pass
 
 
 def _filesystem(path: Path) -> str:
