@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import fx, nn
 
 import memfit
@@ -241,3 +243,102 @@ def test_each_in_place_form_is_bit_for_bit_pytorch(label, gm, dtype, layout):
         assert torch.equal(result[0], expected[0]), (label, name)
         assert torch.equal(result[1], expected[1]), (label, name)
         assert (result[2] is None) == (expected[2] is None) and (result[2] is None or torch.equal(result[2], expected[2]))
+
+
+class _Program(nn.Module):
+    """A random out-of-place network: each step makes a new [B, C, H, W] value from earlier ones."""
+
+    def __init__(self, program, c=4):
+        super().__init__()
+        self.program = program
+        self.layers = nn.ModuleList()
+        for op, *_ in program:
+            if op == "conv_bn":
+                self.layers.append(nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)))
+            elif op == "relu_module":
+                self.layers.append(nn.ReLU())
+            elif op == "leaky_module":
+                self.layers.append(nn.LeakyReLU(0.1))
+            else:
+                self.layers.append(nn.Identity())
+
+    def forward(self, x):
+        values, read = [x], set()
+        for layer, (op, i, j) in zip(self.layers, self.program):
+            if len(values) == 1:  # the first op is a convolution: every later value depends on it
+                values.append(layer(x))
+                continue
+            i, j = 1 + i % (len(values) - 1), 1 + j % (len(values) - 1)
+            a, b = values[i], values[j]
+            read |= {i, j} if op == "add" else {i}
+            if op in ("conv_bn", "relu_module", "leaky_module"):
+                values.append(layer(a))
+            elif op == "relu":
+                values.append(F.relu(a))
+            elif op == "add":
+                values.append(a + b)
+            elif op == "sigmoid":
+                values.append(torch.sigmoid(a))
+        # every value not read by a later op is an output (no dead branches, which PyTorch frees early)
+        return sum(v.mean((2, 3)) for k, v in enumerate(values) if k > 0 and k not in read)
+
+
+_OPS = ["conv_bn", "conv_bn", "relu", "relu_module", "leaky_module", "add", "add", "sigmoid"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 30), st.integers(0, 30)), min_size=3, max_size=12)
+       .map(lambda p: [("conv_bn", 0, 0)] + p),
+       st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), max_size=4), st.integers(0, 2**16))
+def test_random_in_place_choices_and_regions_match_pytorch(program, cuts, seed):
+    """Any subset of the offered in-place forms with any regions, legalized as memfit's plans are, gives
+    PyTorch's gradients and BatchNorm statistics bit for bit, and the replay predicts its peak no worse than
+    that of the same regions without them."""
+    torch.manual_seed(seed)
+    model = _Program(program).train()
+    x, target = torch.randn(4, 4, 16, 16), None  # 16 KiB tensors: larger than the allocator's small blocks
+
+    def loss(out, _):
+        return out.square().sum()
+
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), target, loss, steps=1, grads_exist=True)
+    m = fresh_copy(model)
+    initial = copy.deepcopy(m.state_dict())
+    captured = capture(m)
+    costs = profile_graph(captured, (x,), loss_fn=lambda out: loss(out, None), grads_exist=True, repeats=1)
+    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                                      list(m.parameters()))
+    names = [n.name for n in captured.graph.nodes]
+    rng = torch.Generator().manual_seed(seed)
+    choice = {}
+    for c in costs.nodes:
+        forms = sorted(k for k, v in c.variants.items() if v.inplace_of is not None)
+        if forms and torch.rand(1, generator=rng).item() < 0.7:
+            choice[c.name] = forms[int(torch.randint(len(forms), (1,), generator=rng))]
+    spans, taken = [], set()
+    for lo, width in cuts:
+        lo = lo % len(names)
+        hi = min(len(names) - 1, lo + width)
+        if not taken & set(range(lo, hi + 1)):
+            spans.append((lo, hi))
+            taken |= set(range(lo, hi + 1))
+    acc = Accounting.build(captured.graph, costs.with_variants(choice))
+    spans = legalize(acc, sorted(spans))
+    under = []
+    for forms in ({}, choice):  # the same regions without and with the in-place forms
+        plan = Plan.from_spans("random", names, spans, fixed_bytes=fixed)
+        plan.variants.update(forms)
+        predicted = simulate(captured.graph, costs, plan, fixed)
+        m.load_state_dict(initial)
+        for p in m.parameters():
+            p.grad = None
+        planned = memfit.PlannedModule(captured, plan)
+        fig = measure_training(planned, planned, (x,), target, loss, steps=1, grads_exist=True)
+        check = compare(base, fig)
+        assert check["gradients_match"] and check["max_abs_grad_diff"] == 0.0 and check["bn_stats_match"], (
+            check, program, forms, plan.regions)
+        under.append(fig.peak_bytes - predicted.peak_bytes)
+    # the in-place forms' accounting adds no under-prediction of its own (at these sizes, 16 KiB tensors, the
+    # replay can miss a tensor on fan-outs with or without them: gradient accumulation; the zoo tests bound
+    # the prediction both ways at realistic sizes)
+    assert under[1] <= max(0, under[0]) + 1024, (under, program, choice, spans)
