@@ -24,8 +24,9 @@ consumer n of s made by p (a region keeps its inputs); forward peak after each n
 each node <= budget - fixed bytes, where an offloaded storage counts until its wait point in the forward pass
 and from its prefetch to its first saver in the backward pass. An in-place form k of node i, overwriting
 storage S made by p, removes S from i's forward row (operand and result are one storage) and requires
-v_i^k + r_i - z_pi <= 1, v_i^k + r_q - z_iq <= 1 for the readers q of its output, and v_i^k + o_i <= 1,
-v_i^k + o_p <= 1. Objective: minimize recomputation time plus
+v_i^k + r_i - z_pi <= 1, v_i^k + o_i <= 1 and v_i^k + o_p <= 1. A region never reads a storage that is
+modified in place after the region starts (its recomputation would read the new value): for a reader q of
+a storage made by p and modified by k, r_q <= z_pq if k >= q, and z_kq <= z_pq if k < q. Objective: minimize recomputation time plus
 the stalls of the copy stream (a linear bound of the simulator's critical path: copies up to each point take
 no longer than the compute up to it plus the stall, POFO, Beaumont et al., NeurIPS 2021).
 """
@@ -181,7 +182,10 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             m.row(terms, lo=-(q - p))
         return z[(p, q)]
 
-    mutated = {s for i in range(n) for s in acc.mutates[i]}
+    mutators: dict[int, list[int]] = {}
+    for i in range(n):
+        for s in acc.mutates[i]:
+            mutators.setdefault(s, []).append(i)
     # a node that saves s under its chosen implementation holds s unless it is recomputed
     for q in range(n):
         default = set(acc.saves[q])
@@ -205,12 +209,11 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                 continue
             zv = same_region(p, q)
             m.row({h[s]: 1.0, r[q]: -1.0, zv: 1.0}, lo=0.0)
-            if s in mutated:
-                m.row({r[q]: 1.0, zv: -1.0}, hi=0.0)
+            _no_stale_region_input(m, mutators.get(s, []), q, r, same_region, zv)
     for s in acc.nbytes:
-        if acc.producer[s] < 0 and s in mutated:
+        if acc.producer[s] < 0 and s in mutators:
             for q in acc.consumers[s]:
-                m.row({r[q]: 1.0}, hi=0.0)
+                _no_stale_region_input(m, mutators[s], q, r, same_region, None)
     # in-place forms (memfit.variants.inplace): node i overwrites storage S made by p, so its output T is S
     overwrites: dict[int, int] = {}  # x -> S for the variable x of an in-place choice
     for i in range(n):
@@ -220,16 +223,9 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             x, s_op = v[i][name], vc.inplace_of
             overwrites[x] = s_op
             p = acc.producer[s_op]
-            # the node runs where its operand was made (a region must not overwrite one of its inputs), and
-            # whoever reads its output in a region is in that region too (the runtime's legality rule for a
-            # storage modified in place: memfit.solve.legal)
+            # the node runs where its operand was made: a region must not overwrite one of its inputs. (A region
+            # reading its output is then safe: if the node is in that region, so is the operand's producer.)
             m.row({x: 1.0, r[i]: 1.0, same_region(p, i): -1.0}, hi=1.0)
-            for t in acc.creates[i]:
-                if t in acc.internal[i]:
-                    continue
-                for q in acc.consumers[t]:
-                    if q != i:
-                        m.row({x: 1.0, r[q]: 1.0, same_region(i, q): -1.0}, hi=1.0)
             # offloading is keyed by the storage's producer, which the in-place form changes: not both
             for j in (i, p):
                 if j in o:
@@ -394,6 +390,18 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     return IlpResult(spans=spans, status=status, mip_gap=float(info.mip_gap), seconds=seconds, variants=chosen,
                      offloads=offloads,
                      objective=float(info.objective_function_value) * (UNIT if minimize_peak else 1.0))
+
+
+def _no_stale_region_input(m: _Model, mutators: list[int], q: int, r: list[int], same_region, zpq: int | None) -> None:
+    """Rows keeping a checkpoint region from reading a storage that is modified in place after the region
+    starts (``memfit.solve.legal``): node ``q`` reads the storage, made by ``p`` (``zpq`` = p and q share a
+    region; ``None`` for a model input, never in a region). A mutator ``k >= q`` requires ``r_q <= z_pq``; a
+    mutator ``k < q`` in q's region requires the producer there too: ``z_kq <= z_pq``."""
+    if any(k >= q for k in mutators):
+        m.row({r[q]: 1.0} if zpq is None else {r[q]: 1.0, zpq: -1.0}, hi=0.0)
+    for k in mutators:
+        if k < q:
+            m.row({same_region(k, q): 1.0} if zpq is None else {same_region(k, q): 1.0, zpq: -1.0}, hi=0.0)
 
 
 def _copy_stream_time(m: _Model, acc: Accounting, o: dict[int, int], off_of: dict[int, int],

@@ -7,19 +7,24 @@ from memfit.solve.simulator import region_of
 
 
 def mutated_conflicts(acc: Accounting, spans: list[tuple[int, int]]) -> list[int]:
-    """Region nodes that read a storage some node modifies in place while the storage comes from outside
-    the node's region. The region would keep that storage as a checkpoint input, and the in-place update
-    would make its recomputation fail PyTorch's version check, so such nodes must run outside regions."""
+    """Region nodes that read a storage from outside their region that some node modifies in place after the
+    region starts (inside the region, or after it). The region keeps that storage as a checkpoint input
+    and its recomputation would read the modified value (non-reentrant ``torch.utils.checkpoint`` does not
+    check versions of its inputs), so such nodes must run outside regions. A modification before the region
+    starts is safe: the region keeps the modified value, and nothing changes it afterwards."""
     reg = region_of(acc.n, spans)
     mutated: dict[int, list[int]] = {}
     for i in range(acc.n):
         for s in acc.mutates[i]:
             mutated.setdefault(s, []).append(i)
     bad = set()
-    for s in mutated:
+    for s, mutators in mutated.items():
         p = acc.producer[s]
         for i in acc.consumers.get(s, []):
-            if reg[i] >= 0 and (p < 0 or reg[p] != reg[i]):
+            r = reg[i]
+            if r < 0 or (p >= 0 and reg[p] == r):
+                continue
+            if any(k >= spans[r][0] for k in mutators):
                 bad.add(i)
     return sorted(bad)
 
