@@ -12,10 +12,7 @@ def node_fn(gm: fx.GraphModule, node: fx.Node, module=None) -> Callable[[dict[st
     """Return ``f(env) -> value`` that evaluates ``node`` reading its arguments from ``env`` (name -> value).
 
     ``module`` replaces the called submodule of a ``call_module`` node (an operator variant)."""
-    args, kwargs = node.args, node.kwargs
-
-    def load(env):
-        return (fx.node.map_arg(args, lambda a: env[a.name]), fx.node.map_arg(kwargs, lambda a: env[a.name]))
+    load = arg_loader(node)
 
     if node.op == "call_module":
         mod = module if module is not None else gm.get_submodule(node.target)
@@ -45,6 +42,15 @@ def node_fn(gm: fx.GraphModule, node: fx.Node, module=None) -> Callable[[dict[st
     else:
         raise ValueError(f"cannot run fx node {node.name} with op {node.op}")
     return run
+
+
+def arg_loader(node: fx.Node) -> Callable[[dict[str, Any]], tuple[Any, Any]]:
+    """``load(env) -> (args, kwargs)``: ``node``'s arguments with every node replaced by its value in ``env``."""
+    args, kwargs = node.args, node.kwargs
+
+    def load(env):
+        return fx.node.map_arg(args, lambda a: env[a.name]), fx.node.map_arg(kwargs, lambda a: env[a.name])
+    return load
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from memfit.graph.calls import arg_loader
 from memfit.variants.relu_mask import hardtanh_mask, leaky_relu_mask, relu_mask
 
 __all__ = ["INPLACE_VARIANTS", "OPERAND", "inplace_forms"]
@@ -50,14 +51,6 @@ INPLACE_VARIANTS = tuple(OPERAND)
 
 _RELU_FUNCTIONS = (torch.relu, F.relu)
 _ADD_FUNCTIONS = (operator.add, torch.add)
-
-
-def _loader(node: fx.Node):
-    args, kwargs = node.args, node.kwargs
-
-    def load(env):
-        return fx.node.map_arg(args, lambda a: env[a.name]), fx.node.map_arg(kwargs, lambda a: env[a.name])
-    return load
 
 
 def _kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, dict[str, Any]] | None:
@@ -103,7 +96,7 @@ def inplace_forms(gm: fx.GraphModule, node: fx.Node) -> dict[str, Callable[[dict
     if found is None:
         return {}
     kind, p = found
-    load = _loader(node)
+    load = arg_loader(node)
     forms: dict[str, Callable] = {}
     if kind == "add":
         alpha = p.get("alpha", 1)
