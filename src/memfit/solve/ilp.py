@@ -100,6 +100,7 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                   mip_gap: float = 0.01, minimize_peak: bool = False,
                   fix_spans: list[tuple[int, int]] | None = None,
                   start_spans: list[tuple[int, int]] | None = None,
+                  start_variants: dict[int, str] | None = None, start_offloads: list[int] | None = None,
                   variants: list[dict[str, object]] | None = None, offload: bool = False) -> IlpResult:
     """Solve the integer program.
 
@@ -112,6 +113,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             feasible budget).
         fix_spans: pin the regions to these spans (to read the program's modelled peak of a given plan).
         start_spans: a known plan to start the search from (HiGHS completes the other variables).
+        start_variants, start_offloads: that plan's variant choices (node index -> name) and offloaded
+            nodes, when it has them (with ``start_spans``).
         variants: per node, the operator variants it may use (name -> :class:`VariantCost`); ``None``
             plans recomputation only. A variant changes what the node saves, allocates and costs
             (MONeT, section 4); the program picks at most one per node, jointly with the regions.
@@ -360,10 +363,19 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     if start_spans is not None:
         inside = {i for lo, hi in start_spans for i in range(lo, hi + 1)}
         starts = {lo for lo, _ in start_spans}
-        idx = np.array(r + c, dtype=np.int32)
-        val = np.array([float(i in inside) for i in range(n)]
-                       + [float(i in starts and i - 1 in inside) for i in range(n)])
-        hs.setSolution(len(idx), idx, val)
+        cols = r + c
+        vals = ([float(i in inside) for i in range(n)]
+                + [float(i in starts and i - 1 in inside) for i in range(n)])
+        if start_variants is not None:
+            for i in range(n):
+                for name, x in v[i].items():
+                    cols.append(x)
+                    vals.append(float(start_variants.get(i) == name))
+        if start_offloads is not None:
+            for j, x in o.items():
+                cols.append(x)
+                vals.append(float(j in start_offloads))
+        hs.setSolution(len(cols), np.array(cols, dtype=np.int32), np.array(vals))
     hs.run()
     status = hs.modelStatusToString(hs.getModelStatus())
     info = hs.getInfo()

@@ -97,15 +97,20 @@ class _Problem:
         # space is larger and the node-limited search may end higher: solve without them too, so that
         # allowing them never raises the floor (seen: ResNet-50 with out-of-place ReLUs, 34% with the forms
         # against 31% without)
+        # (the restricted search runs first, and its answer is the full search's starting point)
         option_sets = [self.options]
         if self.options and any(vc.inplace_of is not None for opts in self.options for vc in opts.values()):
-            option_sets.append([{k: vc for k, vc in opts.items() if vc.inplace_of is None} for opts in self.options])
-        for options in option_sets:
-            for offload in sorted({False, self.offload}):
+            option_sets.insert(0, [{k: vc for k, vc in opts.items() if vc.inplace_of is None}
+                                   for opts in self.options])
+        for offload in sorted({False, self.offload}):
+            start = None
+            for options in option_sets:
                 res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True, variants=options,
-                                    offload=offload)
+                                    offload=offload, start_spans=start and start.spans,
+                                    start_variants=start and start.variants, start_offloads=start and start.offloads)
                 if res.spans is not None:
                     plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
+                    start = res
         return plans
 
     def smallest_feasible(self, time_limit: float) -> int:
