@@ -247,7 +247,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             ``[B, C, H, W]``.
         repeats: timing repetitions per node (the median is kept).
         with_variants: also profile the memory-efficient operator variants that apply to each node
-            (``memfit.variants``; MONeT, Shah et al., ICLR 2021, section 4).
+            (``memfit.variants``; MONeT, Shah et al., ICLR 2021, section 4), and the in-place forms of
+            element-wise nodes where autograd and the graph allow them (``memfit.variants.inplace``).
         loss_fn: ``loss_fn(output) -> scalar tensor``, the training loss (a closure over the targets); when
             given, its memory is measured instead of assumed.
         grads_exist: parameter gradients are allocated when the backward starts (see :class:`Costs`).
