@@ -18,8 +18,13 @@ def test_budget_parse():
         with pytest.raises(ValueError):
             Budget.parse(bad)
     assert Budget.parse(6e9).nbytes == 6 * 10**9  # a whole number of bytes written as a float
-    with pytest.raises(ValueError, match="must be whole.*'1.5GiB'"):
-        Budget.parse(1.5)
+    assert Budget.parse("6e9").nbytes == 6 * 10**9  # as text too
+    for whole_bytes in (1.5, "1.5"):
+        with pytest.raises(ValueError, match="must be whole.*'1.5GiB'"):
+            Budget.parse(whole_bytes)
+    for nan in (float("nan"), "nan", "inf"):
+        with pytest.raises(ValueError, match="not a number of bytes"):
+            Budget.parse(nan)
     for zero in (0, "0", "0GiB", 0.5, "0.1B"):  # the same error whether written as text or as a number
         with pytest.raises(ValueError, match="at least one byte"):
             Budget.parse(zero)

@@ -218,3 +218,27 @@ def test_custom_loss_memory_is_measured():
     fig = measure_training(planned, planned, (x,), None, loss, steps=1)
     predicted = planned.plan.predicted_peak_bytes
     assert abs(predicted - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (predicted, fig.peak_bytes)
+
+
+def test_a_loss_that_saves_the_output_is_counted():
+    """``(out ** 2).mean()`` keeps the model's output until its backward (found by a fresh-user run: plans
+    measured one output tensor over their budget, because the replay freed the output after the loss)."""
+    from memfit.bench.harness import compare, measure_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 32, 3, padding=1)).train()  # output: [8, 32, 32, 32], 1 MiB
+    x = torch.randn(8, 3, 32, 32)
+
+    def loss(out, _target):
+        return (out ** 2).mean()
+
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), None, loss, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget="min", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: loss(out, None))
+    fig = measure_training(planned, planned, (x,), None, loss, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -33,7 +34,15 @@ class Budget:
         """
         if isinstance(spec, Budget):
             return spec
+        if isinstance(spec, str):
+            try:  # a bare number written as text ("1234", "6e9") means what the number means
+                spec = float(spec) if any(ch in spec for ch in ".eE") or spec.strip().lower() in ("nan", "inf") \
+                    else int(spec)
+            except ValueError:
+                pass
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            if isinstance(spec, float) and not math.isfinite(spec):
+                raise ValueError(f"budget {spec!r}: not a number of bytes; write e.g. '2GiB', '40%' or 'min'")
             if int(spec) <= 0:
                 raise ValueError(f"budget {spec!r}: must be at least one byte (or a percentage such as '40%', "
                                  "or 'min' for the least memory memfit can reach)")

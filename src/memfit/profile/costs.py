@@ -120,8 +120,8 @@ class Costs:
         nodes: one :class:`NodeCost` per graph node, in forward order.
         fixed_bytes: parameters, their gradients and buffers plus the example inputs (optimizer state is
             added by whoever knows the optimizer).
-        loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients,
-            measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
+        loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients, plus
+            the outputs the loss saves for its backward, measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
             (two output-sized tensors).
         link: copy costs to the host store used for offloading, or ``None`` (no offloading).
         grads_exist: gradients are allocated when the backward pass starts (``zero_grad(set_to_none=False)``
@@ -463,18 +463,31 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device) -> int:
     """Transient bytes of ``loss_fn`` forward and backward on the model's output, beyond the output's
-    gradient (which the replay counts as an activation gradient)."""
+    gradient (which the replay counts as an activation gradient), plus the outputs the loss saves for its
+    backward (``(out ** 2).mean()``, ``F.mse_loss`` save their input; ``F.cross_entropy`` saves its own
+    log-softmax instead): the replay frees the outputs once the loss has read them, and such an output
+    stays until the loss's backward."""
     with torch.no_grad():
         out = gm(*inputs)
     leaves = [t.detach().requires_grad_(True) for t in tensors_in(out)]
     it = iter(leaves)
     out = tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, out)
+    out_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in out_storages:
+            kept[ptr] = out_storages[ptr]
+        return t
+
     with MemoryTracker(device) as tracker:
-        loss = loss_fn(out)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(out)
         loss.backward()
         del loss
     grads = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
-    return max(0, tracker.peak_bytes - grads)
+    return max(0, tracker.peak_bytes - grads) + sum(kept.values())
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:
