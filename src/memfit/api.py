@@ -143,7 +143,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             2021, section 4).
         loss_fn: ``loss_fn(output) -> scalar``, your training loss as a closure over the targets, e.g.
             ``lambda out: F.cross_entropy(out, labels)``; its memory is then measured instead of assumed
-            (without it memfit assumes a log-softmax style loss: two output-sized tensors).
+            (without it memfit assumes a log-softmax style loss: two output-sized tensors), including the
+            output if the loss saves it, the loss value's storage, and the closure's tensors (the targets,
+            counted as fixed bytes).
         offload: let the plan move saved activations to host memory during the forward pass and prefetch
             them back during the backward pass (vDNN, Rhu et al., MICRO 2016), jointly with recomputation.
             ``None`` (default): on for CUDA (pinned host memory), and on the CPU when ``offload_dir`` is

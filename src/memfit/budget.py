@@ -34,12 +34,13 @@ class Budget:
         """
         if isinstance(spec, Budget):
             return spec
-        if isinstance(spec, str):
-            try:  # a bare number written as text ("1234", "6e9") means what the number means
-                spec = float(spec) if any(ch in spec for ch in ".eE") or spec.strip().lower() in ("nan", "inf") \
-                    else int(spec)
-            except ValueError:
-                pass
+        if isinstance(spec, str):  # a bare number written as text ("1234", "6e9") means what the number means
+            for kind in (int, float):
+                try:
+                    spec = kind(spec.strip())
+                    break
+                except ValueError:
+                    pass
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             if isinstance(spec, float) and not math.isfinite(spec):
                 raise ValueError(f"budget {spec!r}: not a number of bytes; write e.g. '2GiB', '40%' or 'min'")
@@ -66,7 +67,11 @@ class Budget:
         if not match or match.group(2).upper() not in _UNITS:
             raise ValueError(f"budget {spec!r}: expected bytes such as '2GiB', '512MB', 1000000 or a "
                              "percentage such as '40%', or 'min'")
-        nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+        value, unit = float(match.group(1)), _UNITS[match.group(2).upper()]
+        if unit == 1 and value >= 1 and not value.is_integer():
+            raise ValueError(f"budget {spec!r}: a count of bytes must be whole; write e.g. "
+                             f"'{value:g}GiB' for gibibytes, or a percentage such as '40%'")
+        nbytes = int(value * unit)
         if nbytes <= 0:
             raise ValueError(f"budget {spec!r}: must be at least one byte (or a percentage such as '40%', or "
                              "'min' for the least memory memfit can reach)")

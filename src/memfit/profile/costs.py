@@ -131,6 +131,9 @@ class Costs:
             ``fixed_bytes``; with ``False`` they are not yet allocated during the forward pass.
         step_bytes: temporaries of ``optimizer.step()`` above the fixed bytes (set by whoever knows the
             optimizer: :func:`memfit.profile.optimizer.measure_optimizer`); 0 when unknown.
+        loss_held_bytes: bytes the loss value itself keeps allocated (the training loop holds ``loss``
+            through ``backward()`` and ``step()``): usually a few bytes, but in some builds a reduced loss
+            (``F.mse_loss``) is a view of its whole element-wise buffer. Measured with ``loss_bytes``.
     """
 
     device: str
@@ -141,6 +144,7 @@ class Costs:
     link: LinkCost | None = None
     grads_exist: bool = False
     step_bytes: int = 0
+    loss_held_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,7 +159,7 @@ class Costs:
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
                    fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
                    link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
-                   step_bytes=d.get("step_bytes", 0))
+                   step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -220,7 +224,7 @@ class Costs:
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
         return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
                      loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist,
-                     step_bytes=self.step_bytes)
+                     step_bytes=self.step_bytes, loss_held_bytes=self.loss_held_bytes)
 
     @property
     def step_seconds(self) -> float:
@@ -271,7 +275,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             _no_faster_than_default(costs)
             _measure_workspace(gm, inputs, costs, device)
             if loss_fn is not None:
-                costs.loss_bytes = _measure_loss(gm, inputs, loss_fn, device)
+                costs.loss_bytes, costs.loss_held_bytes = _measure_loss(gm, inputs, loss_fn, device)
     finally:
         with torch.no_grad():
             for buf, saved in snapshot:
@@ -280,7 +284,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in gm.buffers())
     grad_bytes = sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
     costs.fixed_bytes = param_bytes + grad_bytes + buffer_bytes + sum(
-        s.nbytes for s in costs.storages if s.kind == "input")
+        s.nbytes for s in costs.storages if s.kind == "input") + _closure_bytes(loss_fn, fixed_ptrs, inputs)
     costs.device = device.type
     costs.grads_exist = grads_exist
     _param_grads(gm, costs)
@@ -461,12 +465,54 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
             cost.variants[name] = vc
 
 
-def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device) -> int:
-    """Transient bytes of ``loss_fn`` forward and backward on the model's output, beyond the output's
-    gradient (which the replay counts as an activation gradient), plus the outputs the loss saves for its
-    backward (``(out ** 2).mean()``, ``F.mse_loss`` save their input; ``F.cross_entropy`` saves its own
-    log-softmax instead): the replay frees the outputs once the loss has read them, and such an output
-    stays until the loss's backward."""
+def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
+    """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``):
+    they are alive for the whole step, like the inputs. Searched: closure cells, default arguments and
+    ``functools.partial`` arguments, two functions deep; parameters, buffers and the inputs are not
+    counted again."""
+    import functools
+
+    seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+    total = 0
+
+    def visit(obj, depth):
+        nonlocal total
+        if isinstance(obj, functools.partial):
+            for v in list(obj.args) + list(obj.keywords.values()) + [obj.func]:
+                visit(v, depth)
+            return
+        if callable(obj) and not isinstance(obj, (torch.Tensor, nn.Module)) and depth < 2:
+            cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c)]
+            for v in cells + list(getattr(obj, "__defaults__", None) or ()):
+                visit(v, depth + 1)
+            return
+        if isinstance(obj, (torch.Tensor, list, tuple, dict)):
+            for t in tensors_in(obj):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen and t.device.type != "meta":
+                    seen.add(ptr)
+                    total += t.untyped_storage().nbytes()
+
+    if loss_fn is not None:
+        visit(loss_fn, 0)
+    return total
+
+
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell (a variable not yet assigned)
+        return False
+    return True
+
+
+def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device) -> tuple[int, int]:
+    """``(loss_bytes, loss_held_bytes)``: transient bytes of ``loss_fn`` forward and backward on the model's
+    output, beyond the output's gradient (which the replay counts as an activation gradient), plus the
+    outputs the loss saves for its backward (``(out ** 2).mean()``, ``F.mse_loss`` save their input;
+    ``F.cross_entropy`` saves its own log-softmax instead): the replay frees the outputs once the loss has
+    read them, and such an output stays until the loss's backward. Then the bytes the loss value's own
+    storage keeps (see :class:`Costs`)."""
     with torch.no_grad():
         out = gm(*inputs)
     leaves = [t.detach().requires_grad_(True) for t in tensors_in(out)]
@@ -485,9 +531,10 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(out)
         loss.backward()
+        held = 0 if loss.untyped_storage().data_ptr() in out_storages else loss.untyped_storage().nbytes()
         del loss
     grads = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
-    return max(0, tracker.peak_bytes - grads) + sum(kept.values())
+    return max(0, tracker.peak_bytes - grads) + sum(kept.values()), held
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:

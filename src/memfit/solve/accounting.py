@@ -37,6 +37,8 @@ class Accounting:
             with ``.grad`` set to ``None`` (0 when ``Costs.grads_exist``). ``grad_before`` / ``grad_during``
             include the same offset, less the gradients completed so far.
         step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
+        loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
+            (``Costs.loss_held_bytes``).
     """
 
     n: int
@@ -66,6 +68,7 @@ class Accounting:
     link: object | None = None
     fwd_offset: int = 0
     step_bytes: int = 0
+    loss_held_bytes: int = 0
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -120,6 +123,7 @@ class Accounting:
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
             loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
+            loss_held_bytes=costs.loss_held_bytes,
         )
         return _with_gradients(acc, costs)
 

@@ -204,6 +204,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     # output-sized tensor and makes another in its backward
     loss = acc.loss_bytes if acc.loss_bytes is not None else 2 * sum(acc.nbytes[s] for s in acc.output_storages)
     transient(loss, "loss backward")
+    alloc(acc.loss_held_bytes, "loss value")  # held by the training loop until the step ends
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
     recompute_seconds = 0.0
