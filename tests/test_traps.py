@@ -137,6 +137,9 @@ def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
         warnings.simplefilter("always")
         with torch.no_grad():
             planned(short)  # evaluation saves nothing: no memory figure to warn about
+        planned.eval()
+        planned(short)  # nor in eval mode with gradients on (the plan is for a training step)
+        planned.train()
         planned(short)
         planned(short)
         planned(other)

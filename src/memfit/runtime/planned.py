@@ -212,7 +212,7 @@ class PlannedModule(nn.Module):
         if len(args) != len(self._placeholders):
             raise TypeError(f"expected {len(self._placeholders)} positional inputs "
                             f"({', '.join(self._placeholders)}), got {len(args)}")
-        if self.plan.input_shapes and torch.is_grad_enabled():  # evaluation saves nothing: no figure to keep
+        if self.plan.input_shapes and torch.is_grad_enabled() and self.training:  # the figures are a training step's
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
             key = repr(shapes)
             if shapes != self.plan.input_shapes and key not in self._warned_shapes:
