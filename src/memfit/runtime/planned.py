@@ -175,7 +175,8 @@ class PlannedModule(nn.Module):
 
     def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:
         """Refuse an in-place form inside a region that does not compute its operand: the region's
-        recomputation would start from the overwritten value and silently give wrong gradients."""
+        recomputation would start from the overwritten value (autograd's version check catches that at
+        backward when the operand requires grad; refusing it here names the node, before any step)."""
         from memfit.variants import OPERAND
 
         region = {}

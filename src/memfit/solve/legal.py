@@ -9,8 +9,9 @@ from memfit.solve.simulator import region_of
 def mutated_conflicts(acc: Accounting, spans: list[tuple[int, int]]) -> list[int]:
     """Region nodes that read a storage from outside their region that some node modifies in place after the
     region starts (inside the region, or after it). The region keeps that storage as a checkpoint input
-    and its recomputation would read the modified value (non-reentrant ``torch.utils.checkpoint`` does not
-    check versions of its inputs), so such nodes must run outside regions. A modification before the region
+    and its recomputation would read the modified value (for an input that requires grad, autograd's version
+    check then fails the backward pass; for one that does not, the gradients would silently differ), so such
+    nodes must run outside regions. A modification before the region
     starts is safe: the region keeps the modified value, and nothing changes it afterwards."""
     reg = region_of(acc.n, spans)
     mutated: dict[int, list[int]] = {}
