@@ -72,9 +72,11 @@ class _Problem:
         inside = {i for lo, hi in spans for i in range(lo, hi + 1)}
         # an in-place form moves its output into its operand's storage: neither node is offloaded with it
         # (the integer program never combines them; heuristics might)
-        tied = {j for i, name in (variants or {}).items()
-                for vc in [self.costs.nodes[i].variants.get(name)] if vc is not None and vc.inplace_of is not None
-                for j in (i, self.acc.producer[vc.inplace_of])}
+        tied: set[int] = set()
+        for i, name in (variants or {}).items():
+            vc = self.costs.nodes[i].variants.get(name)
+            if vc is not None and vc.inplace_of is not None:
+                tied |= {i, self.acc.producer[vc.inplace_of]}
         offloads = sorted(j for j in (offloads or []) if j not in inside and j not in tied)
         sim = _replay(acc, spans, self.fixed, offloads)
         plan = Plan.from_spans(self.strategy, self.names, spans, budget_bytes=self.budget, fixed_bytes=self.fixed,
