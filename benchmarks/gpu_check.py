@@ -1,106 +1,139 @@
-"""GPU check for issues 2-3 (run it through the device tool when a GPU is lent; it needs CUDA).
+"""GPU check for issues 3 and 4: run it through the device tool when a GPU is lent (it needs CUDA).
 
-    python benchmarks/gpu_check.py --out $OUT/gpu.json
+    PYTHONPATH=src python benchmarks/gpu_check.py --out $OUT
 
-ResNet-50 at batch 184 and VGG-16 at batch 176, 224x224, float32, under the budgets of MONeT's table
-(10, 8, 6, 5 GB total peak): for each strategy (none, chen, checkpoint-all, remat-ilp, memfit) it reports
-``torch.cuda.max_memory_allocated`` for one training step (SGD with momentum) and the median step time
-measured with CUDA events, and whether gradients match plain PyTorch. Rows that do not fit are recorded
-with the error (out of memory, or memfit's InfeasibleBudgetError naming the smallest feasible budget).
-Keep the whole run under about 8 minutes: pass --models / --budgets to shorten it.
+ResNet-50 at batch 184 and VGG-16 at batch 176, 224x224, float32, SGD with momentum, under the budgets of
+MONeT's table (10, 8, 6 and 5 GB of total peak, parameters, gradients, momentum and the batch included).
+Each model is measured with :func:`memfit.bench.sweep.sweep` (what ``memfit bench --device cuda`` runs):
+plain PyTorch once, one profile (operator variants and the host link included), then every strategy --
+``none``, ``memfit`` (recompute + operator variants + offloading to pinned host memory), ``remat-ilp``
+(recompute only), ``chen``, ``vdnn-conv``, ``vdnn-all``, ``checkpoint-all`` -- solved, trained and timed
+side by side with plain PyTorch. Each row holds:
+
+* ``planned.peak_bytes``: the step's total peak, i.e. ``torch.cuda.max_memory_allocated`` over the step
+  (the allocator's peak counter is reset before it) plus what was live before it; ``predicted_peak_bytes``
+  is the plan's;
+* ``planned.host_peak_bytes``: the most bytes the pinned host store held at once;
+* ``overhead``: median step time over plain PyTorch's, the two timed in alternation (synchronized
+  wall clock);
+* ``gradients_match`` (absolute 1e-5) and ``max_rel_grad_diff`` (relative to the largest plain gradient)
+  after a step from the same weights; BatchNorm statistics in ``bn_stats_match``.
+
+The budgets in GB become fractions of plain PyTorch's activation peak (``(GB - fixed) / activation
+peak``), measured first. cuDNN runs in deterministic mode unless ``--cudnn-benchmark`` is given, so that
+recomputation reproduces the same values. A short smoke run (ResNet-18, batch 8, 64 px, at 50% and 30% of its
+activation peak) goes first unless ``--no-smoke``; ``--device cpu`` only tries the script itself. Every row is appended to ``<out>/gpu_check.jsonl`` as soon as it is measured, and each model
+stops starting new rows after ``--model-seconds``, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import platform
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
-from memfit import zoo
-from memfit.api import plan as make_plan
-from memfit.bench.harness import compare, fresh_copy, measure_training
-from memfit.runtime.planned import PlannedModule
-from memfit.solve.strategies import InfeasibleBudgetError
+from memfit.bench.job import measure_plain
+from memfit.bench.sweep import sweep, zoo_workload
 
 
-def cuda_step_seconds(module, inputs, target, loss_fn, steps: int) -> float:
-    """Median step time (seconds) with CUDA events."""
-    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-    times = []
-    for k in range(steps + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        opt.zero_grad(set_to_none=False)
-        loss_fn(module(*inputs), target).backward()
-        opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        if k:
-            times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+class OutOfTime(Exception):
+    """The model's share of the run is spent."""
+
+
+def short(row: dict) -> str:
+    """One line per row: strategy, budget, measured and predicted peak (GB), overhead, gradients."""
+    gb = 1e9
+    budget = "-" if row.get("budget_bytes") is None else f"{row['budget_bytes'] / gb:.2f}"
+    head = f"{row['model']:9s} {row['strategy']:14s} budget {budget:>5s} GB"
+    if row.get("error"):
+        return f"{head}  ERROR {row['error'].splitlines()[0][:160]}"
+    p = row["planned"]
+    pred = "-" if p.get("predicted_peak_bytes") is None else f"{p['predicted_peak_bytes'] / gb:.2f}"
+    host = p.get("host_peak_bytes") or 0
+    return (f"{head}  peak {p['peak_bytes'] / gb:.2f} (pred {pred}) host {host / gb:.2f}  "
+            f"{p['step_seconds'] * 1e3:.0f} ms x{row['overhead']:.2f}  under {row['under_budget']}  "
+            f"grads {row['gradients_match']} rel {row['max_rel_grad_diff']:.1e} bn {row['bn_stats_match']}  "
+            f"solve {row['solve_seconds'] or 0:.1f}s {json.dumps(row.get('decisions'))}")
+
+
+def run_model(name: str, batch: int, image_size: int, budgets_gb: list[float] | None, strategies: list[str],
+              steps: int, time_limit: float, seconds: float, out: Path, device: str = "cuda") -> None:
+    """Sweep one zoo model, appending rows to ``out / gpu_check.jsonl``; ``budgets_gb=None`` runs at 50% and
+    30% of plain PyTorch's activation peak instead."""
+    t0 = time.perf_counter()
+    work = zoo_workload(name, batch, image_size, device=device)
+    base = measure_plain(work.model, work.inputs, work.target, work.loss_fn)
+    fractions = ([0.5, 0.3] if budgets_gb is None
+                 else [(gb * 1e9 - base.fixed_bytes) / base.activation_peak_bytes for gb in budgets_gb])
+    print(f"{name} b{batch} {image_size}px: plain peak {base.peak_bytes / 1e9:.2f} GB, fixed "
+          f"{base.fixed_bytes / 1e9:.2f} GB, activations {base.activation_peak_bytes / 1e9:.2f} GB, step "
+          f"{base.step_seconds * 1e3:.0f} ms; budgets as activation fractions "
+          + ", ".join(f"{f:.3f}" for f in fractions), flush=True)
+
+    def progress(what: str, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - t0
+        print(f"  [{elapsed:5.0f} s] {what}", flush=True)
+        if elapsed > seconds and done < total:
+            raise OutOfTime(f"{name}: stopped after {elapsed:.0f} s, before '{what}'")
+
+    def on_row(row: dict) -> None:
+        row["budget_gb"] = None if row.get("budget_bytes") is None else round(row["budget_bytes"] / 1e9, 3)
+        row["gpu"] = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+        with open(out / "gpu_check.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print("  " + short(row), flush=True)
+
+    sweep(work, fractions, strategies, steps=steps, time_limit=time_limit, progress=progress, on_row=on_row)
+    print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="resnet50:184,vgg16:176")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="resnet50:184,vgg16:176", help="name:batch,...")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--budgets-gb", default="10,8,6,5")
-    ap.add_argument("--strategies", default="none,chen,checkpoint-all,remat-ilp,memfit")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--strategies", default="none,memfit,remat-ilp,chen,vdnn-conv,vdnn-all,checkpoint-all")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per plan (s)")
+    ap.add_argument("--model-seconds", type=float, default=200.0,
+                    help="start no new row of a model after this many seconds")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="let cuDNN pick its fastest (non-deterministic) algorithms")
+    ap.add_argument("--no-smoke", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself")
+    ap.add_argument("--out", default=".", help="folder for gpu_check.jsonl")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "this check needs a CUDA device"
-    torch.backends.cudnn.benchmark = True
-    dev = torch.device("cuda")
-    rows = []
-    t_start = time.time()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check.py needs a CUDA device")
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.backends.cudnn.deterministic = not args.cudnn_benchmark
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {gpu}, python {platform.python_version()}, "
+          f"cudnn benchmark={args.cudnn_benchmark}", flush=True)
+    strategies = args.strategies.split(",")
+    budgets = [float(g) for g in args.budgets_gb.split(",")]
+    jobs = [] if args.no_smoke else [("resnet18", 8, 64, None, 60.0)]
     for spec in args.models.split(","):
         name, batch = spec.split(":")
-        batch = int(batch)
-        model = zoo.build_model(name, num_classes=1000).to(dev).train()
-        images, target = zoo.example_batch(name, batch, args.image_size, num_classes=1000, device=dev)
-        loss_fn = zoo.loss_for(name)
+        jobs.append((name, int(batch), args.image_size, budgets, args.model_seconds))
+    t_start = time.perf_counter()
+    for name, batch, size, gbs, seconds in jobs:
         try:
-            base_model = fresh_copy(model)
-            base = measure_training(base_model, base_model, (images,), target, loss_fn, steps=1)
-            base_s = cuda_step_seconds(base_model, (images,), target, loss_fn, args.steps)
-            del base_model
-        except torch.cuda.OutOfMemoryError as exc:
-            base, base_s = None, None
-            print(f"{name}: plain PyTorch does not fit: {exc}".splitlines()[0])
-        torch.cuda.empty_cache()
-        for gb in [float(g) for g in args.budgets_gb.split(",")]:
-            budget = int(gb * 10**9)
-            for strategy in args.strategies.split(","):
-                row = {"model": name, "batch": batch, "budget_bytes": budget, "strategy": strategy,
-                       "plain_peak_bytes": base and base.peak_bytes, "plain_step_seconds": base_s}
-                try:
-                    m = fresh_copy(model)
-                    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-                    plan, captured, _ = make_plan(m, (images,), budget, strategy=strategy, optimizer=opt)
-                    pm = PlannedModule(captured, plan)
-                    fig = measure_training(pm, pm, (images,), target, loss_fn, steps=1)
-                    row.update(peak_bytes=fig.peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
-                               under_budget=fig.peak_bytes <= budget,
-                               step_seconds=cuda_step_seconds(pm, (images,), target, loss_fn, args.steps),
-                               decisions=plan.counts(), solve_seconds=plan.solve_seconds)
-                    if base is not None:
-                        row.update(compare(base, fig))
-                        row["overhead"] = row["step_seconds"] / base_s
-                    del pm, captured, m
-                except InfeasibleBudgetError as exc:
-                    row["error"] = str(exc)
-                except torch.cuda.OutOfMemoryError as exc:
-                    row["error"] = "out of memory: " + str(exc).splitlines()[0]
-                torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                with open(args.out, "w") as f:
-                    json.dump(rows, f, indent=1)
-    print(f"done in {time.time() - t_start:.0f} s")
+            run_model(name, batch, size, gbs, strategies, args.steps, args.time_limit, seconds, out, args.device)
+        except OutOfTime as exc:
+            print(exc, flush=True)
+        except Exception:  # noqa: BLE001 -- keep going: the next model may still run
+            traceback.print_exc()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print(f"all done in {time.perf_counter() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

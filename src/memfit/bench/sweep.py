@@ -259,7 +259,8 @@ def _measure_plan(work: Workload, baseline: StepFigures, plan, steps: int, seed:
 def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps: int = 3,
           torch_budgets=peers.TORCH_BUDGETS, torch_backends=(peers.AOT_EAGER,), time_limit: float = 20.0,
           seed: int = 0, progress: Progress | None = None, offload: bool | None = None,
-          offload_dir: str | None = None, grads_exist: bool = False) -> tuple[StepFigures, list[dict]]:
+          offload_dir: str | None = None, grads_exist: bool = False,
+          on_row: Callable[[dict], None] | None = None) -> tuple[StepFigures, list[dict]]:
     """Measure plain PyTorch once, profile once, then every strategy at every budget.
 
     Args:
@@ -280,6 +281,8 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         grads_exist: model a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
             or gradient accumulation) in plain PyTorch's baseline, the profile behind every plan, and every
             row's measured and timed steps (peers included); default: PyTorch's ``zero_grad()``.
+        on_row: called with each row as soon as it is measured (e.g. to save partial results of a long
+            sweep; an exception it raises stops the sweep).
 
     Returns:
         ``(baseline, rows)``: plain PyTorch's :class:`StepFigures` and the rows (module docstring).
@@ -300,6 +303,12 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
     tick(f"{work.name}: plain PyTorch")
     baseline = measure_plain(work.model, work.inputs, work.target, work.loss_fn, seed, grads_exist=grads_exist)
     rows: list[dict] = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if on_row:
+            on_row(row)
+
     planners = [s for s in strategies if s in STRATEGIES]
     captured = costs = None
     profile_s = 0.0
@@ -349,7 +358,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                     row["smallest_feasible_fraction"] = (
                         (exc.smallest_feasible_bytes - baseline.fixed_bytes) / baseline.activation_peak_bytes
                         if baseline.activation_peak_bytes else None)
-                    rows.append(row)
+                    add(row)
                     continue
                 if hasattr(plan, "input_shapes"):  # as memfit.api.plan records them
                     plan.input_shapes = [list(t.shape) for t in work.inputs if isinstance(t, torch.Tensor)]
@@ -360,7 +369,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                 row.update(solve_seconds=plan.solve_seconds,
                            profile_and_solve_seconds=profile_s + plan.solve_seconds, mip_gap=plan.mip_gap,
                            decisions=plan.counts(), regions=len(plan.regions))
-                rows.append(row)
+                add(row)
                 gc.collect()
         elif strategy == "torch-budget":
             if reference is None:
@@ -368,7 +377,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
             for backend in torch_backends:
                 for knob in torch_budgets:
                     tick(f"{work.name}: torch-budget {knob:g} ({backend})")
-                    rows.append(_torch_budget_row(work, baseline, float(knob), backend, steps, seed,
+                    add(_torch_budget_row(work, baseline, float(knob), backend, steps, seed,
                                                   reference, grads_exist))
                     gc.collect()
         elif strategy == "rockmate":
@@ -376,9 +385,9 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
             for k, fraction in enumerate(budgets):
                 tick(f"{work.name}: rockmate at {fraction:.0%}")
                 if runnable:
-                    rows.append(_rockmate_row(work, baseline, fraction, steps, seed, grads_exist))
+                    add(_rockmate_row(work, baseline, fraction, steps, seed, grads_exist))
                 elif k == 0:  # one row says why it cannot run
-                    rows.append(_row(work, baseline, "rockmate", "rockmate", None, None, grads_exist=grads_exist)
+                    add(_row(work, baseline, "rockmate", "rockmate", None, None, grads_exist=grads_exist)
                                 | {"error": why})
     if progress:
         progress(f"{work.name}: done", units, units)
