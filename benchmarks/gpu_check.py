@@ -20,8 +20,9 @@ side by side with plain PyTorch. Each row holds:
   after a step from the same weights; BatchNorm statistics in ``bn_stats_match``.
 
 The budgets in GB become fractions of plain PyTorch's activation peak (``(GB - fixed) / activation
-peak``), measured first. cuDNN runs in deterministic mode unless ``--cudnn-benchmark`` is given, so that
-recomputation reproduces the same values. A short smoke run (ResNet-18, batch 8, 64 px, at 50% and 30% of its
+peak``), measured first. cuDNN runs in deterministic mode (``--cudnn deterministic``, so that recomputation
+reproduces the same values) unless ``--cudnn default`` (PyTorch's default heuristics) or ``benchmark`` is given;
+the algorithm choice changes the convolutions' workspace, which the profile measures. A short smoke run (ResNet-18, batch 8, 64 px, at 50% and 30% of its
 activation peak) goes first unless ``--no-smoke``; ``--device cpu`` only tries the script itself. Every row is appended to ``<out>/gpu_check.jsonl`` as soon as it is measured, and each model
 stops starting new rows after ``--model-seconds``, so a run cut short keeps what it measured.
 """
@@ -102,21 +103,22 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per plan (s)")
     ap.add_argument("--model-seconds", type=float, default=200.0,
                     help="start no new row of a model after this many seconds")
-    ap.add_argument("--cudnn-benchmark", action="store_true",
-                    help="let cuDNN pick its fastest (non-deterministic) algorithms")
+    ap.add_argument("--cudnn", choices=("deterministic", "default", "benchmark"), default="deterministic",
+                    help="cuDNN's algorithm choice: deterministic (recomputation reproduces the same values), "
+                         "PyTorch's default heuristics, or benchmark (timed search)")
     ap.add_argument("--no-smoke", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself")
     ap.add_argument("--out", default=".", help="folder for gpu_check.jsonl")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check.py needs a CUDA device")
-    torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    torch.backends.cudnn.deterministic = not args.cudnn_benchmark
+    torch.backends.cudnn.benchmark = args.cudnn == "benchmark"
+    torch.backends.cudnn.deterministic = args.cudnn == "deterministic"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {gpu}, python {platform.python_version()}, "
-          f"cudnn benchmark={args.cudnn_benchmark}", flush=True)
+          f"cudnn {args.cudnn}", flush=True)
     strategies = args.strategies.split(",")
     budgets = [float(g) for g in args.budgets_gb.split(",")]
     jobs = [] if args.no_smoke else [("resnet18", 8, 64, None, 60.0)]
