@@ -548,11 +548,70 @@ def test_conv_split_backward_lowers_the_backward_transient():
     assert peaks[1] <= peaks[0]
 
 
+@pytest.mark.parametrize("name,make", CONVS[:3], ids=[c[0] for c in CONVS[:3]])
+def test_conv_native_matches_torch_and_restores_cudnn(name, make):
+    """``conv-native`` is the split convolution with cuDNN switched off around its kernels. On the CPU there
+    is no cuDNN, so it must be bit-for-bit PyTorch's; and the cuDNN switch must come back as it was, after
+    the forward, after the backward, and after an error inside either."""
+    torch.manual_seed(10)
+    ref = make()
+    x = _conv_input(ref, torch.float32)
+    before = torch.backends.cudnn.enabled
+    outs = []
+    for native in (None, True):
+        leaf = x.clone().requires_grad_()
+        if native is None:
+            y = ref(leaf)
+        else:
+            y = conv_split_backward(leaf, ref.weight, ref.bias, ref.stride, ref.padding, ref.dilation, ref.groups,
+                                    native=True)
+            assert torch.backends.cudnn.enabled == before
+        params = [p for p in (ref.weight, ref.bias) if p is not None]
+        grads = torch.autograd.grad(y, [leaf, *params], y.detach().sin())
+        assert torch.backends.cudnn.enabled == before
+        outs.append((y, grads))
+    assert same(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert same(a, b)
+    with pytest.raises(RuntimeError):  # channels do not match the weight
+        conv_split_backward(x[:, :1], ref.weight, native=True)
+    assert torch.backends.cudnn.enabled == before
+
+
+def test_conv_native_is_offered_only_where_cudnn_runs():
+    spec = VARIANTS["conv-native"]
+    assert spec.offered and not spec.exact
+    assert not spec.applies(nn.Conv2d(3, 4, 3))  # CPU: no cuDNN to switch off
+    with pytest.raises(TypeError):
+        spec.make(nn.Conv2d(3, 4, 3))
+    if torch.cuda.is_available() and torch.backends.cudnn.is_available():
+        conv = nn.Conv2d(3, 4, 3).cuda()
+        assert spec.applies(conv)
+        assert not spec.applies(nn.Conv2d(4, 4, 3, groups=2).cuda())
+        assert not spec.applies(nn.Conv1d(3, 4, 3).cuda())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN)")
+def test_conv_native_on_cuda_matches_cudnn_to_rounding():
+    torch.manual_seed(11)
+    ref = nn.Conv2d(8, 16, 3, padding=1).cuda()
+    var = VARIANTS["conv-native"].make(ref)
+    x = torch.randn(4, 8, 20, 20, device="cuda")
+    outs = []
+    for m in (ref, var):
+        leaf = x.clone().requires_grad_()
+        y = m(leaf)
+        outs.append((y, torch.autograd.grad(y, [leaf, m.weight, m.bias], y.detach().sin())))
+    for a, b in zip([outs[0][0], *outs[0][1]], [outs[1][0], *outs[1][1]]):
+        assert torch.allclose(a, b, rtol=2e-3, atol=2e-3 * float(a.abs().max()))  # TF32 in cuDNN by default
+
+
 # ---------------------------------------------------------------- registry and whole models
 
 
 def test_registry_specs():
-    assert set(VARIANTS) == {"relu-mask", "bn-from-output", "maxpool-compact", "conv-split-backward"}
+    assert set(VARIANTS) == {"relu-mask", "bn-from-output", "maxpool-compact", "conv-split-backward",
+                             "conv-native"}
     for spec in VARIANTS.values():
         assert spec.saves and spec.module_types
     assert [s.name for s in variants_for(nn.ReLU())] == ["relu-mask"]

@@ -543,9 +543,7 @@ def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register,
 
     module = gm.get_submodule(node.target)
     for spec in variants_for(module):
-        if not spec.exact:
-            # gradients equal PyTorch's only to rounding, which ill-conditioned layers (BatchNorm over a
-            # few values per channel) amplify over steps: not offered to the planner
+        if not spec.offered:  # bn-from-output: its rounding is amplified over steps (VariantSpec.offered)
             continue
         inplace = bool(getattr(spec.make(module), "inplace", False))
         overwrite = tuple(a.name for a in node.all_input_nodes) if inplace else ()

@@ -9,6 +9,9 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
 * ``conv-split-backward``: Conv1d/2d/3d saves what PyTorch saves but computes its weight and input
   gradients in two calls, so their workspaces never coexist (bit-exact gradients; MONeT's
   convolution-algorithm choice, on the CPU);
+* ``conv-native``: Conv2d on CUDA with cuDNN off (PyTorch's im2col + GEMM kernels), split backward: a
+  workspace of one sample's columns instead of cuDNN's (MONeT's algorithm choice, the one per-call form
+  PyTorch allows; float rounding against cuDNN's TF32);
 * ``inplace`` / ``inplace-rhs`` / ``relu-mask-inplace``: ReLU-family activations and additions (modules,
   functions or methods) written into their operand (:mod:`memfit.variants.inplace`; bit-exact). These
   depend on the graph around the node, so they are not registry entries: the profile offers them where
@@ -41,6 +44,7 @@ from .bn_from_output import (
 from .bn_from_output import from_module as bn_from_module
 from .conv_split_backward import (
     Conv1dSplitBackward,
+    Conv2dNative,
     Conv2dSplitBackward,
     Conv3dSplitBackward,
     ConvSplitBackwardFn,
@@ -48,6 +52,7 @@ from .conv_split_backward import (
 )
 from .conv_split_backward import applies as _conv_split_applies
 from .conv_split_backward import from_module as conv_split_from_module
+from .conv_split_backward import native_applies as _conv_native_applies
 from .inplace import INPLACE_VARIANTS, OPERAND, inplace_forms
 from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
 from .relu_mask import (
@@ -73,6 +78,7 @@ __all__ = [
     "BatchNorm2dFromOutput",
     "BatchNorm3dFromOutput",
     "Conv1dSplitBackward",
+    "Conv2dNative",
     "Conv2dSplitBackward",
     "Conv3dSplitBackward",
     "ConvSplitBackwardFn",
@@ -115,6 +121,10 @@ class VariantSpec:
         applies: ``applies(module) -> bool``.
         make: ``make(module) -> nn.Module``, the replacement sharing the module's Parameters/buffers.
         caveat: a condition on the surrounding graph that ``applies`` cannot check ("" if none).
+        offered: the profile offers it to the planner. Not for ``bn-from-output``, whose rounding
+            ill-conditioned BatchNorm layers amplify over steps; ``conv-native`` is offered although not
+            bit-exact: it rounds like cuDNN's own algorithms do against each other (PyTorch's default,
+            ``torch.backends.cudnn.deterministic=False``, is not bit-reproducible either).
     """
 
     name: str
@@ -124,6 +134,7 @@ class VariantSpec:
     applies: Callable[[nn.Module], bool]
     make: Callable[[nn.Module], nn.Module]
     caveat: str = ""
+    offered: bool = True
 
 
 _ACT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
@@ -152,8 +163,8 @@ def _make_checked(spec_name: str, applies: Callable[[nn.Module], bool],
     return make
 
 
-def _spec(name, types, saves, exact, applies, build, caveat="") -> VariantSpec:
-    return VariantSpec(name, types, saves, exact, applies, _make_checked(name, applies, build), caveat)
+def _spec(name, types, saves, exact, applies, build, caveat="", offered=True) -> VariantSpec:
+    return VariantSpec(name, types, saves, exact, applies, _make_checked(name, applies, build), caveat, offered)
 
 
 VARIANTS: dict[str, VariantSpec] = {
@@ -166,7 +177,7 @@ VARIANTS: dict[str, VariantSpec] = {
               "the output y (usually saved by the next layer anyway) and per-channel invstd instead of the input",
               False, lambda m: type(m) in _BN_TYPES, bn_from_module,
               "the output must not be modified in place later (ReLU(inplace=True), `out += identity`): "
-              "autograd then raises at backward; every weight must be non-zero at backward"),
+              "autograd then raises at backward; every weight must be non-zero at backward", offered=False),
         _spec("maxpool-compact", (nn.MaxPool2d,),
               "uint8 in-window argmax offsets instead of the input and int64 indices",
               True, _maxpool_applies, MaxPool2dCompact.from_module),
@@ -174,6 +185,10 @@ VARIANTS: dict[str, VariantSpec] = {
               "the same as PyTorch (input and weight); the weight and input gradients are computed in two "
               "calls, so their workspaces never coexist",
               True, _conv_split_applies, conv_split_from_module),
+        _spec("conv-native", (nn.Conv2d,),
+              "the same as PyTorch (input and weight); runs with cuDNN off, so its workspace is one sample's "
+              "im2col columns instead of cuDNN's",
+              False, _conv_native_applies, Conv2dNative.from_module),
     )
 }
 

@@ -1,4 +1,5 @@
-"""Convolution whose backward computes the weight and the input gradients in two separate calls.
+"""Convolution whose backward computes the weight and the input gradients in two separate calls (and the
+same with cuDNN off, on CUDA).
 
 PyTorch's convolution backward (``aten.convolution_backward`` with ``output_mask=[True, True, True]``)
 computes the input gradient and the weight gradient in one call. On the CPU, oneDNN then holds, at
@@ -17,13 +18,24 @@ expose a per-call cuDNN algorithm choice from Python (only the global ``torch.ba
 so on CUDA this is the only convolution choice available; there the split backward runs cuDNN's
 backward-data and backward-filter one after the other, as the joint call does.
 
+``conv-native`` (CUDA only) is the same split convolution with cuDNN switched off around its forward and
+both backward calls, so that PyTorch's own CUDA kernels run (im2col + GEMM, one sample at a time). Their
+workspace is one sample's column buffer (``C_in * prod(kernel) * prod(spatial_out)`` elements), against
+cuDNN's, which PyTorch sizes by its algorithm heuristics and can be gigabytes: 4.5 GB for VGG-16's second
+convolution at batch 176, 224x224, on an H200, in deterministic and default modes alike, beside 2.3 GB
+activations. It is slower, and its results differ from cuDNN's by rounding (cuDNN's convolutions use TF32
+by default, ``torch.backends.cudnn.allow_tf32``; the GEMM path follows ``torch.backends.cuda.matmul``).
+
 The forward is ``F.conv1d/2d/3d`` and the backward is PyTorch's own kernel with a partial
-``output_mask``, so outputs and gradients are bit-for-bit PyTorch's. What is saved (input and
+``output_mask``, so outputs and gradients are bit-for-bit PyTorch's (``conv-native``: on the CPU, where
+there is no cuDNN, too). What is saved (input and
 weight) is what PyTorch saves. Only ``padding_mode="zeros"`` and numeric padding are handled (other
 modes pad in a separate op; ``padding="same"`` is resolved by the caller of ``F.conv*d``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.fx
@@ -33,31 +45,50 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "Conv1dSplitBackward",
+    "Conv2dNative",
     "Conv2dSplitBackward",
     "Conv3dSplitBackward",
     "ConvSplitBackwardFn",
     "conv_split_backward",
     "from_module",
+    "native_applies",
 ]
 
 _FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+@contextlib.contextmanager
+def _cudnn_off(native: bool):
+    """cuDNN switched off (``torch.backends.cudnn.enabled``) while the body runs, if ``native``."""
+    if not native:
+        yield
+        return
+    before = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = before
+
+
 class ConvSplitBackwardFn(torch.autograd.Function):
-    """``apply(x, weight, bias, stride, padding, dilation, groups)``.
+    """``apply(x, weight, bias, stride, padding, dilation, groups, native=False)``.
 
     ``x``: ``[N, C_in, *spatial]`` (1, 2 or 3 spatial dimensions); ``weight``: ``[C_out, C_in / groups,
     *kernel]``; ``bias``: ``[C_out]`` or ``None``; ``stride``, ``padding``, ``dilation``: tuples of ints
-    of the spatial rank. Returns ``[N, C_out, *spatial_out]``.
+    of the spatial rank; ``native``: run the forward and both backward calls with cuDNN off (PyTorch's own
+    kernels). Returns ``[N, C_out, *spatial_out]``.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
-                groups: int) -> Tensor:
-        out = _FORWARD[x.dim() - 2](x, weight, bias, stride, padding, dilation, groups)
+                groups: int, native: bool = False) -> Tensor:
+        with _cudnn_off(native):
+            out = _FORWARD[x.dim() - 2](x, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.args = (list(stride), list(padding), list(dilation), groups)
         ctx.bias_sizes = None if bias is None else [bias.shape[0]]
+        ctx.native = native
         return out
 
     @staticmethod
@@ -69,22 +100,24 @@ class ConvSplitBackwardFn(torch.autograd.Function):
         zeros = [0] * len(stride)
 
         def call(mask):
-            return torch.ops.aten.convolution_backward(
-                grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
+            with _cudnn_off(ctx.native):
+                return torch.ops.aten.convolution_backward(
+                    grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
 
         gw = gb = gx = None
         if need_w or need_b:  # first: its reorders are freed before the input gradient exists
             _, gw, gb = call([False, bool(need_w), bool(need_b) and ctx.bias_sizes is not None])
         if need_x:
             gx = call([True, False, False])[0]
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def conv_split_backward(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
-                        dilation=1, groups: int = 1) -> Tensor:
+                        dilation=1, groups: int = 1, native: bool = False) -> Tensor:
     """``F.conv1d/2d/3d`` (chosen by ``x.dim()``: 3, 4 or 5) whose backward computes the weight and input
-    gradients in two calls. ``stride``, ``padding``, ``dilation``: ints or tuples; string padding is
-    not accepted (``TypeError``); an input of another rank raises ``ValueError``."""
+    gradients in two calls; with ``native``, all three run with cuDNN off (``conv-native``). ``stride``,
+    ``padding``, ``dilation``: ints or tuples; string padding is not accepted (``TypeError``); an input of
+    another rank raises ``ValueError``."""
     rank = x.dim() - 2
     if rank not in _FORWARD:
         raise ValueError(f"expected a 3-, 4- or 5-D input [N, C, *spatial], got shape {list(x.shape)}")
@@ -102,23 +135,26 @@ def conv_split_backward(x: Tensor, weight: Tensor, bias: Tensor | None = None, s
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(device_type, enabled=False):
-            return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups)
-    return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups)
+            return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups,
+                                             native)
+    return ConvSplitBackwardFn.apply(x, weight, bias, tup(stride), tup(padding), tup(dilation), groups, native)
 
 
 torch.fx.wrap("conv_split_backward")
 
 
 class _SplitMixin:
+    native = False
+
     def forward(self, input: Tensor) -> Tensor:
         return conv_split_backward(input, self.weight, self.bias, self.stride, self.padding, self.dilation,
-                                   self.groups)
+                                   self.groups, self.native)
 
     @classmethod
     def from_module(cls, conv: nn.modules.conv._ConvNd):
         """A variant sharing ``conv``'s Parameter objects (same state_dict keys, ``isinstance`` of its class)."""
-        if not applies(conv):
-            raise TypeError(f"no split-backward variant for {conv!r}")
+        if not (native_applies(conv) if cls.native else applies(conv)):
+            raise TypeError(f"no {'native' if cls.native else 'split-backward'} variant for {conv!r}")
         new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
                   padding=conv.padding, dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None,
                   padding_mode=conv.padding_mode, device="meta")
@@ -140,6 +176,13 @@ class Conv3dSplitBackward(_SplitMixin, nn.Conv3d):
     """``nn.Conv3d`` subclass whose backward computes the weight and input gradients in two calls."""
 
 
+class Conv2dNative(_SplitMixin, nn.Conv2d):
+    """``nn.Conv2d`` subclass that runs with cuDNN off (PyTorch's own kernels: a small workspace, slower)
+    and computes its weight and input gradients in two calls (``conv-native``)."""
+
+    native = True
+
+
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv1d: Conv1dSplitBackward, nn.Conv2d: Conv2dSplitBackward, nn.Conv3d: Conv3dSplitBackward,
 }
@@ -148,6 +191,14 @@ _CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 def applies(m: nn.Module) -> bool:
     """True for an ``nn.Conv1d/2d/3d`` (exact type) with zero padding given as numbers."""
     return type(m) in _CLASSES and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+
+
+def native_applies(m: nn.Module) -> bool:
+    """True for an ``nn.Conv2d`` (exact type) that :func:`applies` to, with ``groups == 1``, whose weight is on
+    a CUDA device where cuDNN is available and enabled (elsewhere cuDNN is not used, so there is nothing to
+    switch off)."""
+    return (type(m) is nn.Conv2d and applies(m) and m.groups == 1 and m.weight.is_cuda
+            and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled)
 
 
 def from_module(conv: nn.Module) -> nn.Module:
