@@ -463,6 +463,10 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
             vc = _variant_cost(node, fn, env, cost, storages, register, keep_alive, by_ptr, (arg.name,))
             vc.inplace_of = s
             cost.variants[name] = vc
+            # a form that saves its result (``relu_``, ``leaky_relu_``) saves this node's output: a later form
+            # must not overwrite it (with both chosen, autograd's version check fails at backward)
+            for x in vc.saves:
+                savers.setdefault(x, set()).add(node.name)
 
 
 def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:

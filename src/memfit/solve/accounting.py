@@ -135,7 +135,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     while it runs (its inputs' new gradients allocated, its output's gradient not yet released).
     A node's output gradient is created by its first consumer in the backward pass (or by the loss) and
     released after the node's own backward; nodes that pass gradients through (``grad_alias``) share one
-    storage among their inputs; a second contribution to an existing gradient is added into it.
+    storage among their inputs; a second contribution to an existing gradient is added into it, in place
+    if that gradient has no other holder, else into a new tensor.
     """
     n = acc.n
     needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs)
@@ -180,7 +181,15 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
             if not needs[m]:
                 continue
             if m in grads:
-                extra = max(extra, acc.grad_bytes[m])  # accumulated into the existing gradient
+                if token_refs[grads[m]] == 1:  # added into the existing gradient, in place
+                    if not (acc.grad_alias[i] and t is not None):
+                        extra = max(extra, acc.grad_bytes[m])  # the new contribution, until it is added
+                else:
+                    # the existing gradient is shared (an addition passed one tensor to several inputs): autograd
+                    # cannot add into it in place, so the sum is a new tensor, and the shared one stays with
+                    # its other holders (torch/csrc/autograd/input_buffer.cpp, accumulate)
+                    release(grads[m])
+                    attach(m, new_token(acc.grad_bytes[m]))
             elif acc.grad_alias[i] and t is not None:
                 attach(m, t)
             else:
