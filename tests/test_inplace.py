@@ -342,7 +342,9 @@ def test_random_in_place_choices_and_regions_match_pytorch(program, cuts, seed):
         assert check["gradients_match"] and check["max_abs_grad_diff"] == 0.0 and check["bn_stats_match"], (
             check, program, forms, plan.regions)
         under.append(fig.peak_bytes - predicted.peak_bytes)
-    # the in-place forms' accounting adds no under-prediction of its own (at these sizes, 16 KiB tensors, the
-    # replay can miss a tensor on fan-outs with or without them: gradient accumulation; the zoo tests bound
-    # the prediction both ways at realistic sizes)
+    # the in-place forms' accounting adds no under-prediction of its own (the seed=128 example above failed
+    # this before gradients shared by an addition's inputs were counted: a 16 KiB tensor missed on a fan-out,
+    # which the forms exposed). The absolute error is not bounded here: at these sizes the replay can still
+    # miss a few KiB without any form (5 KiB with a one-convolution region on a chain of four, seed 0); the zoo
+    # tests bound the prediction both ways at realistic sizes.
     assert under[1] <= max(0, under[0]) + 1024, (under, program, choice, spans)
