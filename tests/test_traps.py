@@ -249,3 +249,45 @@ def test_losses_that_keep_the_output_the_target_or_their_buffer_are_counted(name
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes
+
+
+class _ResidualMLP(nn.Module):
+    """Found by a fresh-user run: ``x = relu(id(linear(x))) + x``, four times. ``mode``: ``"identity"`` puts an
+    ``nn.Identity`` (a view node) before each ReLU, ``"shared"`` calls one Linear four times."""
+
+    def __init__(self, mode, width=256):
+        super().__init__()
+        self.mode = mode
+        self.ls = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.id = nn.Identity()
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x):
+        for i in range(4):
+            h = self.ls[0 if self.mode == "shared" else i](x)
+            x = F.relu(self.id(h) if self.mode == "identity" else h) + x
+        return self.out(x)
+
+
+@pytest.mark.parametrize("mode", ["identity", "shared"])
+@pytest.mark.parametrize("budget", ["min", "90%"])
+def test_views_and_reused_layers_are_counted(mode, budget):
+    """Each measured one tensor over its budget before (fresh-user run, batch 1024, width 512): a view's
+    output gradient (``nn.Identity``) counted 0 bytes though its reader's backward makes a full one; a layer
+    called four times had its weight gradient counted only from its last contribution on, though autograd
+    sums into it from the first; and a recomputed tensor that no node saves was freed at once in the replay
+    though a later recomputed node reads it (``linear -> identity -> relu`` in one region)."""
+    from memfit.bench.harness import compare, measure_training
+
+    torch.manual_seed(0)
+    model = _ResidualMLP(mode).train()
+    x, y = torch.randn(512, 256), torch.randint(0, 10, (512,))  # activations of 512 KiB
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget=budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: F.cross_entropy(out, y))
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    assert fig.peak_bytes - planned.plan.predicted_peak_bytes <= 64 << 10, (fig.peak_bytes,
+                                                                           planned.plan.predicted_peak_bytes)

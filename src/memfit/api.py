@@ -131,7 +131,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         budget: total peak bound: bytes (``"2GiB"``, ``"512MB"``, int) or a percentage of the plain
             PyTorch peak (``"40%"``), or ``"min"`` for the least memory memfit can reach.
             See :class:`memfit.Budget`.
-        strategy: ``memfit`` (integer program), ``chen``, ``checkpoint-all`` or ``none``.
+        strategy: ``memfit`` (the integer program: recomputation, offloading and operator variants),
+            ``remat-ilp`` (the integer program, recomputation only), ``chen``, ``checkpoint-all``,
+            ``vdnn-all``, ``vdnn-conv`` (offloading) or ``none`` (README, "Strategies").
         optimizer: the optimizer you will train with: its state counts in the fixed bytes, and the temporaries
             of its ``step()`` (Adam: about twice the largest parameter) in the peak. Both are measured by
             running its class with your hyperparameters on scratch copies of the parameters (for a moment,

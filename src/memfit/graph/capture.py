@@ -31,8 +31,11 @@ def _user_frame(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     user = [f for f in frames if not f.filename.startswith(torch_dir) and "memfit/graph" not in f.filename]
-    if not user:
-        return "(no frame outside torch)"
+    if not user:  # it failed inside one of torch's own modules (nn.TransformerEncoderLayer's fast-path checks)
+        if not frames:
+            return "(no traceback)"
+        f = frames[-1]
+        return f"inside torch, {f.filename}:{f.lineno} in {f.name}: {f.line}"
     f = user[-1]
     return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
 

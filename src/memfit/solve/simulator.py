@@ -222,17 +222,24 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
         if r >= 0 and last_saver[r][0] == i:
             lo, _ = spans[r]
             copies = set()
+            read_until: dict[int, list[int]] = {}  # recomputed node -> unsaved storages its run is the last to read
             for j in range(lo, i + 1):
                 recompute_seconds += acc.fwd_seconds[j]
                 for s in acc.creates[j]:
                     saved_in = {k for k in acc.savers[s] if reg[k] == r}
+                    last_read = max((k for k in acc.consumers[s] if j < k <= i), default=j)
                     if saved_in:
                         copies.add(s)
                         copy_holders[(r, s)] = saved_in
                         alloc(acc.nbytes[s], f"recompute {j} {s}")
+                    elif last_read > j:  # not saved, but read by a later recomputed node: alive until then
+                        alloc(acc.nbytes[s], f"recompute {j} {s} (read by {last_read})")
+                        read_until.setdefault(last_read, []).append(s)
                     else:
                         transient(acc.nbytes[s], f"recompute {j} transient {s}")
                 transient(acc.fwd_ws[j], f"recompute {j} workspace")
+                for s in read_until.pop(j, []):
+                    free(acc.nbytes[s], f"recompute {j} free {s}")
             recomputed[r] = copies
             clock += sum(acc.fwd_seconds[lo:i + 1])
         for s, o in off.items():
