@@ -418,8 +418,9 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
     ``S`` is a storage ``p`` allocated for its output; no node but ``i`` reads any value living in ``S`` (so
     no later reader sees the overwritten value, and no view of it exists elsewhere); no other node saves
     ``S`` for backward under any implementation (autograd's version check would fail); no node modifies ``S``
-    in place; ``S`` is not a model output; and ``x`` covers ``S`` with the result's shape, dtype and
-    strides (so later nodes see the same tensor layout)."""
+    in place; ``S`` is not a model output; ``x`` covers ``S`` with the result's shape, dtype and
+    strides (so later nodes see the same tensor layout); and ``x`` is not a view (autograd would rewrite its
+    base's history, and copy the gradient in backward)."""
     from memfit.variants import OPERAND, inplace_forms
 
     fx_nodes = compute_nodes(gm)
@@ -464,7 +465,11 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
                 continue
             if (x.shape != out.shape or x.dtype != out.dtype or x.stride() != out.stride()
                     or x.storage_offset() != 0 or x.numel() * x.element_size() != storages[s].nbytes
-                    or storages[s].nbytes != storages[t_out].nbytes or (x.requires_grad and x.grad_fn is None)):
+                    or storages[s].nbytes != storages[t_out].nbytes or (x.requires_grad and x.grad_fn is None)
+                    or x._base is not None):
+                # (a view, e.g. a Linear's output on a 3-D input: written in place, autograd rewrites its base's
+                # history (CopySlices), whose backward copies the whole gradient; a fresh-user run measured a
+                # ReLU form there 1.3 MB over its plain PyTorch peak)
                 continue
             vc = _variant_cost(node, fn, env, cost, storages, register, keep_alive, by_ptr, (arg.name,))
             vc.inplace_of = s
