@@ -291,3 +291,27 @@ def test_views_and_reused_layers_are_counted(mode, budget):
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert fig.peak_bytes - planned.plan.predicted_peak_bytes <= 64 << 10, (fig.peak_bytes,
                                                                            planned.plan.predicted_peak_bytes)
+
+
+_GLOBAL_TARGET = torch.randn(512, 256)  # read by a module-level loss function, as in a script's top level
+
+
+def _global_mse(out):
+    return F.mse_loss(out, _GLOBAL_TARGET)
+
+
+def test_a_target_the_loss_reads_as_a_global_is_counted():
+    """Found by a fresh-user run: ``lambda o: F.mse_loss(o, y)`` at a script's top level reads ``y`` as a global,
+    not a closure cell; it was not counted, and plans went one target (512 KiB) over budget."""
+    from memfit.bench.harness import compare, measure_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).train()
+    x = torch.randn(512, 256)
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), _GLOBAL_TARGET, F.mse_loss, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget="min", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=_global_mse)
+    fig = measure_training(planned, planned, (x,), _GLOBAL_TARGET, F.mse_loss, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)

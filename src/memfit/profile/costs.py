@@ -482,9 +482,9 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
 
 def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
     """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``):
-    they are alive for the whole step, like the inputs. Searched: closure cells, default arguments and
-    ``functools.partial`` arguments, two functions deep; parameters, buffers and the inputs are not
-    counted again."""
+    they are alive for the whole step, like the inputs. Searched: closure cells, the module-level names the
+    function reads, default arguments and ``functools.partial`` arguments, two functions deep; parameters,
+    buffers and the inputs are not counted again."""
     import functools
 
     seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
@@ -498,7 +498,10 @@ def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
             return
         if callable(obj) and not isinstance(obj, (torch.Tensor, nn.Module)) and depth < 2:
             cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c)]
-            for v in cells + list(getattr(obj, "__defaults__", None) or ()):
+            # module-level names the function reads (``y`` in ``lambda out: F.mse_loss(out, y)`` at top level)
+            code, glob = getattr(obj, "__code__", None), getattr(obj, "__globals__", None) or {}
+            names = [glob[n] for n in (code.co_names if code is not None else ()) if n in glob]
+            for v in cells + list(getattr(obj, "__defaults__", None) or ()) + names:
                 visit(v, depth + 1)
             return
         if isinstance(obj, (torch.Tensor, list, tuple, dict)):
