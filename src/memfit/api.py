@@ -186,9 +186,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     fixed = costs.fixed_bytes + state
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     lowest = None
-    if budget.minimum and strategy in ("memfit", "remat-ilp"):
-        lowest = smallest_feasible(captured.graph, costs, fixed, time_limit, use_variants=variants,
-                                   use_offload=store is not None)
+    if budget.minimum and strategy in ("memfit", "remat-ilp"):  # that strategy's own floor
+        joint = strategy == "memfit"
+        lowest = smallest_feasible(captured.graph, costs, fixed, time_limit, use_variants=variants and joint,
+                                   use_offload=store is not None and joint)
     budget_bytes = budget.resolve(plain.predicted_peak_bytes, lowest or plain.predicted_peak_bytes)
     result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit,
                        use_variants=variants)

@@ -108,12 +108,12 @@ class _Problem:
     def low_memory_plans(self, time_limit: float, recompute_only: bool = False) -> list[Plan]:
         """The lowest-memory plans memfit knows: the integer program minimizing the modelled peak, one region
         per block, Chen's segments and a single region (with ``recompute_only``: the program without variants
-        and offloading, alone)."""
-        if recompute_only:
-            res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True)
-            return [] if res.spans is None else [self.finish(res.spans)]
+        and offloading)."""
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
                  self.finish([(0, self.acc.n - 1)])]
+        if recompute_only:
+            res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True)
+            return plans if res.spans is None else [self.finish(res.spans), *plans]
         if self.offload:
             plans.append(self.finish([], offloads=candidates(self.acc)))
         # with offloading, or with the in-place forms (whose legality rows tie regions together), the search
