@@ -1,7 +1,6 @@
 """Plans against plain PyTorch: same gradients and BatchNorm statistics, peak under budget, prediction
 within 5% of the measured peak. Every zoo model at a tiny size, three budgets."""
 
-import copy
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torchvision
 from torch import nn
 
 import memfit
+from _profiled import profiled
 from memfit import zoo
 from memfit.api import optimizer_state_bytes
 from memfit.bench.harness import compare, fresh_copy, measure_training
@@ -55,13 +55,7 @@ def _profiled(name, size=None, grads_exist=True):
     model = zoo.build_model(name).train()
     images, target = zoo.example_batch(name, batch, size)
     loss_fn = zoo.loss_for(name)
-    base = _plain(model, (images,), target, loss_fn, grads_exist)
-    m = fresh_copy(model)
-    initial = copy.deepcopy(m.state_dict())
-    captured = capture(m)
-    costs = profile_graph(captured, (images,), loss_fn=lambda out: loss_fn(out, target), grads_exist=grads_exist)
-    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                                      list(m.parameters()))
+    m, initial, base, captured, costs, fixed = profiled(model, (images,), target, loss_fn, grads_exist)
     return m, initial, (images,), target, loss_fn, base, captured, costs, fixed
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch import fx, nn
 
 import memfit
+from _profiled import profiled
 from memfit.api import optimizer_state_bytes
 from memfit.bench.harness import compare, fresh_copy, measure_training
 from memfit.graph import capture
@@ -62,13 +63,7 @@ def _setup(batch=4, size=16):
     torch.manual_seed(0)
     model = _OutOfPlace().train()
     x, target = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), target, _loss, steps=1, grads_exist=True)
-    m = fresh_copy(model)
-    initial = copy.deepcopy(m.state_dict())
-    captured = capture(m)
-    costs = profile_graph(captured, (x,), loss_fn=lambda out: _loss(out, target), grads_exist=True)
-    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                                      list(m.parameters()))
+    m, initial, base, captured, costs, fixed = profiled(model, (x,), target, _loss)
     return m, initial, (x,), target, base, captured, costs, fixed
 
 

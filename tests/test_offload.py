@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import memfit
+from _profiled import profiled
 from memfit import zoo
-from memfit.api import optimizer_state_bytes
 from memfit.bench.harness import compare, fresh_copy, measure_training
 from memfit.graph import capture
 from memfit.graph.calls import compute_nodes
@@ -33,14 +33,8 @@ def _setup(name, store):
     loss_fn = zoo.loss_for(name)
     # gradients zeroed in place: at these tiny sizes they outweigh the activations, and with PyTorch's default
     # (set to None) the peak would be the end of the backward pass, which offloading does not change
-    base = measure_training(*[fresh_copy(model)] * 2, (images,), target, loss_fn, steps=1, grads_exist=True)
-    m = fresh_copy(model)
-    initial = copy.deepcopy(m.state_dict())
-    captured = capture(m)
-    costs = profile_graph(captured, (images,), loss_fn=lambda out: loss_fn(out, target), grads_exist=True)
+    m, initial, base, captured, costs, fixed = profiled(model, (images,), target, loss_fn)
     costs.link = measure_link(CopyEngine(store, torch.device("cpu")), nbytes=1 << 20, repeats=2)
-    fixed = costs.fixed_bytes + optimizer_state_bytes(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                                      list(m.parameters()))
     return m, initial, (images,), target, loss_fn, base, captured, costs, fixed
 
 
