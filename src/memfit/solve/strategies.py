@@ -9,7 +9,7 @@ from memfit.graph.ir import Graph
 from memfit.profile.costs import Costs
 from memfit.solve.accounting import Accounting
 from memfit.solve.baselines import block_spans, chen_spans
-from memfit.solve.ilp import solve_regions
+from memfit.solve.ilp import IlpResult, solve_regions
 from memfit.solve.legal import legalize
 from memfit.solve.offload import candidates, conv_input_producers, offload_waits
 from memfit.solve.plan import Plan
@@ -105,15 +105,21 @@ class _Problem:
                 "start_variants": {index[n]: v for n, v in plan.variants.items() if v != "default"},
                 "start_offloads": [index[n] for n in plan.offloads]}
 
-    def low_memory_plans(self, time_limit: float, recompute_only: bool = False) -> list[Plan]:
+    def low_memory_plans(self, time_limit: float, recompute_only: bool = False, fastest: bool = False) -> list[Plan]:
         """The lowest-memory plans memfit knows: the integer program minimizing the modelled peak, one region
         per block, Chen's segments and a single region (with ``recompute_only``: the program without variants
-        and offloading)."""
+        and offloading). With ``fastest``, each peak-minimizing solve is followed by the time-minimizing
+        program at the peak it reached (:meth:`fastest_at`), whose plan is listed too."""
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
                  self.finish([(0, self.acc.n - 1)])]
         if recompute_only:
             res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True)
-            return plans if res.spans is None else [self.finish(res.spans), *plans]
+            if res.spans is None:
+                return plans
+            lows = [self.finish(res.spans)]
+            if fastest:
+                lows += self.fastest_at(res, None, False, time_limit)
+            return [*lows, *plans]
         if self.offload:
             plans.append(self.finish([], offloads=candidates(self.acc)))
         # with offloading, or with the in-place forms (whose legality rows tie regions together), the search
@@ -133,8 +139,27 @@ class _Problem:
                                     start_variants=start and start.variants, start_offloads=start and start.offloads)
                 if res.spans is not None:
                     plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
+                    if fastest:
+                        plans[1:1] = self.fastest_at(res, options, offload, time_limit)
                     start = res
         return plans
+
+    def fastest_at(self, low: IlpResult, options, offload: bool, time_limit: float) -> list[Plan]:
+        """The time-minimizing program at the modelled peak of the peak-minimizing solution ``low``, started
+        from it, with a quarter of ``time_limit`` (seconds): the fastest plan the program knows at that peak
+        (``[]`` if the solve finds none).
+
+        The peak-minimizing program ignores time, so at the smallest feasible budget its plan can recompute
+        more than that peak needs. The budgeted program cannot be used there instead: its peak rows are a
+        conservative linearization of the replay, so at a budget equal to the replayed floor it can be
+        infeasible (seen: ResNet-18 at batch 8, 96 px, ``remat-ilp`` at its floor 5% slower than 1 KiB
+        above it)."""
+        res = solve_regions(self.acc, int(low.objective) + 1, time_limit=max(1.0, time_limit / 4), variants=options,
+                            offload=offload, start_spans=low.spans, start_variants=low.variants,
+                            start_offloads=low.offloads)
+        if res.spans is None:
+            return []
+        return [self.finish(res.spans, gap=res.mip_gap, variants=res.variants, offloads=res.offloads)]
 
     def smallest_feasible(self, time_limit: float) -> int:
         # keeping everything is a plan too: the floor is never above its peak (plus the same headroom)
@@ -248,7 +273,8 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
                     if lows_tried:
                         break
                     lows_tried = True
-                    for low in prob.low_memory_plans(max(1.0, (until - time.perf_counter()) / 2), recompute_only):
+                    for low in prob.low_memory_plans(max(1.0, (until - time.perf_counter()) / 2), recompute_only,
+                                                      fastest=True):
                         consider(low)
                     continue
                 bad_target = target
@@ -270,7 +296,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
             else:
                 target = (ok_target + bad_target) // 2
         if best is start and not lows_tried:  # (seen on an H200: a poor incumbent at 6 GB, Chen's plan kept)
-            for low in prob.low_memory_plans(max(1.0, until - time.perf_counter()), recompute_only):
+            for low in prob.low_memory_plans(max(1.0, until - time.perf_counter()), recompute_only, fastest=True):
                 consider(low)
 
     for spans in (chen_spans(acc), block_spans(prob.graph)):  # cheap incumbents to start the search from
