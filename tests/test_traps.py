@@ -348,3 +348,33 @@ def test_min_budget_is_each_strategys_own_floor(strategy):
     fig = measure_training(planned, planned, (x,), y, loss, steps=1)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+
+
+def test_modules_with_hooks_or_parametrizations_keep_them():
+    """Found by a fresh-user run: a module given an operator variant lost its hooks (a forward hook fired 0
+    times per step; one scaling the output, or a pre-hook, changed the gradients), and old-style
+    ``weight_norm`` (a forward pre-hook) failed with ``KeyError: 'weight'``. Such modules get no variant."""
+    from memfit.bench.harness import compare, measure_training
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                          nn.utils.weight_norm(nn.Conv2d(16, 16, 3, padding=1)), nn.ReLU(),
+                          nn.utils.parametrizations.weight_norm(nn.Conv2d(16, 16, 3, padding=1)), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
+        m[2].register_forward_hook(lambda mod, i, o: o * 0.5)
+        m[1].register_forward_pre_hook(lambda mod, i: (i[0] + 1.0,))
+        m[8].register_forward_hook(lambda mod, i, o: calls.append(1))
+        return m
+
+    calls: list[int] = []
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    base = measure_training(*[build()] * 2, (x,), y, F.cross_entropy, steps=1)
+    plain_calls = len(calls)
+    m = build()
+    planned = memfit.optimize(m, x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
+    calls.clear()
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    check = compare(base, fig)
+    assert check["gradients_match"], check
+    assert len(calls) >= plain_calls > 0

@@ -68,6 +68,7 @@ from .relu_mask import (
     relu_mask,
     unpack_mask,
 )
+from .replaceable import replaceable
 
 __all__ = [
     "INPLACE_VARIANTS",
@@ -102,6 +103,7 @@ __all__ = [
     "pack_mask",
     "relu6_mask",
     "relu_mask",
+    "replaceable",
     "unpack_mask",
     "variant_call",
     "variants_for",
@@ -164,7 +166,9 @@ def _make_checked(spec_name: str, applies: Callable[[nn.Module], bool],
 
 
 def _spec(name, types, saves, exact, applies, build, caveat="", offered=True) -> VariantSpec:
-    return VariantSpec(name, types, saves, exact, applies, _make_checked(name, applies, build), caveat, offered)
+    def checked(m: nn.Module, applies=applies) -> bool:
+        return replaceable(m) and applies(m)
+    return VariantSpec(name, types, saves, exact, checked, _make_checked(name, checked, build), caveat, offered)
 
 
 VARIANTS: dict[str, VariantSpec] = {

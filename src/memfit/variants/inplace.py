@@ -42,6 +42,7 @@ from torch import fx, nn
 
 from memfit.graph.calls import arg_loader
 from memfit.variants.relu_mask import hardtanh_mask, leaky_relu_mask, relu_mask
+from memfit.variants.replaceable import replaceable as _replaceable
 
 __all__ = ["INPLACE_VARIANTS", "OPERAND", "inplace_forms"]
 
@@ -59,8 +60,8 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, dict[str, Any]] | Non
     kind: ``relu``, ``leaky_relu``, ``hardtanh`` (parameters ``min_val``/``max_val``) or ``add``."""
     if node.op == "call_module":
         m = gm.get_submodule(node.target)
-        if getattr(m, "inplace", True):
-            return None  # already in place (or not an activation)
+        if getattr(m, "inplace", True) or not _replaceable(m):
+            return None  # already in place (or not an activation), or has hooks a form would skip
         t = type(m)
         if t is nn.ReLU:
             return "relu", {}
