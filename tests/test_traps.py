@@ -378,3 +378,26 @@ def test_modules_with_hooks_or_parametrizations_keep_them():
     check = compare(base, fig)
     assert check["gradients_match"], check
     assert len(calls) >= plain_calls > 0
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "set_grad_enabled", "inference_mode"])
+def test_grad_mode_change_in_forward_is_refused_with_the_line(mode):
+    """Found by a fresh-user run: ``with torch.no_grad(): t = self.teacher(x)`` inside ``forward`` was traced
+    without the grad mode (torch.fx does not record it), so the frozen teacher got gradients, silently.
+    memfit now refuses the model, naming the line, and the grad mode is left as it was."""
+
+    class Distill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.student, self.teacher = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            make = {"no_grad": torch.no_grad, "set_grad_enabled": lambda: torch.set_grad_enabled(False),
+                    "inference_mode": torch.inference_mode}[mode]
+            with make():
+                t = self.teacher(x)
+            return self.student(x) + t
+
+    with pytest.raises(memfit.TraceError, match=r"grad mode[\s\S]*test_traps.py:\d+[\s\S]*detach"):
+        memfit.optimize(Distill().train(), torch.randn(4, 8))
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -59,6 +60,30 @@ def _block(node: fx.Node) -> str:
     return ".".join(parts[:depth])
 
 
+class _GradModeChange(Exception):
+    """The traced forward switched autograd's grad mode (raised inside :func:`_refuse_grad_mode_changes`)."""
+
+
+@contextlib.contextmanager
+def _refuse_grad_mode_changes():
+    """While tracing, raise :class:`_GradModeChange` where the forward enters ``torch.no_grad()``,
+    ``torch.enable_grad()``, ``torch.set_grad_enabled(...)`` or ``torch.inference_mode()``: ``torch.fx``
+    does not record grad mode, so the traced graph would silently compute gradients there (seen: a frozen
+    teacher under ``torch.no_grad()`` got gradients)."""
+    real_set, real_inference = torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__
+
+    def refuse(*args, **kwargs):
+        raise _GradModeChange()
+
+    torch._C._set_grad_enabled = refuse
+    torch.autograd.grad_mode.inference_mode.__enter__ = refuse
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = real_set
+        torch.autograd.grad_mode.inference_mode.__enter__ = real_inference
+
+
 def capture(model: nn.Module) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
@@ -75,7 +100,17 @@ def capture(model: nn.Module) -> Captured:
             submodule as a leaf with ``torch.fx.wrap``).
     """
     try:
-        gm = fx.symbolic_trace(model)
+        with _refuse_grad_mode_changes():
+            gm = fx.symbolic_trace(model)
+    except _GradModeChange as exc:
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
+            "torch.enable_grad, torch.set_grad_enabled or torch.inference_mode), which torch.fx does not "
+            "record: the plan would compute gradients there.\n"
+            f"  failing line: {_user_frame(exc)}\n"
+            "  Write `t = f(x).detach()` instead of `with torch.no_grad(): t = f(x)` (the same values and "
+            "gradients), or compute that part outside the model and pass it in as an input."
+        ) from None
     except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
         raise TraceError(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
