@@ -105,3 +105,16 @@ def test_the_plan_at_the_smallest_feasible_budget_is_as_fast_as_just_above_it():
     check = compare(base, fig)
     assert check["gradients_match"] and check["bn_stats_match"], check
     assert fig.peak_bytes <= floor, (fig.peak_bytes, floor)
+
+
+def test_bad_time_limit_and_ignored_strategy_are_reported():
+    """Found by a fresh-user run: ``time_limit=0`` or ``-1`` was accepted silently, and a ``strategy`` given
+    with a saved plan was ignored without a word (a ``budget`` there drew a warning)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).train()
+    x = torch.randn(4, 8)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="time_limit"):
+            memfit.plan(model, x, time_limit=bad)
+    plan_ = memfit.plan(model, x, budget="100%", strategy="chen")[0]
+    with pytest.warns(UserWarning, match="strategy='none' is ignored"):
+        memfit.optimize(model, x, strategy="none", plan_=plan_)

@@ -169,6 +169,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         ValueError: bad budget text or strategy.
     """
     budget = Budget.parse(budget)
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     inputs = _as_tuple(example_inputs)
     _require_training(model)
     captured = _captured or capture(model)
@@ -237,6 +239,9 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if budget != "min":
             warnings.warn(f"memfit.optimize: budget={budget!r} is ignored when plan_ is given (the plan was "
                           f"solved for {plan_.budget_bytes} bytes)", stacklevel=2)
+        if strategy != "memfit" and strategy != plan_.strategy:
+            warnings.warn(f"memfit.optimize: strategy={strategy!r} is ignored when plan_ is given (the plan was "
+                          f"made by {plan_.strategy!r})", stacklevel=2)
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")
