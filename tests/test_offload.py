@@ -169,7 +169,10 @@ def test_joint_plan_that_offloads_matches_pytorch(name, tmp_path):
     assert floor <= remat_floor
     budget = floor + (remat_floor - floor) // 2 if floor < remat_floor else floor
     plan = make_plan("memfit", captured.graph, costs, budget, fixed_bytes=fixed)
-    if floor < remat_floor:
+    # the floors are the lowest plans two node-limited searches found, and the budgeted search can beat the
+    # recompute-only one by a few KiB (one region's 5 KiB RNG state, seen on ResNet-50): only a larger gap shows
+    # that nothing but offloading fits
+    if floor < remat_floor - 2**16:
         assert plan.offloads  # below the recompute-only floor, only offloading can fit
     fig = _run(m, initial, plan, captured, inputs, target, loss_fn, store)
     _assert_matches(base, fig, plan)

@@ -9,6 +9,7 @@ fixed part does not move during it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -46,7 +47,8 @@ class StepFigures:
 
 
 def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn: Callable,
-                     steps: int = 3, seed: int = 0, lr: float = 0.01, grads_exist: bool = False) -> StepFigures:
+                     steps: int = 3, seed: int = 0, lr: float = 0.01, grads_exist: bool = False,
+                     autocast: torch.dtype | None = None) -> StepFigures:
     """Train ``module`` for ``1 + steps`` SGD steps (momentum 0.9) on one batch and measure it.
 
     Step 1 is the warm-up (it allocates the optimizer state); step 2 runs under the memory tracker; the time
@@ -70,6 +72,9 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
         seed: RNG seed.
         lr: SGD learning rate.
         grads_exist: keep gradients allocated between steps (``zero_grad(set_to_none=False)``).
+        autocast: run the forward pass and the loss of every step inside one
+            ``torch.autocast(device_type, dtype=autocast)`` context (e.g. ``torch.bfloat16``), and the backward
+            pass and ``opt.step()`` outside it, as PyTorch's mixed-precision recipe does; ``None``: no autocast.
 
     Returns:
         :class:`StepFigures`.
@@ -85,9 +90,10 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
         opt.zero_grad(set_to_none=not grads_exist)
 
     def step() -> None:
-        out = module(*inputs)
-        loss = loss_fn(out, target)
-        del out
+        with (torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()):
+            out = module(*inputs)
+            loss = loss_fn(out, target)
+            del out
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from memfit.graph.calls import compute_nodes, node_fn, tensors_in
@@ -29,8 +30,11 @@ class Storage:
         id: index into ``Costs.storages``.
         nbytes: size in bytes.
         producer: name of the node that allocated it, or ``None`` for a model input.
-        kind: ``"input"`` (model input), ``"output"`` (a node's output) or ``"internal"`` (a tensor that
-            autograd saved but no node outputs, e.g. max-pool indices, dropout masks, BatchNorm statistics).
+        kind: ``"input"`` (model input), ``"output"`` (a node's output), ``"internal"`` (a tensor that
+            autograd saved but no node outputs, e.g. max-pool indices, dropout masks, BatchNorm statistics) or
+            ``"cast"`` (under ``torch.autocast``: the lower-precision copy of a parameter that autocast makes at
+            its first use and keeps in its cache until the autocast context exits, whether or not a node saves
+            it; ``producer`` is the first node that reads it).
         requires_grad: whether the tensor in it takes part in the backward pass.
     """
 
@@ -88,12 +92,24 @@ class NodeCost:
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
+        grad_copies: with ``grad_alias``, the input nodes (by name) whose gradient is nevertheless a tensor of
+            its own: under autocast, an input of another dtype than the output, whose gradient autograd casts
+            (a float32 residual addition that reads a bfloat16 branch), or an input the addition broadcasts
+            (its gradient is reduced).
         param_grad_bytes: bytes of the ``.grad`` of the parameters whose gradient first exists once this node's
             backward is done (the parameters it is the last node in forward order to use; further
             contributions are summed into it). When gradients are
             set to ``None`` before the step (PyTorch's ``optimizer.zero_grad()``), autograd makes the computed
             gradient itself the ``.grad``, so these bytes stay allocated from then on.
         variants: operator variants that can replace this node, by name, with their measured costs.
+        casts: storage ids of the autocast casts (kind ``"cast"``) this node reads: made by the first node that
+            reads the parameter, then shared through autocast's cache until the forward pass ends; a
+            recomputation under autocast makes its own (empty outside autocast).
+        saves_first: autograd saves what this node saves before the node allocates anything it keeps: the
+            node runs only PyTorch's built-in operations (no custom ``autograd.Function``, which saves after
+            its forward), modifies nothing in place, and saves only tensors made before it (and autocast
+            casts). A recomputation that ends at this node then stops before computing it (the non-reentrant
+            checkpoint stops at its last saved tensor). ``False`` when not known.
     """
 
     name: str
@@ -110,6 +126,9 @@ class NodeCost:
     grad_alias: bool = False
     param_grad_bytes: int = 0
     variants: dict[str, VariantCost] = field(default_factory=dict)
+    casts: list[int] = field(default_factory=list)
+    saves_first: bool = False
+    grad_copies: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +155,10 @@ class Costs:
         loss_held_bytes: bytes the loss value itself keeps allocated (the training loop holds ``loss``
             through ``backward()`` and ``step()``): usually a few bytes, but in some builds a reduced loss
             (``F.mse_loss``) is a view of its whole element-wise buffer. Measured with ``loss_bytes``.
+        region_bytes: bytes each checkpoint region holds on the device from its forward pass until its backward
+            pass is done, and allocates again while it is recomputed: the CPU random-number-generator state that
+            ``torch.utils.checkpoint`` keeps to replay dropout (``preserve_rng_state``; 5056 bytes), on the CPU
+            only (on CUDA it is host memory).
     """
 
     device: str
@@ -147,6 +170,7 @@ class Costs:
     grads_exist: bool = False
     step_bytes: int = 0
     loss_held_bytes: int = 0
+    region_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,7 +185,8 @@ class Costs:
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
                    fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
                    link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
-                   step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0))
+                   step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
+                   region_bytes=d.get("region_bytes", 0))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -211,22 +236,26 @@ class Costs:
                     mutates=ids(c.mutates), grad_bytes=c.grad_bytes, fwd_seconds=c.fwd_seconds,
                     bwd_seconds=c.bwd_seconds, fwd_workspace=c.fwd_workspace, bwd_workspace=c.bwd_workspace,
                     grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias, param_grad_bytes=c.param_grad_bytes,
-                    variants=c.variants))
+                    variants=c.variants, casts=list(c.casts), saves_first=c.saves_first,
+                    grad_copies=list(c.grad_copies)))
                 continue
             outs = set(c.outputs)
-            creates = [x for x in c.creates if x in outs and x not in merged] + list(v.creates)
+            # an autocast cast stays whatever the variant (a later reader shares it through the cache)
+            creates = ([x for x in c.creates if (x in outs and x not in merged) or kinds[x] == "cast"]
+                       + list(v.creates))
             mutates = ids(c.mutates) + ([res(v.inplace_of)] if v.inplace_of is not None else [])
             nodes.append(NodeCost(
                 name=c.name, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves),
                 mutates=ids(mutates), grad_bytes=c.grad_bytes,
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
                 bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias,
-                param_grad_bytes=c.param_grad_bytes))
+                param_grad_bytes=c.param_grad_bytes, casts=list(c.casts), grad_copies=list(c.grad_copies)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
         return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
                      loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist,
-                     step_bytes=self.step_bytes, loss_held_bytes=self.loss_held_bytes)
+                     step_bytes=self.step_bytes, loss_held_bytes=self.loss_held_bytes,
+                     region_bytes=self.region_bytes)
 
     @property
     def step_seconds(self) -> float:
@@ -246,6 +275,11 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     (``torch.autograd.graph.saved_tensors_hooks``) to see what autograd keeps for each node, then times
     each node's forward and backward in isolation (median of ``repeats``). BatchNorm running statistics,
     other buffers and the RNG state are restored afterwards, so the model is left as it was.
+
+    Called inside ``torch.autocast``, it profiles the step that context makes: forward passes under it,
+    backward passes outside it (as PyTorch's mixed-precision recipe runs them), and each lower-precision
+    copy of a parameter that autocast keeps in its cache becomes a storage of kind ``"cast"`` (see
+    :class:`Storage`). Autocast's cache is cleared before and after profiling.
 
     Args:
         captured: the output of :func:`memfit.graph.capture`.
@@ -270,9 +304,12 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     fixed_ptrs = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())}
     snapshot = _state_snapshot(gm)
     devices = [device.index or 0] if device.type == "cuda" else []
+    cast_dtype = _autocast_cache_dtype(device)
+    if cast_dtype is not None:
+        torch.clear_autocast_cache()
     try:
         with torch.random.fork_rng(devices=devices):
-            costs = _structure(gm, inputs, fixed_ptrs, with_variants)
+            costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype)
             _time_nodes(gm, inputs, costs, device, repeats)
             _no_faster_than_default(costs)
             _measure_workspace(gm, inputs, costs, device)
@@ -282,6 +319,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         with torch.no_grad():
             for buf, saved in snapshot:
                 buf.copy_(saved)
+        if cast_dtype is not None:
+            torch.clear_autocast_cache()  # the copies profiling made (and of the isolated runs' inputs)
     param_bytes = sum(p.untyped_storage().nbytes() for p in params)
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in gm.buffers())
     grad_bytes = sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
@@ -289,8 +328,48 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         s.nbytes for s in costs.storages if s.kind == "input") + _closure_bytes(loss_fn, fixed_ptrs, inputs)
     costs.device = device.type
     costs.grads_exist = grads_exist
+    # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
+    costs.region_bytes = torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0
     _param_grads(gm, costs)
     return costs
+
+
+def _autocast_cache_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts to on ``device`` when its cache of parameter casts is on, else ``None``
+    (outside autocast, or with ``cache_enabled=False``)."""
+    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_cache_enabled() else None
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off for a backward pass, as a training loop runs it (``loss.backward()`` outside the autocast
+    context); a nested context, so autocast's cache is kept. A no-op outside autocast."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _CastRecorder(TorchDispatchMode):
+    """Records the copies autocast makes of float32 leaf tensors that require grad (the parameters), the ones
+    its cache keeps until the autocast context exits (``cached_cast`` in ATen's ``autocast_mode.cpp``):
+    ``casts`` lists ``(address of the leaf's storage, the copy)``. An explicit ``.to(dtype)`` of a parameter
+    looks the same here and is counted as cached too (a conservative error)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.casts: list[tuple[int, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor) \
+                and isinstance(out, torch.Tensor):
+            a = args[0]
+            if (a.dtype == torch.float32 and out.dtype == self.dtype and a.requires_grad and a.is_leaf
+                    and not a._is_view()):
+                self.casts.append((a.untyped_storage().data_ptr(), out))
+        return out
 
 
 def _no_faster_than_default(costs: Costs) -> None:
@@ -335,12 +414,18 @@ def _attr(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True) -> Costs:
-    """One forward pass, node by node, holding every value: storages, outputs and saved tensors per node."""
+def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True,
+               cast_dtype: torch.dtype | None = None) -> Costs:
+    """One forward pass, node by node, holding every value: storages, outputs and saved tensors per node.
+
+    With ``cast_dtype`` (under autocast, its cache on), autocast's cache is cleared before each node, so that
+    every node's casts of parameters are seen (:class:`_CastRecorder`); all casts of one parameter are one
+    storage of kind ``"cast"``, made by its first reader, as autocast's cache shares it in a real step."""
     storages: list[Storage] = []
     by_ptr: dict[int, int] = {}
     env: dict[str, object] = {}
     keep_alive: list = []
+    cast_of: dict[int, int] = {}  # storage address of a parameter -> storage id of its autocast cast
 
     def register(t: torch.Tensor, producer, kind) -> int | None:
         if t.device.type == "meta":
@@ -366,10 +451,29 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         saved: list[torch.Tensor] = []
         ins = [t for a in node.all_input_nodes for t in tensors_in(env[a.name])]
         versions = [t._version for t in ins]
-        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
+        recorder = _CastRecorder(cast_dtype) if cast_dtype is not None else None
+        if recorder is not None:
+            torch.clear_autocast_cache()
+        with recorder or contextlib.nullcontext(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
             out = node_fn(gm, node)(env)
         env[node.name] = out
         keep_alive.append(saved)
+        for src, t in recorder.casts if recorder is not None else ():
+            keep_alive.append(t)  # every address registered stays taken
+            sid = cast_of.get(src)
+            if sid is None:
+                n_before = len(storages)
+                sid = register(t, node.name, "cast")
+                if sid is None:
+                    continue
+                if len(storages) > n_before:
+                    cost.creates.append(sid)
+                cast_of[src] = sid
+            else:  # a later reader: in a real step, autocast's cache hands it the first reader's copy
+                by_ptr[t.untyped_storage().data_ptr()] = sid
+            if sid not in cost.casts:
+                cost.casts.append(sid)
         for t, v in zip(ins, versions):
             if t._version != v:
                 sid = register(t, None, "input")
@@ -398,6 +502,9 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                 cost.creates.append(sid)
             if sid not in cost.saves:
                 cost.saves.append(sid)
+        own = [sid for sid in cost.saves if sid not in cost.casts]
+        cost.saves_first = (bool(own) and not cost.mutates and not set(own) & set(cost.creates)
+                            and _builtin_only(tensors_in(out), ins))
         if with_variants and node.op == "call_module":
             _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
         nodes.append(cost)
@@ -408,6 +515,25 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
     if with_variants:
         _profile_inplace(gm, env, nodes, storages, by_ptr, register, keep_alive)
     return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+
+
+def _builtin_only(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph between ``ins`` and ``outs`` (one node's operations) holds only PyTorch's
+    built-in backward functions: a custom ``autograd.Function`` (Python, or C++ ``CppNode``) saves its tensors
+    after its forward has run, where a built-in operation saves its inputs before it computes."""
+    stop = {t.grad_fn for t in ins if t.grad_fn is not None}
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    seen: set = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in stop or fn in seen:
+            continue
+        seen.add(fn)
+        if (isinstance(fn, torch.autograd.function.BackwardCFunction) or type(fn).__module__ != "builtins"
+                or "CppNode" in fn.name()):
+            return False
+        stack.extend(f for f, _ in fn.next_functions)
+    return True
 
 
 def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by_ptr, register, keep_alive) -> None:
@@ -548,7 +674,8 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     with MemoryTracker(device) as tracker:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(out)
-        loss.backward()
+        with _no_autocast(device):
+            loss.backward()
         held = 0 if loss.untyped_storage().data_ptr() in out_storages else loss.untyped_storage().nbytes()
         del loss
     grads = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
@@ -608,7 +735,14 @@ def _variant_cost(node, fn, env, cost: NodeCost, storages, register, keep_alive,
 def _isolated(gm: fx.GraphModule, inputs: tuple):
     """Yield ``(node, fn, make_env, params)`` for each node; ``make_env()`` returns an environment in which the
     node's floating inputs are fresh leaves requiring grad (cloned when the node updates them in place)
-    and the list of those leaves. Values are computed once, without grad, in forward order."""
+    and the list of those leaves (``make_env(names=[])`` appends the input nodes' names to that list, in the
+    leaves' order). Values are computed once, without grad, in forward order.
+
+    Under autocast the node reads views of the leaves: autocast caches its casts of leaves that require
+    grad until the context exits, and the activations these leaves stand for are no leaves (their casts are
+    transient or saved, not cached)."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    uncached = _autocast_cache_dtype(tensors[0].device if tensors else torch.device("cpu")) is not None
     env: dict[str, object] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for ph, value in zip(placeholders, inputs):
@@ -618,7 +752,7 @@ def _isolated(gm: fx.GraphModule, inputs: tuple):
         params = [p for p in (gm.get_submodule(node.target).parameters() if node.op == "call_module" else [])
                   if p.requires_grad]
 
-        def make_env(node=node, clone=False):
+        def make_env(node=node, clone=False, names=None):
             local = dict(env)
             leaves = []
             for a in node.all_input_nodes:
@@ -626,7 +760,9 @@ def _isolated(gm: fx.GraphModule, inputs: tuple):
                 if isinstance(v, torch.Tensor) and v.is_floating_point():
                     leaf = v.detach().requires_grad_(True)
                     leaves.append(leaf)
-                    local[a.name] = leaf.clone() if clone else leaf
+                    if names is not None:
+                        names.append(a.name)
+                    local[a.name] = leaf.clone() if clone else leaf.view_as(leaf) if uncached else leaf
             return local, leaves
 
         yield node, fn, make_env, params
@@ -660,7 +796,8 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             for suffix, fn, record, clone in _implementations(gm, node, fn0, cost):
                 label = node.name + suffix
                 records.append((label, record))
-                local, leaves = make_env(clone=clone)
+                names: list[str] = []
+                local, leaves = make_env(clone=clone, names=names)
                 part = tracker.mark(f"{label}:f") if cpu else MemoryTracker(device)
                 with part:
                     outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
@@ -671,7 +808,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     continue
                 seeds = [torch.ones_like(t) for t in outs]
                 part = tracker.mark(f"{label}:b") if cpu else MemoryTracker(device)
-                with part:
+                with part, _no_autocast(device):
                     grads = torch.autograd.grad(outs, leaves + params, seeds, allow_unused=True)
                 seed_ptrs = {t.untyped_storage().data_ptr() for t in seeds}
                 fresh = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
@@ -680,6 +817,10 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in
+                    # inputs whose gradient is not the passed-on one: of another dtype than the output (a float32
+                    # addition of a bfloat16 branch under autocast: autograd casts it), or broadcast (reduced)
+                    cost.grad_copies = [a for a, g in zip(names, grads) if g is not None and cost.grad_alias
+                                        and g.untyped_storage().data_ptr() not in seed_ptrs]
                 if not cpu:
                     record.bwd_workspace = max(0, part.peak_bytes - grad_in)
                 del grads, outs, seeds, local, leaves
@@ -712,7 +853,8 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
             def backward(env_leaves, fn=fn, params=params):
                 local, leaves = env_leaves
                 outs = [t for t in tensors_in(fn(local)) if t.requires_grad]
-                torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs],
-                                    allow_unused=True)
+                with _no_autocast(device):
+                    torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs],
+                                        allow_unused=True)
 
             record.bwd_seconds = max(0.0, median_seconds(backward, device, repeats, setup=setup) - record.fwd_seconds)

@@ -5,7 +5,7 @@ Everything is indexed by node position ``i`` (forward order) and storage id ``s`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memfit.graph.ir import Graph
 from memfit.profile.costs import Costs
@@ -23,7 +23,8 @@ class Accounting:
         savers: storage id -> node indices that save it for backward.
         saves: node index -> storage ids it saves for backward.
         mutates: node index -> storage ids it modifies in place.
-        fwd_last: storage id -> index of its last forward use (``n`` for model outputs, which the loss reads).
+        fwd_last: storage id -> index of its last forward use (``n`` for model outputs, which the loss reads, and
+            for autocast casts, which autocast's cache keeps until the forward pass and the loss are done).
         internal: node index -> storage ids it creates that no node outputs (saved internals).
         creates: node index -> storage ids it allocates (outputs and internals).
         inputs: node index -> indices of the nodes it reads (model inputs excluded).
@@ -39,6 +40,15 @@ class Accounting:
         step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
         loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
             (``Costs.loss_held_bytes``).
+        casts: storage ids of autocast's cached casts of parameters (kind ``"cast"``): alive from their first
+            reader to the end of the forward pass (then only while a kept saver holds them); a region's
+            recomputation makes its own, alive until the recomputation ends or, when saved, until the saver's
+            backward.
+        cast_uses: node index -> the casts it reads (``NodeCost.casts``).
+        saves_first: node index -> ``NodeCost.saves_first`` (a recomputation ending there stops before it
+            computes).
+        region_bytes: bytes each checkpoint region holds from its forward pass to its backward pass, and again
+            while recomputed (``Costs.region_bytes``).
     """
 
     n: int
@@ -69,6 +79,10 @@ class Accounting:
     fwd_offset: int = 0
     step_bytes: int = 0
     loss_held_bytes: int = 0
+    casts: set[int] = field(default_factory=set)
+    cast_uses: list[list[int]] = field(default_factory=list)
+    saves_first: list[bool] = field(default_factory=list)
+    region_bytes: int = 0
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -101,11 +115,12 @@ class Accounting:
             for s in c.saves:
                 savers[s].append(i)
         output_storages = {s for name in graph.outputs for s in value_storages.get(name, [])}
+        casts = {s.id for s in costs.storages if s.kind == "cast"}
         fwd_last = {}
         for s in nbytes:
             uses = consumers[s] + savers[s] + ([producer[s]] if producer[s] >= 0 else [])
             fwd_last[s] = max(uses) if uses else -1
-            if s in output_storages:
+            if s in output_storages or s in casts:
                 fwd_last[s] = n
         internal = []
         for c in costs.nodes:
@@ -123,7 +138,9 @@ class Accounting:
             fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
             loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
-            loss_held_bytes=costs.loss_held_bytes,
+            loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],
+            saves_first=[c.saves_first for c in costs.nodes],
+            region_bytes=costs.region_bytes,
         )
         return _with_gradients(acc, costs)
 
@@ -135,8 +152,9 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     while it runs (its inputs' new gradients allocated, its output's gradient not yet released).
     A node's output gradient is created by its first consumer in the backward pass (or by the loss) and
     released after the node's own backward; nodes that pass gradients through (``grad_alias``) share one
-    storage among their inputs; a second contribution to an existing gradient is added into it, in place
-    if that gradient has no other holder, else into a new tensor.
+    storage among their inputs, except those whose gradient is a tensor of its own (``NodeCost.grad_copies``:
+    under autocast, autograd casts the gradient of an input of another dtype); a second contribution to an
+    existing gradient is added into it, in place if that gradient has no other holder, else into a new tensor.
     """
     n = acc.n
     needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs)
@@ -172,6 +190,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         p = acc.producer[s]
         if p >= 0 and p not in grads:
             attach(p, new_token(acc.grad_bytes[p]))
+    index = {c.name: i for i, c in enumerate(costs.nodes)}
+    copies = [{index[a] for a in c.grad_copies if a in index} for c in costs.nodes]
     before, during = [0] * n, [0] * n
     for i in range(n - 1, -1, -1):
         before[i] = total
@@ -180,9 +200,10 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         for m in acc.inputs[i]:
             if not needs[m]:
                 continue
+            passed = acc.grad_alias[i] and t is not None and m not in copies[i]
             if m in grads:
                 if token_refs[grads[m]] == 1:  # added into the existing gradient, in place
-                    if not (acc.grad_alias[i] and t is not None):
+                    if not passed:
                         extra = max(extra, acc.grad_bytes[m])  # the new contribution, until it is added
                 else:
                     # the existing gradient is shared (an addition passed one tensor to several inputs): autograd
@@ -190,7 +211,7 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
                     # its other holders (torch/csrc/autograd/input_buffer.cpp, accumulate)
                     release(grads[m])
                     attach(m, new_token(acc.grad_bytes[m]))
-            elif acc.grad_alias[i] and t is not None:
+            elif passed:
                 attach(m, t)
             else:
                 attach(m, new_token(acc.grad_bytes[m]))

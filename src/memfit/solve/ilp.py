@@ -14,7 +14,8 @@ Variables (``i`` node index in forward order, ``s`` storage):
   c_i in {0,1}   a region boundary lies just before node i (adjacent regions);
   h_s in [0,1]   storage s is held from the forward to the backward pass;
   z_pn in [0,1]  nodes p < n are in the same region (= AND of r_k, k in [p, n], and no cut in (p, n]);
-  a_i >= 0       bytes rematerialized by i's region that are still alive at i's backward.
+  a_i >= 0       bytes rematerialized by i's region that are still alive at i's backward (with, under
+                 autocast, the casts of parameters i saves: the recomputation makes its own).
   o_j in {0,1}   node j's saved tensors are offloaded to the host store (vDNN), only where r_j = 0;
   S_i, B_i >= 0  cumulative time the compute waits for offload copies up to forward node i / for prefetches
                  down to backward node i (the copy stream is serial).
@@ -22,8 +23,12 @@ Variables (``i`` node index in forward order, ``s`` storage):
 Constraints: h_s >= 1 - r_n - o_p for every node n that saves s (made by p); h_s >= r_n - z_pn for every
 consumer n of s made by p (a region keeps its inputs); forward peak after each node and backward peak at
 each node <= budget - fixed bytes, where an offloaded storage counts until its wait point in the forward pass
-and from its prefetch to its first saver in the backward pass. An in-place form k of node i, overwriting
-storage S made by p, removes S from i's forward row (operand and result are one storage) and requires
+and from its prefetch to its first saver in the backward pass; an autocast cast of a parameter counts from its
+first reader to the end of the forward pass, whatever the plan. Left to the replay, which checks every plan
+(``memfit.solve.strategies``): transients of a recomputation (values read by a later recomputed node, casts
+nothing saves), the loss, and the bytes each region keeps (``Accounting.region_bytes``, the CPU RNG state:
+counted in the rows, they made the program infeasible at floors the replay reaches). An in-place form k of
+node i, overwriting storage S made by p, removes S from i's forward row (operand and result are one storage) and requires
 v_i^k + r_i - z_pi <= 1, v_i^k + o_i <= 1 and v_i^k + o_p <= 1. A region never reads a storage that is
 modified in place after the region starts (its recomputation would read the new value): for a reader q of
 a storage made by p and modified by k, r_q <= z_pq if k >= q, and z_kq <= z_pq if k < q. Objective: minimize recomputation time plus
@@ -258,6 +263,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             if p == i and s in variant_storage:  # exists only if its variant is chosen
                 x = v[i][variant_storage[s][1]]
                 terms[x] = terms.get(x, 0.0) + nb[s]
+            elif s in acc.casts:  # autocast's cache holds it to the end of the forward pass, whatever the plan
+                const += nb[s]
             elif p == i and s in internal_of[i] and v[i]:  # a default internal: gone with any variant
                 const += nb[s]
                 for x in v[i].values():
@@ -286,11 +293,13 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     cum = 0.0  # big-M of row i: everything a region ending at i could have rematerialized
     copies_at: list[list[int]] = [[] for _ in range(n)]
     for s in acts:
-        if acc.savers[s]:
+        if acc.savers[s] and s not in acc.casts:
             copies_at[min(acc.savers[s])].append(s)
     for i in range(n):
         own = {}
-        own_const = 0.0
+        # a recomputation under autocast casts the parameters again: what node i saves of them is counted until
+        # its backward (each saver its own, conservatively; unsaved casts live only during the recomputation)
+        own_const = sum(nb[s] for s in acc.cast_uses[i] if i in acc.savers[s])
         for s in copies_at[i]:
             p = acc.producer[s]
             if p == i:

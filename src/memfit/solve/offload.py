@@ -20,9 +20,12 @@ END = "<end>"  # wait point of storages that the loss reads: the end of the forw
 
 
 def offloadable(acc: Accounting, j: int) -> list[int]:
-    """Storages created by node ``j`` that offloading ``j`` would move (before regions are known)."""
+    """Storages created by node ``j`` that offloading ``j`` would move (before regions are known). Autocast's
+    casts of parameters are left out: its cache holds them on the device until the forward pass ends anyway
+    (the runtime may still copy one out; the replay then counts it on the device, which is no less)."""
     return [s for s in acc.creates[j]
-            if acc.nbytes[s] >= MIN_OFFLOAD_BYTES and acc.savers.get(s) and acc.producer.get(s) == j]
+            if acc.nbytes[s] >= MIN_OFFLOAD_BYTES and acc.savers.get(s) and acc.producer.get(s) == j
+            and s not in acc.casts]
 
 
 def candidates(acc: Accounting) -> list[int]:

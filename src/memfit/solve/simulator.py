@@ -10,9 +10,17 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   last forward use unless something holds it for the backward pass: a kept node that saves it, or a
   checkpoint region that reads it as an input (the region keeps its inputs until its backward ends);
 * backward, ``i`` from last to first: when ``i`` is the last node of a region that saves anything, the
-  region's forward is rerun up to that node and every tensor its nodes save is rematerialized; then the
+  region's forward is rerun up to that node and every tensor its nodes save is rematerialized (it stops at
+  that node's last save: a node that saves only tensors made before it, ``NodeCost.saves_first``, saves
+  them before computing, so its outputs are not made); then the
   node's backward allocates the gradients of its inputs, frees the gradient of its output, and frees every
-  storage whose last holder has now finished its backward.
+  storage whose last holder has now finished its backward;
+* a region holds the CPU RNG state (``Costs.region_bytes``) from its forward pass until its last holder's
+  backward, and a second copy while it is recomputed (``torch.random.fork_rng``);
+* under ``torch.autocast``, the cast of a parameter (``Accounting.casts``) lives from its first reader to the
+  end of the forward pass and the loss (autocast's cache), and then as long as a kept node saves it; a
+  region's recomputation runs under autocast too and makes its own casts, which live until the
+  recomputation ends, or until their saver's backward.
 
 Offloaded storages (``memfit.solve.offload``) are copied on a copy stream that runs concurrently with compute:
 a copy starts when the stream is free and the storage has been saved, takes the link's measured time, and
@@ -170,8 +178,11 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             stall += t - clock
             clock = t
 
+    starts = {lo: r for r, (lo, _) in enumerate(spans)}
     # forward
     for i in range(n):
+        if i in starts:  # the checkpoint keeps the RNG state until the region's backward
+            alloc(acc.region_bytes, f"fwd {i} region {starts[i]} rng state")
         for s in acc.creates[i]:
             alive.add(s)
             alloc(acc.nbytes[s], f"fwd {i} alloc {s}")
@@ -186,11 +197,13 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 wait_for(done[s])
         for s in list(alive):
             ended = acc.fwd_last[s] <= i if s not in off else off[s].wait <= i
-            if s in acc.internal[i] and reg[i] >= 0:
+            if s in acc.internal[i] and reg[i] >= 0 and s not in acc.casts:
                 ended = True
             if ended and not holders.get(s):
                 alive.discard(s)
                 free(acc.nbytes[s], f"fwd {i} free {s}")
+        if reg[i] >= 0 and spans[reg[i]][1] == i and last_saver[reg[i]][0] is None:
+            free(acc.region_bytes, f"fwd {i} region {reg[i]} rng state")  # nothing saved: nothing holds it
     for s, o in off.items():
         if o.wait >= n:
             wait_for(done[s])
@@ -204,6 +217,10 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     # output-sized tensor and makes another in its backward
     loss = acc.loss_bytes if acc.loss_bytes is not None else 2 * sum(acc.nbytes[s] for s in acc.output_storages)
     transient(loss, "loss backward")
+    for s in list(alive):  # autocast's cache is cleared when its context exits, after the loss
+        if s in acc.casts and not holders.get(s):
+            alive.discard(s)
+            free(acc.nbytes[s], f"loss free cast {s}")
     alloc(acc.loss_held_bytes, "loss value")  # held by the training loop until the step ends
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
@@ -223,9 +240,29 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             lo, _ = spans[r]
             copies = set()
             read_until: dict[int, list[int]] = {}  # recomputed node -> unsaved storages its run is the last to read
+            alloc(acc.region_bytes, f"recompute {i} rng state")  # fork_rng's copy of the current state
+            cast: set[int] = set()  # casts of this recomputation (autocast's cache, cleared when it ends)
+            unsaved_casts = 0
             for j in range(lo, i + 1):
                 recompute_seconds += acc.fwd_seconds[j]
-                for s in acc.creates[j]:
+                for s in acc.cast_uses[j]:
+                    if s in cast:
+                        continue
+                    cast.add(s)
+                    saved_in = {k for k in acc.savers[s] if reg[k] == r}
+                    alloc(acc.nbytes[s], f"recompute {j} cast {s}")
+                    if saved_in:
+                        copies.add(s)
+                        copy_holders[(r, s)] = saved_in
+                    else:
+                        unsaved_casts += acc.nbytes[s]
+                # the recomputation stops once the last tensor is saved (early stop): a last saver that saves only
+                # what others made saves it before it computes, so its outputs never exist here (its workspace,
+                # from operations before the last save, is still counted)
+                stopped = j == i and acc.saves_first[i]
+                for s in [] if stopped else acc.creates[j]:
+                    if s in acc.casts:
+                        continue
                     saved_in = {k for k in acc.savers[s] if reg[k] == r}
                     last_read = max((k for k in acc.consumers[s] if j < k <= i), default=j)
                     if saved_in:
@@ -240,6 +277,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 transient(acc.fwd_ws[j], f"recompute {j} workspace")
                 for s in read_until.pop(j, []):
                     free(acc.nbytes[s], f"recompute {j} free {s}")
+            free(unsaved_casts + acc.region_bytes, f"recompute {i} end")
             recomputed[r] = copies
             clock += sum(acc.fwd_seconds[lo:i + 1])
         for s, o in off.items():
@@ -262,6 +300,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 if not h:
                     alive.discard(s)
                     free(acc.nbytes[s], f"bwd {i} free {s}")
+        if r >= 0 and last_saver[r][0] is not None and last_saver[r][1] == i:
+            free(acc.region_bytes, f"bwd {i} region {r} rng state")
         if r >= 0 and r in recomputed:
             for s in list(recomputed[r]):
                 h = copy_holders[(r, s)]

@@ -1,0 +1,177 @@
+"""Mixed precision (CPU bfloat16 autocast) against plain PyTorch under the same autocast: the predicted peak
+covers the measured one, a plan at ``budget="min"`` stays under its budget, and gradients are PyTorch's.
+
+The training step is PyTorch's recipe: forward pass and loss inside ``torch.autocast``, ``loss.backward()``
+and ``opt.step()`` outside it (``measure_training(..., autocast=torch.bfloat16)``). What these tests guard:
+
+* autocast's cache keeps the bfloat16 copy of every parameter from its first use until the context exits,
+  also when no layer saves it (the first Linear of a block whose input needs no gradient), and a
+  recomputation under autocast makes its own copies;
+* an addition of a float32 residual and a bfloat16 branch passes its float32 gradient to the residual, and
+  autograd casts a bfloat16 copy for the branch (the two coexist in the backward pass);
+* each checkpoint region keeps the CPU RNG state (``preserve_rng_state``), also in float32.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.graph import capture
+from memfit.profile import profile_graph
+from memfit.solve import simulate
+from memfit.solve.accounting import Accounting
+from memfit.solve.baselines import block_spans
+from memfit.solve.ilp import solve_regions
+from memfit.solve.plan import Plan
+
+#: bytes the measured peak may exceed the prediction by: the loss's scalars, which the replay leaves out
+SLACK = 64
+
+
+class Block(nn.Module):
+    """Self-attention (q, k, v and output Linears, scaled softmax, dropout on the weights) and, optionally, a
+    LayerNorm before it and a GELU feed-forward after it, with float32 residual additions."""
+
+    def __init__(self, d: int, full: bool):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.drop = nn.Dropout(0.0)
+        self.full = full
+        self.ln = nn.LayerNorm(d) if full else nn.Identity()
+        self.ff1, self.ff2 = (nn.Linear(d, 2 * d), nn.Linear(2 * d, d)) if full else (nn.Identity(), nn.Identity())
+        self.scale = d ** -0.5
+
+    def forward(self, x):
+        h = self.ln(x)
+        a = (self.q(h) @ self.k(h).transpose(-2, -1)) * self.scale
+        x = x + self.o(self.drop(a.softmax(-1)) @ self.v(h))
+        if self.full:
+            x = x + self.ff2(F.gelu(self.ff1(x)))
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 64, layers: int = 2, full: bool = True):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d, full) for _ in range(layers)])
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(1))
+
+
+def _case(full: bool, seq: int):
+    torch.manual_seed(0)
+    model = Attention(full=full).train()
+    return model, torch.randn(8, seq, 64), torch.randint(0, 10, (8,))
+
+
+@pytest.fixture(scope="module")
+def full_block():
+    """LayerNorm, attention and feed-forward: plain PyTorch's figures under bfloat16 autocast and in float32."""
+    model, x, y = _case(True, 64)
+    return model, x, y, {dt: measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1,
+                                              autocast=dt) for dt in (torch.bfloat16, None)}
+
+
+def _planned(model, x, y, strategy: str, budget, dtype, loss=F.cross_entropy):
+    m = fresh_copy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+        plan, captured, _ = memfit.plan(m, x, budget, strategy=strategy, optimizer=opt, time_limit=2.0,
+                                        loss_fn=lambda out: loss(out, y))
+    planned = memfit.PlannedModule(captured, plan)
+    return plan, measure_training(planned, planned, (x,), y, loss, steps=1, autocast=dtype)
+
+
+@pytest.mark.parametrize(("strategy", "budget", "dtype"), [
+    ("none", "100%", torch.bfloat16),
+    ("checkpoint-all", "100%", torch.bfloat16),
+    ("memfit", "min", torch.bfloat16),
+    ("remat-ilp", "min", torch.bfloat16),
+    ("checkpoint-all", "100%", None),  # the RNG state of each region, in float32 too
+])
+def test_prediction_covers_the_measured_peak(full_block, strategy, budget, dtype):
+    """Before the casts, the gradient copies and the RNG states were counted, this model measured 1.3% above
+    its prediction with strategy none, 3.4% with checkpoint-all, and 5.7% at budget min (20 KB over it)."""
+    model, x, y, base = full_block
+    plan, fig = _planned(model, x, y, strategy, budget, dtype)
+    check = compare(base[dtype], fig)
+    assert check["gradients_match"], check
+    assert fig.peak_bytes <= plan.predicted_peak_bytes + SLACK, (fig.peak_bytes, plan.predicted_peak_bytes)
+    assert plan.predicted_peak_bytes <= 1.01 * fig.peak_bytes, (fig.peak_bytes, plan.predicted_peak_bytes)
+    if budget == "min":
+        assert plan.regions
+        assert fig.peak_bytes <= plan.budget_bytes, (fig.peak_bytes, plan.budget_bytes)
+
+
+class TwoLinears(nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x))).mean((1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_two_linears_at_min_budget_peak_as_predicted(dtype):
+    """At its floor this model recomputes ``a`` and ``gelu`` in one region. The region keeps the CPU RNG state
+    (5056 bytes; before it was counted, the prediction was 5060 bytes under the measured peak, in float32 as
+    in bfloat16), and its recomputation stops at GELU's saved input, before GELU computes (counted, the
+    prediction would be 5 KB over)."""
+    torch.manual_seed(0)
+    model, x, y = TwoLinears().train(), torch.randn(8, 64, 64), torch.randn(8)
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.mse_loss, steps=1, autocast=dtype)
+    plan, fig = _planned(model, x, y, "remat-ilp", "min", dtype, loss=F.mse_loss)
+    assert plan.regions and compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= plan.budget_bytes
+    assert abs(fig.peak_bytes - plan.predicted_peak_bytes) <= SLACK, (fig.peak_bytes, plan.predicted_peak_bytes)
+
+
+def test_weight_casts_nothing_saves_live_to_the_end_of_the_forward_pass():
+    """The first block's q, k and v read the model input, which needs no gradient: they save the input's cast
+    but not their weights', which autocast's cache still holds until the forward pass ends (the peak of this
+    model). Before they were counted, the prediction was 25 KB under the measured peak."""
+    model, x, y = _case(False, 128)
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1, autocast=torch.bfloat16)
+    plan, fig = _planned(model, x, y, "none", "100%", torch.bfloat16)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= plan.predicted_peak_bytes + SLACK, (fig.peak_bytes, plan.predicted_peak_bytes)
+    assert plan.predicted_peak_bytes <= fig.peak_bytes + SLACK
+
+    m = fresh_copy(model)
+    captured = capture(m)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        costs = profile_graph(captured, (x,), loss_fn=lambda out: F.cross_entropy(out, y), with_variants=False)
+    by_name = {c.name: c for c in costs.nodes}
+    kinds = {s.id: s for s in costs.storages}
+    q = by_name["blocks_0_q"]
+    casts = [kinds[s] for s in q.casts]
+    # the weight's and the bias's bfloat16 copies, made by this node, and not saved by it
+    assert sorted(s.nbytes for s in casts) == [64 * 2, 64 * 64 * 2]
+    assert all(s.kind == "cast" and s.producer == "blocks_0_q" and s.id not in q.saves for s in casts)
+    # the output Linear reads an activation that needs a gradient: it saves its weight's cast
+    o = by_name["blocks_0_o"]
+    assert any(kinds[s].nbytes == 64 * 64 * 2 and s in o.saves for s in o.casts)
+
+
+def test_casts_stay_alive_in_the_replay_and_in_the_program():
+    """The simulator and the integer program read the same accounting: each counts every cast from its first
+    reader to the end of the forward pass, and the program's modelled peak is no lower than the replay's,
+    with and without regions (less the RNG states of the regions, which only the replay counts)."""
+    model, x, y = _case(True, 64)
+    captured = capture(fresh_copy(model))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        costs = profile_graph(captured, (x,), loss_fn=lambda out: F.cross_entropy(out, y), with_variants=False)
+    acc = Accounting.build(captured.graph, costs)
+    assert acc.casts and all(acc.fwd_last[s] == acc.n for s in acc.casts)
+    names = [n.name for n in captured.graph.nodes]
+    for spans in ([], block_spans(captured.graph)):
+        sim = simulate(captured.graph, costs, Plan.from_spans("test", names, spans), fixed_bytes=0)
+        res = solve_regions(acc, 0, minimize_peak=True, fix_spans=spans, time_limit=5)
+        low = sim.activation_peak_bytes - 16 - acc.region_bytes * len(spans)
+        assert res.objective >= low, (spans, res.objective, sim.activation_peak_bytes)
