@@ -84,8 +84,38 @@ def _refuse_grad_mode_changes():
         torch.autograd.grad_mode.inference_mode.__enter__ = real_inference
 
 
+class _BufferTracer(fx.Tracer):
+    """``torch.fx``'s tracer with reads of buffers recorded as ``get_attr`` nodes. The default tracer runs an
+    expression that reads only buffers (``self.count.add_(1)``, ``1 + self.ema``) once, while tracing, and
+    records its value as a constant: such an update never ran again, and such a value never changed."""
+
+    proxy_buffer_attributes = True
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    """Trace with :class:`_BufferTracer`; where that fails but ``fx.symbolic_trace`` works (a buffer read in
+    Python control flow), warn and use the latter."""
+    tracer = _BufferTracer()
+    try:
+        graph = tracer.trace(model)
+    except _GradModeChange:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- fx raises many types; the plain trace decides
+        gm = fx.symbolic_trace(model)  # raises when the model does not trace at all
+        warnings.warn(
+            f"memfit traced {type(model).__name__} with its buffers read as constants: with buffers as graph "
+            f"values, tracing failed ({type(exc).__name__}: {exc}; at {_user_frame(exc)}). Computations on "
+            "buffers alone (outside torch.nn modules), such as in-place updates of your own buffers, ran once "
+            "while tracing and will not run in training steps.", stacklevel=4)
+        return gm
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def capture(model: nn.Module) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
+
+    Reads of the model's own buffers are graph values (``get_attr`` nodes), so an in-place update of a
+    buffer in forward (``self.count.add_(1)``) runs in every step, and tracing leaves the buffers unchanged.
 
     Args:
         model: any ``nn.Module`` whose forward has no data-dependent Python control flow.
@@ -98,10 +128,14 @@ def capture(model: nn.Module) -> Captured:
         TraceError: fx could not trace the model; the message names the failing file and line of the
             user's code and suggests the fix (remove data-dependent control flow there, or wrap that
             submodule as a leaf with ``torch.fx.wrap``).
+
+    Warns:
+        UserWarning: the model traces only with its buffers read as constants (a buffer in Python control
+            flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
     try:
         with _refuse_grad_mode_changes():
-            gm = fx.symbolic_trace(model)
+            gm = _trace(model)
     except _GradModeChange as exc:
         raise TraceError(
             f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "

@@ -4,25 +4,35 @@ Each region of the plan runs through non-reentrant ``torch.utils.checkpoint.chec
 preserved, so dropout draws the same masks when recomputed); everything outside regions runs as plain
 PyTorch. Values are dropped from the interpreter's environment right after their last forward use, so the
 module holds no more than plain PyTorch would.
+
+Buffers that the forward pass writes (BatchNorm's and InstanceNorm's running statistics, the power-iteration
+vectors of spectral normalization, a user's in-place counters) are updated once per step, by the forward
+pass. A recomputation runs on scratch copies of them holding their values from the forward pass, so it
+computes what the forward pass computed, never writes the model's buffers and never bumps the version
+counters that autograd checks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from memfit.graph.calls import compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.runtime.offload import OffloadStep
-from memfit.runtime.stores import CopyEngine, HostStore, default_store
+from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
+
+_Slot = tuple[nn.Module, str]  # a buffer's registration: (module, name in module._buffers)
 
 
 @dataclass
@@ -32,39 +42,204 @@ class _Region:
     inputs: list[str]
     outputs: list[str]
     frees: list[list[str]]  # per node: local values to drop after it
-    buffers: list[torch.Tensor] = field(default_factory=list)  # BatchNorm buffers to restore on recompute
+    modules: list[nn.Module]  # every module (and submodule) its call_module nodes call: whose buffers it reads
+    slots: list[_Slot]  # the buffers it can reach: those of ``modules`` and of its get_attr nodes
+
+
+# What a recomputation does with a buffer the forward pass writes (by the buffer's storage):
+_STATEFUL = "stateful"  # its value is read: snapshot it in the forward pass, recompute on a copy of the snapshot
+_SCRATCH = "scratch"  # written by operators that bump its version, value never read: recompute on a copy of it
+_RESTORE = "restore"  # written only as batch-norm running statistics (no version bump): recompute on the buffer
+# itself, then put its value back without a version bump (as the batch-norm kernels write it)
+
+
+class _StepState:
+    """The buffers one forward pass writes, by storage (``kinds``: storage key -> what a recomputation does
+    with it; in the first training step every buffer is ``_STATEFUL`` until the forward pass has shown which
+    ones it writes), and the region calls made so far."""
+
+    def __init__(self, kinds: dict[tuple, str], finder: _FindWrites | None = None):
+        self.kinds = kinds
+        self.finder = finder  # the first training step's dispatch mode: memfit's own snapshots are not reads
+        self.calls: list[_RegionCall] = []
+
+    def kind(self, value) -> str | None:
+        """What ``value`` is, if it is, or shares storage with, a buffer the step writes."""
+        return self.kinds.get(_storage_key(value)) if isinstance(value, torch.Tensor) else None
 
 
 class _RegionCall:
     """One forward call of a region: the first call is the forward pass, later calls are recomputations.
-    ``on_value(name, value)`` sees every value the forward pass computes (the offloader's prefetch triggers)."""
+    ``on_value(name, value)`` sees every value the forward pass computes (the offloader's prefetch triggers).
 
-    def __init__(self, region: _Region, on_value=None):
+    ``side`` holds the region's inputs (by position) that are buffers, or views of buffers, the step writes:
+    they are not given to ``checkpoint``, whose saved copy of its inputs would fail autograd's version check
+    once the forward pass updates them in place (plain PyTorch saves nothing there).
+
+    Buffers the step writes never change in a recomputation, and their version counters never move: the
+    forward pass snapshots (clones) those whose values are read (``_STATEFUL``: spectral normalization's
+    vectors, InstanceNorm's statistics, a user's buffer read after or before its update), and the
+    recomputation runs on fresh copies of the snapshots; it runs on a copy of the current value for those
+    written by version-bumping operators and never read (``_SCRATCH``: ``num_batches_tracked``, counters).
+    The copies stand in for the buffers in the region's modules (``module._buffers``), inputs and get_attr
+    values, and the model's buffers are put back afterwards (also when the recomputation stops early).
+    BatchNorm running statistics (``_RESTORE``) are updated by the recomputation in place, as plain
+    PyTorch's kernel does without a version bump, and their values put back afterwards through ``.data``
+    (no version bump either), so a module applied several times, inside and outside regions, keeps what
+    autograd saved valid and needs no more memory than the buffers' size while it recomputes."""
+
+    def __init__(self, region: _Region, on_value=None, state: _StepState | None = None,
+                 side: dict[int, torch.Tensor] | None = None):
         self.region = region
         self.calls = 0
         self.on_value = on_value
+        self.state = state
+        self.side = side or {}
+        # id(tensor) -> (tensor, snapshot, storage key): the values the forward pass read
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, tuple | None]] = {}
+
+    def _inputs(self, values) -> list:
+        if not self.side:
+            return list(values)
+        rest = iter(values)
+        return [self.side[i] if i in self.side else next(rest) for i in range(len(self.region.inputs))]
 
     def __call__(self, *values):
         region = self.region
         recompute = self.calls > 0
         self.calls += 1
-        snapshot = [b.clone() for b in region.buffers] if recompute else None
-        env = dict(zip(region.inputs, values))
+        values = self._inputs(values)
+        state = self.state
+        if not recompute:
+            if state is not None:
+                self._snapshot(values)
+                state.calls.append(self)
+            return self._run(values, None)
+        if state is None:
+            return self._run(values, None)
+        scratch: dict[int, torch.Tensor] = {}
+        restore: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.no_grad():
+            for i, (_, snap, _) in self.saved.items():
+                scratch[i] = snap.clone()
+            for t in [mod._buffers.get(name) for mod, name in region.slots] + list(self.side.values()):
+                if t is None or id(t) in scratch or id(t) in restore:
+                    continue
+                kind = state.kind(t)
+                if kind == _RESTORE:
+                    restore[id(t)] = (t, t.detach().clone())
+                elif kind is not None:  # _SCRATCH (a _STATEFUL one always has its snapshot)
+                    scratch[id(t)] = t.detach().clone()
+        swapped = []
         try:
-            for name, fn, frees in zip(region.names, region.fns, region.frees):
-                env[name] = fn(env)
-                if self.on_value is not None and not recompute:
-                    self.on_value(name, env[name])
-                for f in frees:
-                    del env[f]
-            self.on_value = None  # needed in the forward pass only; it would keep the offloader alive
-            return tuple(env[o] for o in region.outputs)
+            for mod in region.modules:
+                for name, buf in mod._buffers.items():
+                    if buf is not None and id(buf) in scratch:
+                        swapped.append((mod, name, buf))
+                        mod._buffers[name] = scratch[id(buf)]
+            values = [scratch.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in values]
+            return self._run(values, scratch)
         finally:
-            # running statistics are updated once per step, in the forward pass, never by a recomputation
-            if snapshot is not None:
-                with torch.no_grad():
-                    for buf, saved in zip(region.buffers, snapshot):
-                        buf.copy_(saved)
+            for mod, name, buf in reversed(swapped):
+                mod._buffers[name] = buf
+            with torch.no_grad():
+                for t, value in restore.values():
+                    t.data.copy_(value)  # .data: a write that autograd's version counter does not see
+
+    def _snapshot(self, values) -> None:
+        state = self.state
+        found = [mod._buffers.get(name) for mod, name in self.region.slots] + list(values)
+        with torch.no_grad(), state.finder.paused() if state.finder is not None else contextlib.nullcontext():
+            for t in found:
+                if id(t) not in self.saved and state.kind(t) == _STATEFUL:
+                    self.saved[id(t)] = (t, t.detach().clone(), _storage_key(t))
+
+    def keep_only(self, keys: set[tuple]) -> None:
+        """Drop the snapshots of tensors whose storage is not in ``keys`` (after the first step found the
+        buffers whose values it reads)."""
+        self.saved = {i: v for i, v in self.saved.items() if v[2] in keys}
+
+    def _run(self, values, scratch):
+        region = self.region
+        recompute = self.calls > 1
+        env = dict(zip(region.inputs, values))
+        for name, fn, frees in zip(region.names, region.fns, region.frees):
+            value = fn(env)
+            if scratch and isinstance(value, torch.Tensor):
+                value = scratch.get(id(value), value)  # a get_attr of a buffer the step writes
+            env[name] = value
+            if self.on_value is not None and not recompute:
+                self.on_value(name, value)
+            for f in frees:
+                del env[f]
+        self.on_value = None  # needed in the forward pass only; it would keep the offloader alive
+        return tuple(env[o] for o in region.outputs)
+
+
+# ATen operators that update running statistics without declaring them written in their schema
+# (``native_batch_norm`` & co.: ``Tensor? running_mean``, no ``(a!)``); the update happens when ``training``.
+_RUNNING_STATS = ("running_mean", "running_var")
+
+
+class _FindWrites(TorchDispatchMode):
+    """Records which buffer storages operators write (arguments marked ``(a!)`` in the schema: ``bumped``,
+    as autograd bumps their version; and the running statistics of batch-norm operators in training), and
+    which ones they read (any other argument that is not a view's source)."""
+
+    def __init__(self, storages: dict[tuple, list[_Slot]]):
+        super().__init__()
+        self.storages = storages
+        self.written: set[_Slot] = set()
+        self.bumped: set[_Slot] = set()
+        self.read: set[_Slot] = set()
+        self.off = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside (memfit's own copies)."""
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
+        schema = func._schema
+        values = {}
+        for i, a in enumerate(schema.arguments):
+            values[a.name] = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        training = values.get("training", True)
+        for a in schema.arguments:
+            declared = a.alias_info is not None and a.alias_info.is_write
+            hidden = a.name in _RUNNING_STATS and training is not False
+            for t in tree_leaves(values[a.name]):
+                slots = self.storages.get(_storage_key(t)) if isinstance(t, torch.Tensor) else None
+                if not slots:
+                    continue
+                if declared:
+                    self.written.update(slots)
+                    self.bumped.update(slots)
+                elif hidden:
+                    self.written.update(slots)
+                elif a.alias_info is None:
+                    self.read.update(slots)
+        return func(*args, **kwargs)
+
+    def kinds(self) -> dict[_Slot, str]:
+        """What a recomputation does with each written buffer."""
+        return {slot: _STATEFUL if slot in self.read else _SCRATCH if slot in self.bumped else _RESTORE
+                for slot in self.written}
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses, meta)
+        return None
+    return (t.device, storage.data_ptr()) if storage.nbytes() else None
 
 
 class PlannedModule(nn.Module):
@@ -73,9 +248,24 @@ class PlannedModule(nn.Module):
     It shares parameters and buffers with the model it was traced from (``planned.parameters()`` are the
     model's own tensors, under the same ``state_dict()`` keys), so any optimizer built on either trains
     both, and checkpoints load into either. To save, save ``state_dict()`` (the module itself holds
-    closures and does not pickle). Gradients and BatchNorm running
-    statistics are the same as plain PyTorch's: BatchNorm buffers touched by a recomputation are restored
-    to their value from the forward pass.
+    closures and does not pickle). ``copy.deepcopy(planned)`` deep-copies the model and gives an independent
+    planned module over the copy's parameters and buffers, with the same plan (an EMA or teacher copy).
+
+    The plan applies to training steps: in training mode with gradients enabled it runs the traced graph
+    under the plan. In evaluation mode (of the planned module or of the model), or with gradients disabled
+    (``torch.no_grad()``), it calls the model itself, which then computes exactly what it computes in that
+    mode (functional dropout included, which the trace recorded with ``training=True``).
+    ``planned.train(mode)`` and ``planned.eval()`` set the model's own mode (its ``train`` is called).
+
+    Gradients and buffers are the same as plain PyTorch's. Every buffer the forward pass writes (running
+    statistics of BatchNorm and InstanceNorm, spectral normalization's power-iteration vectors, in-place
+    updates of a user's buffers) is written once per step, by the forward pass: a checkpoint region's
+    recomputation runs on scratch copies of the buffers it can reach, holding their values from the forward
+    pass, and never writes the model's buffers or bumps their version counters (a module applied several
+    times, inside and outside regions, is fine). The written buffers are found in the first training step,
+    under a ``TorchDispatchMode`` (operators that declare a write, and batch-norm running statistics); until
+    then every reachable buffer is snapshotted. The snapshots (the size of those buffers, per region) are
+    held from a region's forward pass to its recomputation; the plan does not count them.
 
     Nodes the plan offloads have their saved tensors copied to a host store (``offload_store``: pinned memory
     on CUDA, memory-mapped files in ``offload_dir`` otherwise) and prefetched back in the backward pass
@@ -86,6 +276,12 @@ class PlannedModule(nn.Module):
         report: figures from :func:`memfit.optimize` (predicted and measured), or ``None``.
         gm: the traced ``torch.fx.GraphModule``.
         offload_store: the :class:`~memfit.runtime.stores.HostStore` in use, once a step has offloaded.
+
+    Raises:
+        ValueError: (at construction) the plan was solved for another graph, or it asks for an operator
+            variant or an in-place form that cannot apply here.
+        TypeError: (when called in training mode with gradients) the number of positional inputs differs
+            from the traced forward's.
     """
 
     def __init__(self, captured: Captured, plan: Plan, report: dict | None = None,
@@ -93,6 +289,8 @@ class PlannedModule(nn.Module):
         super().__init__()
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
+        self.__dict__["_captured"] = captured
+        self.__dict__["_kinds"] = None  # the buffers the forward pass writes, once a training step ran
         self.offload_dir = offload_dir
         # the traced GraphModule runs the step but is not registered: the planned module registers the
         # model's own children, parameters and buffers instead, so state_dict() keys are the model's
@@ -104,10 +302,48 @@ class PlannedModule(nn.Module):
             self.register_parameter(name, p)
         for name, b in root.named_buffers(recurse=False):
             self.register_buffer(name, b)
+        self.training = root.training
         self.plan = plan
         self.report = report
         self._warned_shapes: set[str] = set()
         self._build()
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's model (the traced ``GraphModule`` when the capture has none)."""
+        captured = self.__dict__["_captured"]
+        return captured.model if captured.model is not None else captured.gm
+
+    def train(self, mode: bool = True) -> PlannedModule:
+        """Set training mode here, on the traced graph and on the user's model (its own ``train(mode)``
+        is called last, so an override of it, such as one that keeps BatchNorm frozen, has the last word)."""
+        super().train(mode)
+        gm = self.__dict__["gm"]
+        gm.training = mode
+        model = self.model
+        if model is not gm:
+            model.train(mode)
+        return self
+
+    def __deepcopy__(self, memo: dict) -> PlannedModule:
+        """An independent planned module over a deep copy of the model (parameters, buffers, traced graph),
+        with a copy of the plan and the same mode; its offload store is its own."""
+        captured = self.__dict__["_captured"]
+        model = copy.deepcopy(captured.model, memo) if captured.model is not None else None
+        gm = copy.deepcopy(captured.gm, memo)  # after the model: its submodules map to the model's copies
+        store = self.offload_store
+        own_store = (DiskStore(store.directory) if isinstance(store, DiskStore) and not store.remove_when_done
+                     else None)
+        new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model),
+                            copy.deepcopy(self.plan, memo), copy.deepcopy(self.report, memo),
+                            offload_dir=self.offload_dir, offload_store=own_store)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # hooks registered on the planned module itself
+            if "hooks" in key and isinstance(value, dict):
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        new._warned_shapes = set(self._warned_shapes)
+        new.train(self.training)
+        return new
 
     def _build(self) -> None:
         gm, plan = self.gm, self.plan
@@ -166,11 +402,21 @@ class PlannedModule(nn.Module):
                     local_last[a.name] = j
             frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs]
                            for j in range(len(group))]
-            buffers = [b for n in group if n.op == "call_module"
-                       and isinstance(gm.get_submodule(n.target), _BatchNorm)
-                       for b in gm.get_submodule(n.target).buffers()]
+            modules: dict[int, nn.Module] = {}
+            slots: list[_Slot] = []
+            for n in group:
+                if n.op == "call_module":
+                    for mod in gm.get_submodule(n.target).modules():
+                        modules.setdefault(id(mod), mod)
+                elif n.op == "get_attr":
+                    path, _, attr = n.target.rpartition(".")
+                    owner = gm.get_submodule(path)
+                    if attr in owner._buffers:
+                        slots.append((owner, attr))
+            slots += [(mod, name) for mod in modules.values() for name in mod._buffers]
             region = _Region(names=[n.name for n in group], fns=[self._fn(n) for n in group],
-                             inputs=sorted(reads[k]), outputs=outputs, frees=frees_local, buffers=buffers)
+                             inputs=sorted(reads[k]), outputs=outputs, frees=frees_local,
+                             modules=list(modules.values()), slots=slots)
             self._steps.append(("region", region, None, frees))
 
     def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:
@@ -210,10 +456,13 @@ class PlannedModule(nn.Module):
                              f"({e})") from None
 
     def forward(self, *args):
+        model = self.model
+        if not (self.training and model.training and torch.is_grad_enabled()):
+            return model(*args)  # no training step, no plan: exactly what the model computes in this mode
         if len(args) != len(self._placeholders):
             raise TypeError(f"expected {len(self._placeholders)} positional inputs "
                             f"({', '.join(self._placeholders)}), got {len(args)}")
-        if self.plan.input_shapes and torch.is_grad_enabled() and self.training:  # the figures are a training step's
+        if self.plan.input_shapes:  # the figures are a training step's
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
             key = repr(shapes)
             if shapes != self.plan.input_shapes and key not in self._warned_shapes:
@@ -222,14 +471,15 @@ class PlannedModule(nn.Module):
                               f"called with {shapes}; results are correct but the planned memory figures do "
                               "not hold. Make a plan for these shapes.", stacklevel=2)
         env: dict[str, Any] = dict(zip(self._placeholders, args))
-        off = self._offload_step(args) if self._offloads and torch.is_grad_enabled() else None
+        off = self._offload_step(args) if self._offloads else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
                  else contextlib.nullcontext())
+        state, finder = self._step_state()
         index = self._index
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
         if off is not None:
             off.produced(-1, [t for a in args for t in tensors_in(a)])  # model inputs: never offloaded
-        with hooks:
+        with hooks, finder if finder is not None else contextlib.nullcontext():
             for k, (kind, a, b, frees) in enumerate(self._steps):
                 if kind == "node":
                     if off is not None:
@@ -238,8 +488,12 @@ class PlannedModule(nn.Module):
                     if off is not None:
                         off.produced(index[a], tensors_in(env[a]))
                 else:
-                    outs = checkpoint(_RegionCall(a, on_value), *[env[n] for n in a.inputs], use_reentrant=False,
-                                      preserve_rng_state=True)
+                    values = [env[n] for n in a.inputs]
+                    side = {i: v for i, v in enumerate(values) if state.kind(v) is not None}
+                    outs = checkpoint(_RegionCall(a, on_value, state, side),
+                                      *[v for i, v in enumerate(values) if i not in side],
+                                      use_reentrant=False, preserve_rng_state=True)
+                    del values, side
                     env.update(zip(a.outputs, outs))
                     del outs  # the environment alone holds the outputs, so each goes after its last use
                 if off is not None:
@@ -250,9 +504,45 @@ class PlannedModule(nn.Module):
                 if off is not None:
                     for j in self._releases.get(k, []):
                         off.release(j)
+        if finder is not None:  # the first training step: now the written buffers are known
+            self.__dict__["_kinds"] = finder.kinds()
+            state.kinds = self._storage_kinds()
+            state.finder = None
+            keep = {key for key, kind in state.kinds.items() if kind == _STATEFUL}
+            for call in state.calls:
+                call.keep_only(keep)
+        if state is not None:
+            state.calls.clear()
         if off is not None:
             off.finish_forward()
         return fx.node.map_arg(self._output.args[0], lambda n: env[n.name])
+
+    def _storage_kinds(self) -> dict[tuple, str]:
+        """Storage key -> what a recomputation does with it, for the buffers the forward pass writes (when a
+        storage holds several, the most careful kind)."""
+        order = {_STATEFUL: 0, _SCRATCH: 1, _RESTORE: 2}
+        kinds: dict[tuple, str] = {}
+        for (mod, name), kind in self.__dict__["_kinds"].items():
+            key = _storage_key(mod._buffers[name]) if mod._buffers.get(name) is not None else None
+            if key is not None and (key not in kinds or order[kind] < order[kinds[key]]):
+                kinds[key] = kind
+        return kinds
+
+    def _step_state(self) -> tuple[_StepState | None, _FindWrites | None]:
+        """What the regions of this step do with buffers; and, in the first training step, the dispatch mode
+        that finds the buffers the forward pass writes and reads."""
+        if not any(kind == "region" for kind, *_ in self._steps):
+            return None, None
+        if self.__dict__["_kinds"] is not None:
+            return _StepState(self._storage_kinds()), None
+        storages: dict[tuple, list[_Slot]] = {}
+        for mod in self.gm.modules():
+            for name, buf in mod._buffers.items():
+                key = _storage_key(buf) if buf is not None else None
+                if key is not None:
+                    storages.setdefault(key, []).append((mod, name))
+        finder = _FindWrites(storages)
+        return _StepState(dict.fromkeys(storages, _STATEFUL), finder), finder
 
     def _offload_step(self, args) -> OffloadStep:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]

@@ -1,0 +1,307 @@
+"""Modules with state, compared with plain PyTorch from the same initial weights: buffers the forward pass
+writes (running statistics, power iterations, a user's in-place counters) under recomputation, a module
+applied several times, ``copy.deepcopy`` of a planned module, and evaluation mode."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.graph import capture
+from memfit.graph.calls import compute_nodes
+from memfit.solve.plan import Plan
+
+
+class Reuse(nn.Module):
+    """The same Conv-BatchNorm-ReLU block applied three times (its BatchNorm updates its statistics thrice)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = self.block(h)
+        h = self.block(h)
+        h = self.block(h)
+        return self.head(h.mean((2, 3)))
+
+
+class Counter(nn.Module):
+    """Updates its own buffers in place in forward (a step counter and an exponential average)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1), nn.Linear(c, 10)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(c))
+
+    def forward(self, x):
+        h = F.relu(self.c1(x))
+        self.seen.add_(1)
+        self.ema.mul_(0.9).add_(h.detach().mean((0, 2, 3)), alpha=0.1)
+        h = F.relu(self.c2(h * (1 + self.ema.view(1, -1, 1, 1))))
+        return self.head(h.mean((2, 3)))
+
+
+class ReadThenWrite(nn.Module):
+    """Reads a buffer early and updates it in place later in the same forward pass: a recomputation of the
+    early part must read the value from before the update."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1), nn.Linear(c, 10)
+        self.register_buffer("shift", torch.linspace(-1, 1, c))
+
+    def forward(self, x):
+        h = torch.tanh(self.c1(x) + self.shift.view(1, -1, 1, 1))
+        h = torch.tanh(self.c2(h))
+        self.shift.add_(h.detach().mean((0, 2, 3)))
+        return self.head(h.mean((2, 3)))
+
+
+class FunctionalBN(nn.Module):
+    """F.batch_norm on the module's own buffers (get_attr nodes in the traced graph), momentum=None (a
+    cumulative average driven by num_batches_tracked) in the module form."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1), nn.Linear(c, 10)
+        self.w, self.b = nn.Parameter(torch.linspace(0.5, 1.5, c)), nn.Parameter(torch.zeros(c))
+        self.register_buffer("rm", torch.zeros(c))
+        self.register_buffer("rv", torch.ones(c))
+        self.bn = nn.BatchNorm2d(c, momentum=None)
+
+    def forward(self, x):
+        h = F.relu(F.batch_norm(self.c1(x), self.rm, self.rv, self.w, self.b, training=True, momentum=0.1))
+        return self.head(F.relu(self.bn(self.c2(h))).mean((2, 3)))
+
+
+class GroupInstance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                               nn.Conv2d(16, 16, 3, padding=1), nn.InstanceNorm2d(16, affine=True,
+                                                                                 track_running_stats=True),
+                               nn.Hardswish(), nn.Conv2d(16, 16, 3, padding=1),
+                               nn.InstanceNorm2d(16, affine=True, track_running_stats=True), nn.Mish())
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.f(x).mean((2, 3)))
+
+
+def _sequential(norm):
+    """Conv, norm, ReLU, conv, ReLU, pool, linear; ``norm(conv)`` may wrap the second convolution instead."""
+    first = nn.Conv2d(8, 8, 3, padding=1)
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), first, nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)]
+    made = norm(first)
+    if isinstance(made, nn.Module) and made is not first:  # a normalization layer after the first conv
+        layers.insert(1, made)
+    return nn.Sequential(*layers)
+
+
+def _old_spectral(conv):
+    nn.utils.spectral_norm(conv)  # a forward pre-hook that runs a power iteration on conv.weight_u
+    return conv
+
+
+def _new_spectral(conv):
+    nn.utils.parametrizations.spectral_norm(conv)  # a parametrization that updates _u and _v in training
+    return conv
+
+
+MODELS = {
+    "instance_norm": lambda: _sequential(lambda conv: nn.InstanceNorm2d(8, affine=True, track_running_stats=True)),
+    "batch_norm": lambda: _sequential(lambda conv: nn.BatchNorm2d(8)),
+    "group_instance": GroupInstance,
+    "spectral_norm_hook": lambda: _sequential(_old_spectral),
+    "spectral_norm_parametrization": lambda: _sequential(_new_spectral),
+    "counter": Counter,
+    "read_then_write": ReadThenWrite,
+    "functional_bn": FunctionalBN,
+}
+
+
+def _build(factory, seed=0):
+    torch.manual_seed(seed)
+    return factory().train()
+
+
+def _plan_for(model, regions):
+    """A plan with the given regions (``"all"``: one region over every node; ``"each"``: one per node)."""
+    captured = capture(model)
+    names = [n.name for n in compute_nodes(captured.gm)]
+    if regions == "all":
+        regions = [[names[0], names[-1]]]
+    elif regions == "each":
+        regions = [[n, n] for n in names]
+    elif regions == "halves":
+        mid = len(names) // 2
+        regions = [[names[0], names[mid - 1]], [names[mid], names[-1]]]
+    return memfit.PlannedModule(captured, Plan(strategy="test", nodes=names, regions=regions))
+
+
+def _train_side_by_side(plain, planned, x, y, steps=3):
+    """SGD with momentum on both; returns the largest gradient, parameter and buffer differences."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (plain, planned)]
+    grad = 0.0
+    for _ in range(steps):
+        for m, opt in zip((plain, planned), opts):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+        pairs = list(zip(plain.parameters(), planned.parameters()))
+        assert all(b.grad is not None for a, b in pairs if a.grad is not None)
+        grad = max([grad] + [(a.grad - b.grad).abs().max().item() for a, b in pairs if a.grad is not None])
+        for opt in opts:
+            opt.step()
+    params = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), planned.parameters()))
+    ref, got = dict(plain.named_buffers()), dict(planned.named_buffers())
+    assert set(ref) == set(got)
+    buffers = max([(ref[k].double() - got[k].double()).abs().max().item() for k in ref if ref[k].numel()] + [0.0])
+    return grad, params, buffers
+
+
+def _data(seed=1, n=4, size=12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _assert_same(grad, params, buffers):
+    assert grad <= 1e-6 and params <= 1e-6 and buffers <= 1e-6, (grad, params, buffers)
+
+
+@pytest.mark.parametrize("regions", [
+    [["block_3", "block_4"]], [["block_4", "block_4"]], [["block_7", "block_7"]], [["block_3", "block_5"]],
+    [["block_1", "block_1"]], [["block_0", "block_8"]], [["block_0", "block_2"], ["block_6", "block_8"]],
+    [["stem", "block_1"], ["block_4", "block_7"]], "each",
+])
+def test_module_applied_three_times_in_and_out_of_regions(regions):
+    x, y = _data()
+    plain = _build(Reuse)
+    planned = _plan_for(_build(Reuse), regions)
+    assert [n for n in planned.plan.nodes if n.startswith("block_")] == [f"block_{i}" for i in range(9)]
+    _assert_same(*_train_side_by_side(plain, planned, x, y))
+    assert int(planned.block[1].num_batches_tracked) == 3 * 3
+
+
+@pytest.mark.parametrize("regions", ["all", "each", "halves"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_buffers_written_in_forward_are_written_once(name, regions):
+    x, y = _data()
+    plain = _build(MODELS[name])
+    planned = _plan_for(_build(MODELS[name]), regions)
+    _assert_same(*_train_side_by_side(plain, planned, x, y))
+
+
+@pytest.mark.parametrize("strategy", ["chen", "checkpoint-all"])
+@pytest.mark.parametrize("name", ["instance_norm", "group_instance", "spectral_norm_hook",
+                                  "spectral_norm_parametrization"])
+def test_buffers_under_strategies(name, strategy):
+    x, y = _data()
+    plain = _build(MODELS[name])
+    planned = memfit.optimize(_build(MODELS[name]), x, strategy=strategy)
+    assert planned.plan.regions
+    _assert_same(*_train_side_by_side(plain, planned, x, y))
+
+
+def test_deepcopy_is_an_independent_planned_module():
+    x, y = _data()
+    model = _build(MODELS["batch_norm"])
+    planned = _plan_for(model, "halves")
+    F.cross_entropy(planned(x), y).backward()  # a step before the copy: the copy carries on from the same state
+    plain = copy.deepcopy(model)
+    ema = copy.deepcopy(planned)
+    for p in list(model.parameters()) + list(plain.parameters()):
+        p.grad = None
+    assert isinstance(ema, memfit.PlannedModule) and ema.plan.regions == planned.plan.regions
+    assert not {id(t) for t in ema.state_dict(keep_vars=True).values()} & {id(t) for t in model.state_dict(
+        keep_vars=True).values()}
+    before = copy.deepcopy(model.state_dict())
+    _assert_same(*_train_side_by_side(plain, ema, x, y))
+    assert all(p.grad is None for p in model.parameters())  # nothing reached the original
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.zero_()
+    assert not ema.train()(x).detach().abs().max() > 0  # the copy computes with its own (zeroed) weights
+    assert planned(x).detach().abs().max() > 0
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn, self.drop, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Dropout(0.5), \
+            nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c(x))).mean((2, 3))
+        return self.head(self.drop(F.dropout(h, 0.5, self.training)))
+
+
+def test_eval_and_no_grad_compute_what_the_model_computes():
+    x, _ = _data()
+    model = _build(FunctionalDropout)
+    planned = _plan_for(model, "all")
+    plain = copy.deepcopy(model)
+    planned.eval()
+    assert not model.training and not model.bn.training and not planned.gm.training
+    with torch.no_grad():
+        assert torch.equal(planned(x), plain.eval()(x))
+    assert torch.equal(planned(x), plain(x))  # evaluation with gradients enabled as well
+    planned.train()
+    plain.train()
+    assert model.training and model.bn.training
+    with torch.no_grad():  # training mode without gradients: the model's own training-mode forward
+        torch.manual_seed(3)
+        out = planned(x)
+        torch.manual_seed(3)
+        ref = plain(x)
+    assert torch.equal(out, ref)
+    for a, b in zip(plain.buffers(), model.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_what_recomputation_does_with_each_written_buffer():
+    """BatchNorm's running statistics are never read for values in training (no snapshot held from the forward
+    pass to the recomputation, which the plan does not count); spectral normalization's vectors are."""
+    x, y = _data()
+    plain = _build(lambda: _sequential(lambda conv: nn.BatchNorm2d(8)))
+    planned = _plan_for(_build(lambda: _sequential(lambda conv: nn.BatchNorm2d(8))), "all")
+    _assert_same(*_train_side_by_side(plain, planned, x, y, steps=2))
+    assert {name: kind for (_, name), kind in planned._kinds.items()} == {
+        "running_mean": "restore", "running_var": "restore", "num_batches_tracked": "scratch"}
+    planned = _plan_for(_build(MODELS["spectral_norm_hook"]), "all")
+    F.cross_entropy(planned(x), y).backward()
+    assert {name: kind for (_, name), kind in planned._kinds.items()} == {"weight_u": "stateful", "weight_v": "stateful"}
+
+
+class BufferFlag(nn.Module):
+    """A buffer in Python control flow: traceable only with buffers read as constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("enabled", torch.ones(()))
+
+    def forward(self, x):
+        return self.lin(x) * 2 if self.enabled else self.lin(x)
+
+
+def test_capture_records_buffer_updates_and_leaves_the_model_unchanged():
+    model = Counter()
+    captured = capture(model)
+    assert int(model.seen) == 0 and not model.ema.any()  # the default fx trace ran seen.add_(1) and ema.mul_ once
+    targets = [n.target for n in captured.gm.graph.nodes]
+    assert "add_" in targets and "mul_" in targets
+    with pytest.warns(UserWarning, match="buffers read as constants"):
+        flagged = capture(BufferFlag())
+    x = torch.randn(2, 4)
+    assert torch.equal(flagged.gm(x), flagged.model(x))
