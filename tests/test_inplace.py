@@ -156,7 +156,9 @@ def test_every_in_place_form_at_once_matches_pytorch(spans):
 
 
 def test_in_place_forms_lower_the_floor_and_the_plan_at_it_matches_pytorch():
-    m, initial, inputs, target, base, captured, costs, fixed = _setup(batch=8, size=24)
+    # (at batch 8, 24 px the floor is now set by a convolution's backward, which no in-place form changes; it was
+    # set at c0's backward while the profile counted a gradient for c0's input, the batch, which needs none)
+    m, initial, inputs, target, base, captured, costs, fixed = _setup()
     without = copy.deepcopy(costs)
     for c in without.nodes:
         c.variants = {k: v for k, v in c.variants.items() if k not in INPLACE_VARIANTS}

@@ -124,10 +124,12 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
     Args:
-        model: the model, in training mode, on its device. It is not modified (BatchNorm statistics and the
-            RNG state are restored after profiling).
+        model: the model, in training mode, on its device. It is not modified (buffers such as BatchNorm
+            statistics, parameters the forward updates in place and the RNG state are restored after
+            profiling, also when it raises).
         example_inputs: a tensor or a tuple of the forward's positional inputs, e.g. images
-            ``[B, C, H, W]``, on the model's device. Plans are specific to these shapes.
+            ``[B, C, H, W]``, on the model's device. Plans are specific to these shapes. Trailing arguments
+            left out take the forward's default values (``def forward(self, x, scale=2.0)``).
         budget: total peak bound: bytes (``"2GiB"``, ``"512MB"``, int) or a percentage of the plain
             PyTorch peak (``"40%"``), or ``"min"`` for the least memory memfit can reach.
             See :class:`memfit.Budget`.
@@ -166,7 +168,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     Raises:
         memfit.TraceError: ``torch.fx`` cannot trace the model; the message names the line.
         memfit.InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
-        ValueError: bad budget text or strategy.
+        ValueError: bad budget text or strategy; ``example_inputs`` has more inputs than the forward takes,
+            leaves out an argument without a default, or leaves out one whose default the traced forward
+            cannot run with (``mask=None`` when fx traced ``if mask is not None:`` as taken).
     """
     budget = Budget.parse(budget)
     if not time_limit > 0:

@@ -64,3 +64,31 @@ def tensors_in(value) -> list:
     from torch.utils._pytree import tree_leaves
 
     return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def bind_inputs(gm: fx.GraphModule, inputs: tuple) -> dict[str, Any]:
+    """The values of ``gm``'s placeholders (the forward's arguments) for the positional ``inputs``: an argument
+    that ``inputs`` leaves out takes its default (``def forward(self, x, mask=None)``; fx keeps it in the
+    placeholder's ``args``).
+
+    Raises:
+        ValueError: more inputs than the forward takes, or a left-out argument without a default; the message
+            names the arguments.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = ", ".join(str(p.target) for p in placeholders)
+    if len(inputs) > len(placeholders):
+        raise ValueError(f"example_inputs has {len(inputs)} inputs, but the model's forward takes "
+                         f"{len(placeholders)} ({names}); pass a tuple of the forward's positional inputs, in order")
+    env: dict[str, Any] = {}
+    for k, ph in enumerate(placeholders):
+        if k < len(inputs):
+            env[ph.name] = inputs[k]
+        elif ph.args:
+            env[ph.name] = ph.args[0]
+        else:
+            missing = [str(p.target) for p in placeholders[k:] if not p.args]
+            raise ValueError(f"example_inputs has {len(inputs)} inputs, but the model's forward also needs "
+                             f"{', '.join(repr(m) for m in missing)} (no default value): pass a tuple of all of "
+                             f"the forward's positional inputs, in order ({names})")
+    return env

@@ -15,7 +15,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from memfit.graph.calls import compute_nodes, node_fn, tensors_in
+from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.profile.link import LinkCost
 from memfit.profile.timing import median_seconds
@@ -154,7 +154,9 @@ class Costs:
             optimizer: :func:`memfit.profile.optimizer.measure_optimizer`); 0 when unknown.
         loss_held_bytes: bytes the loss value itself keeps allocated (the training loop holds ``loss``
             through ``backward()`` and ``step()``): usually a few bytes, but in some builds a reduced loss
-            (``F.mse_loss``) is a view of its whole element-wise buffer. Measured with ``loss_bytes``.
+            (``F.mse_loss``) is a view of its whole element-wise buffer; plus the gradient ``loss.backward()``
+            seeds the backward pass with (``ones_like(loss)``), alive until that pass ends. Measured with
+            ``loss_bytes``.
         region_bytes: bytes each checkpoint region holds on the device from its forward pass until its backward
             pass is done, and allocates again while it is recomputed: the CPU random-number-generator state that
             ``torch.utils.checkpoint`` keeps to replay dropout (``preserve_rng_state``; 5056 bytes), on the CPU
@@ -267,6 +269,17 @@ def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(b, b.detach().clone()) for b in model.buffers()]
 
 
+def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]], flags: list[tuple[torch.Tensor, bool]]) -> None:
+    """Copy the saved values back into the model's buffers and parameters, and put back their
+    ``requires_grad``."""
+    with torch.no_grad():
+        for t, saved in snapshot:
+            t.copy_(saved)
+    for t, rg in flags:
+        if t.requires_grad != rg:
+            t.requires_grad_(rg)
+
+
 def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                   with_variants: bool = True, loss_fn=None, grads_exist: bool = False) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
@@ -274,7 +287,13 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
     (``torch.autograd.graph.saved_tensors_hooks``) to see what autograd keeps for each node, then times
     each node's forward and backward in isolation (median of ``repeats``). BatchNorm running statistics,
-    other buffers and the RNG state are restored afterwards, so the model is left as it was.
+    other buffers, parameters the forward modifies in place and the RNG state are restored afterwards, also
+    when profiling raises, so the model is left as it was.
+
+    Only what requires grad in the model's own forward pass takes part in the backward passes measured here:
+    values computed from parameters that require grad (and inputs that do). Buffers, frozen parameters, the
+    inputs and integer or boolean values do not (a node reading only those computes no gradient in PyTorch,
+    and none is counted).
 
     Called inside ``torch.autocast``, it profiles the step that context makes: forward passes under it,
     backward passes outside it (as PyTorch's mixed-precision recipe runs them), and each lower-precision
@@ -284,7 +303,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     Args:
         captured: the output of :func:`memfit.graph.capture`.
         example_inputs: the model's positional inputs (tensors on the target device), e.g. a batch
-            ``[B, C, H, W]``.
+            ``[B, C, H, W]``; arguments left out take the forward's default values.
         repeats: timing repetitions per node (the median is kept).
         with_variants: also profile the memory-efficient operator variants that apply to each node
             (``memfit.variants``; MONeT, Shah et al., ICLR 2021, section 4), and the in-place forms of
@@ -303,22 +322,22 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     params = list(gm.parameters())
     fixed_ptrs = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())}
     snapshot = _state_snapshot(gm)
+    flags = [(t, t.requires_grad) for t in [*gm.parameters(), *gm.buffers()]]
+    requires: dict[str, list[bool]] = {}
     devices = [device.index or 0] if device.type == "cuda" else []
     cast_dtype = _autocast_cache_dtype(device)
     if cast_dtype is not None:
         torch.clear_autocast_cache()
     try:
         with torch.random.fork_rng(devices=devices):
-            costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype)
-            _time_nodes(gm, inputs, costs, device, repeats)
+            costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype, requires, snapshot)
+            _time_nodes(gm, inputs, costs, device, repeats, requires)
             _no_faster_than_default(costs)
-            _measure_workspace(gm, inputs, costs, device)
+            _measure_workspace(gm, inputs, costs, device, requires)
             if loss_fn is not None:
-                costs.loss_bytes, costs.loss_held_bytes = _measure_loss(gm, inputs, loss_fn, device)
+                costs.loss_bytes, costs.loss_held_bytes = _measure_loss(gm, inputs, loss_fn, device, requires)
     finally:
-        with torch.no_grad():
-            for buf, saved in snapshot:
-                buf.copy_(saved)
+        _restore(snapshot, flags)
         if cast_dtype is not None:
             torch.clear_autocast_cache()  # the copies profiling made (and of the isolated runs' inputs)
     param_bytes = sum(p.untyped_storage().nbytes() for p in params)
@@ -415,8 +434,14 @@ def _attr(gm: fx.GraphModule, target: str):
 
 
 def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True,
-               cast_dtype: torch.dtype | None = None) -> Costs:
+               cast_dtype: torch.dtype | None = None, requires: dict[str, list[bool]] | None = None,
+               snapshot: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Costs:
     """One forward pass, node by node, holding every value: storages, outputs and saved tensors per node.
+
+    ``requires`` (filled in when given): for each placeholder, node and the output node (by name), whether each
+    tensor of its value (in :func:`tensors_in` order) requires grad in this pass, which runs as the model's
+    own forward does. ``snapshot`` (appended to when given): ``(parameter, its value before)`` for each
+    parameter a node modified in place, copied before the node ran.
 
     With ``cast_dtype`` (under autocast, its cache on), autocast's cache is cleared before each node, so that
     every node's casts of parameters are seen (:class:`_CastRecorder`); all casts of one parameter are one
@@ -440,24 +465,59 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                                     requires_grad=t.requires_grad))
         return by_ptr[ptr]
 
+    requires = {} if requires is None else requires
+    env.update(bind_inputs(gm, inputs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for ph, value in zip(placeholders, inputs):
-        env[ph.name] = value
-        for t in tensors_in(value):
+    defaulted = {ph.name: ph for ph in placeholders[len(inputs):]}  # arguments left out: their defaults
+    from_default = {name: name for name in defaulted}  # value -> the defaulted argument it depends on
+    for ph in placeholders:
+        requires[ph.name] = [t.requires_grad for t in tensors_in(env[ph.name])]
+        for t in tensors_in(env[ph.name]):
             register(t, None, "input")
+    param_ids = {id(p) for p in gm.parameters()}
+    kept_params = {id(p) for p, _ in snapshot or ()}
     nodes: list[NodeCost] = []
     for node in compute_nodes(gm):
         cost = NodeCost(name=node.name)
         saved: list[torch.Tensor] = []
         ins = [t for a in node.all_input_nodes for t in tensors_in(env[a.name])]
         versions = [t._version for t in ins]
+        # parameters the node could modify in place (a frozen one updated like a buffer): copied before it runs,
+        # the copy kept only when the node did modify it (buffers are all copied before profiling)
+        touched = [t for t in ins if id(t) in param_ids] + (
+            list(gm.get_submodule(node.target).parameters()) if node.op == "call_module" else [])
+        before = [(p, p._version, p.detach().clone()) for p in dict.fromkeys(touched)
+                  if snapshot is not None and id(p) not in kept_params]
         recorder = _CastRecorder(cast_dtype) if cast_dtype is not None else None
         if recorder is not None:
             torch.clear_autocast_cache()
-        with recorder or contextlib.nullcontext(), torch.autograd.graph.saved_tensors_hooks(
-                lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
-            out = node_fn(gm, node)(env)
+        try:
+            with recorder or contextlib.nullcontext(), torch.autograd.graph.saved_tensors_hooks(
+                    lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
+                out = node_fn(gm, node)(env)
+        except Exception as exc:
+            arg = next((from_default[a.name] for a in node.all_input_nodes if a.name in from_default), None)
+            if arg is None:
+                raise
+            ph = defaulted[arg]
+            raise ValueError(
+                f"the model's forward argument {ph.target!r} is not in example_inputs, so it takes its default "
+                f"{ph.args[0]!r}, but the traced forward fails with that value at node {node.name} "
+                f"({type(exc).__name__}: {exc}). torch.fx traced the forward with {ph.target!r} given (a test "
+                f"such as `if {ph.target} is not None:` was taken as true), so the graph needs it: pass "
+                f"{ph.target!r} in example_inputs (and to the planned module), or write the forward without "
+                "that argument") from exc
+        finally:
+            for p, version, copy in before:
+                if p._version != version:
+                    snapshot.append((p, copy))
+                    kept_params.add(id(p))
+            del before
+        if any(a.name in from_default for a in node.all_input_nodes):
+            from_default[node.name] = next(from_default[a.name] for a in node.all_input_nodes
+                                           if a.name in from_default)
         env[node.name] = out
+        requires[node.name] = [t.requires_grad for t in tensors_in(out)]
         keep_alive.append(saved)
         for src, t in recorder.casts if recorder is not None else ():
             keep_alive.append(t)  # every address registered stays taken
@@ -508,6 +568,9 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         if with_variants and node.op == "call_module":
             _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
         nodes.append(cost)
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    requires[output_node.name] = [t.requires_grad for t in tensors_in(fx.node.map_arg(output_node.args,
+                                                                                      lambda a: env[a.name]))]
     mutated = {sid for c in nodes for sid in c.mutates}
     for c in nodes:  # backward from the output fails if a later in-place op rewrites that output
         if "bn-from-output" in c.variants and mutated & set(c.outputs):
@@ -650,19 +713,33 @@ def _filled(cell) -> bool:
     return True
 
 
-def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device) -> tuple[int, int]:
+def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
+                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int]:
     """``(loss_bytes, loss_held_bytes)``: transient bytes of ``loss_fn`` forward and backward on the model's
     output, beyond the output's gradient (which the replay counts as an activation gradient), plus the
     outputs the loss saves for its backward (``(out ** 2).mean()``, ``F.mse_loss`` save their input;
     ``F.cross_entropy`` saves its own log-softmax instead): the replay frees the outputs once the loss has
     read them, and such an output stays until the loss's backward. Then the bytes the loss value's own
-    storage keeps (see :class:`Costs`)."""
+    storage keeps (see :class:`Costs`).
+
+    Outputs that require grad in the model's forward (``requires``, by the output node's name; without it,
+    floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
+    passed through) as they are. The backward computes the gradients of those leaves only
+    (``torch.autograd.grad``): a loss that reads the model's parameters adds nothing to their ``.grad``."""
     with torch.no_grad():
         out = gm(*inputs)
-    leaves = [t.detach().requires_grad_(True) for t in tensors_in(out)]
-    it = iter(leaves)
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    values = tensors_in(out)
+    flags = (requires or {}).get(output_node.name)
+    if flags is None or len(flags) != len(values):
+        flags = [t.is_floating_point() for t in values]
+    stand_ins = [t.detach().requires_grad_(True) if f else t for t, f in zip(values, flags)]
+    leaves = [t for t, f in zip(stand_ins, flags) if f]
+    it = iter(stand_ins)
     out = tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, out)
-    out_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves}
+    fixed = {t.untyped_storage().data_ptr() for t in [*tensors_in(inputs), *gm.parameters(), *gm.buffers()]}
+    out_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in stand_ins
+                    if t.untyped_storage().data_ptr() not in fixed}
     kept: dict[int, int] = {}
 
     def pack(t):
@@ -674,11 +751,17 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     with MemoryTracker(device) as tracker:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(out)
-        with _no_autocast(device):
-            loss.backward()
+        grads_of: tuple = ()
+        if leaves and loss.requires_grad:
+            with _no_autocast(device):
+                grads_of = torch.autograd.grad(loss, leaves, allow_unused=True)
         held = 0 if loss.untyped_storage().data_ptr() in out_storages else loss.untyped_storage().nbytes()
+        # ``loss.backward()`` seeds the backward pass with ``torch.ones_like(loss)``, which it holds until the
+        # whole backward pass is done (counted here through the optimizer step too: a few bytes over)
+        if loss.requires_grad:
+            held += loss.numel() * loss.element_size()
         del loss
-    grads = sum(t.grad.untyped_storage().nbytes() for t in leaves if t.grad is not None)
+    grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
     return max(0, tracker.peak_bytes - grads) + sum(kept.values()), held
 
 
@@ -732,21 +815,21 @@ def _variant_cost(node, fn, env, cost: NodeCost, storages, register, keep_alive,
     return vc
 
 
-def _isolated(gm: fx.GraphModule, inputs: tuple):
+def _isolated(gm: fx.GraphModule, inputs: tuple, requires: dict[str, list[bool]] | None = None):
     """Yield ``(node, fn, make_env, params)`` for each node; ``make_env()`` returns an environment in which the
-    node's floating inputs are fresh leaves requiring grad (cloned when the node updates them in place)
-    and the list of those leaves (``make_env(names=[])`` appends the input nodes' names to that list, in the
-    leaves' order). Values are computed once, without grad, in forward order.
+    node's inputs that require grad in the model's forward pass (``requires``, from :func:`_structure`; without
+    it, every floating input) are fresh leaves requiring grad, and the list of those leaves
+    (``make_env(names=[])`` appends the input nodes' names to that list, in the leaves' order). With
+    ``clone=True`` (the node updates an input in place) every tensor input is a copy. Other inputs (buffers,
+    frozen parameters, the model's inputs, integer values) are given as they are: PyTorch computes no gradient
+    for them, and neither may the measured backward. Values are computed once, without grad, in forward order.
 
     Under autocast the node reads views of the leaves: autocast caches its casts of leaves that require
     grad until the context exits, and the activations these leaves stand for are no leaves (their casts are
     transient or saved, not cached)."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     uncached = _autocast_cache_dtype(tensors[0].device if tensors else torch.device("cpu")) is not None
-    env: dict[str, object] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for ph, value in zip(placeholders, inputs):
-        env[ph.name] = value
+    env: dict[str, object] = dict(bind_inputs(gm, inputs))
     for node in compute_nodes(gm):
         fn = node_fn(gm, node)
         params = [p for p in (gm.get_submodule(node.target).parameters() if node.op == "call_module" else [])
@@ -757,12 +840,18 @@ def _isolated(gm: fx.GraphModule, inputs: tuple):
             leaves = []
             for a in node.all_input_nodes:
                 v = local[a.name]
-                if isinstance(v, torch.Tensor) and v.is_floating_point():
-                    leaf = v.detach().requires_grad_(True)
-                    leaves.append(leaf)
-                    if names is not None:
-                        names.append(a.name)
-                    local[a.name] = leaf.clone() if clone else leaf.view_as(leaf) if uncached else leaf
+                if not isinstance(v, torch.Tensor):
+                    continue
+                flags = requires.get(a.name) if requires is not None else None
+                if not (flags[0] if flags else v.is_floating_point()):
+                    if clone:  # the node may write into it: a copy, not the model's buffer or an earlier value
+                        local[a.name] = v.detach().clone()
+                    continue
+                leaf = v.detach().requires_grad_(True)
+                leaves.append(leaf)
+                if names is not None:
+                    names.append(a.name)
+                local[a.name] = leaf.clone() if clone else leaf.view_as(leaf) if uncached else leaf
             return local, leaves
 
         yield node, fn, make_env, params
@@ -784,7 +873,8 @@ def _implementations(gm: fx.GraphModule, node: fx.Node, fn, cost: NodeCost) -> l
     return out
 
 
-def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device) -> None:
+def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device,
+                       requires: dict[str, list[bool]] | None = None) -> None:
     """Transient bytes of each node's forward and backward (and of its variants'), run in isolation under
     the memory tracker."""
     cpu = device.type != "cuda"
@@ -792,7 +882,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     leaf_bytes: dict[str, int] = {}
     records: list[tuple[str, object]] = []
     with outer as tracker:
-        for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
+        for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs, requires), costs.nodes):
             for suffix, fn, record, clone in _implementations(gm, node, fn0, cost):
                 label = node.name + suffix
                 records.append((label, record))
@@ -834,10 +924,11 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
 
 
-def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int) -> None:
+def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int,
+                requires: dict[str, list[bool]] | None = None) -> None:
     """Median forward and backward time of each node (and of its variants), run in isolation on detached
     copies of its inputs (made outside the timed part: an in-place implementation runs on a fresh copy)."""
-    for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs), costs.nodes):
+    for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs, requires), costs.nodes):
         for _, fn, record, clone in _implementations(gm, node, fn0, cost):
 
             def setup(make_env=make_env, clone=clone):
