@@ -22,7 +22,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -229,20 +229,31 @@ class CopyEngine:
             host = self.store.allocate(src.numel())
             return [self._side_copy(host, src), host, src]
 
+        # the source is released by wait(), on the caller's thread: the memory tracker (the profiler) records
+        # the frees of the thread it runs on only. The job takes its reference out of a box and drops it before
+        # it returns: the worker thread may hold the job until after the caller's wait() returns (the executor
+        # deletes its work item only then), so a reference in the job itself (a closure, an argument) freed
+        # the storage on the worker, later than the plan says and unseen by the tracker
+        box = [src]
+
         def job() -> torch.Tensor:
-            host = self.store.allocate(src.numel())
-            host.copy_(src)
+            data = box.pop()
+            host = self.store.allocate(data.numel())
+            host.copy_(data)
             return host
 
-        # the source is released by wait(), on the caller's thread: the memory tracker (the profiler) records
-        # the frees of the thread it runs on only
         return [self.pool.submit(job), None, src]
 
     def fetch(self, host: torch.Tensor, dst: torch.Tensor):
         if self.cuda:
             return [self._side_copy(dst, host), dst, None]
-        future: Future = self.pool.submit(lambda: dst.copy_(host))
-        return [future, dst, None]
+        box = [(dst, host)]  # as in offload: the job keeps no reference once it has run
+
+        def job() -> None:
+            to, frm = box.pop()
+            to.copy_(frm)
+
+        return [self.pool.submit(job), dst, None]
 
     def wait(self, ticket) -> torch.Tensor:
         """Wait for the copy of ``ticket``; return its destination (the host buffer of an offload, the

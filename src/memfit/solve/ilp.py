@@ -25,9 +25,9 @@ consumer n of s made by p (a region keeps its inputs); forward peak after each n
 each node <= budget - fixed bytes, where an offloaded storage counts until its wait point in the forward pass
 and from its prefetch to its first saver in the backward pass; an autocast cast of a parameter counts from its
 first reader to the end of the forward pass, whatever the plan. Left to the replay, which checks every plan
-(``memfit.solve.strategies``): transients of a recomputation (values read by a later recomputed node, casts
-nothing saves), the loss, and the bytes each region keeps (``Accounting.region_bytes``, the CPU RNG state:
-counted in the rows, they made the program infeasible at floors the replay reaches). An in-place form k of
+(``memfit.solve.strategies``): transients of a recomputation (values read by a later recomputed node or
+held until it stops, casts nothing saves), the loss, and the bytes each region keeps
+(``Accounting.region_bytes``, the CPU RNG state: counted in the rows, they made the program infeasible at floors the replay reaches). An in-place form k of
 node i, overwriting storage S made by p, removes S from i's forward row (operand and result are one storage) and requires
 v_i^k + r_i - z_pi <= 1, v_i^k + o_i <= 1 and v_i^k + o_p <= 1. A region never reads a storage that is
 modified in place after the region starts (its recomputation would read the new value): for a reader q of

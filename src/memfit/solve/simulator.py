@@ -12,7 +12,10 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
 * backward, ``i`` from last to first: when ``i`` is the last node of a region that saves anything, the
   region's forward is rerun up to that node and every tensor its nodes save is rematerialized (it stops at
   that node's last save: a node that saves only tensors made before it, ``NodeCost.saves_first``, saves
-  them before computing, so its outputs are not made); then the
+  them before computing, so its outputs are not made). A storage an earlier node of the rerun makes that is
+  read after that node, through any view (a region output, or a value of a later node of the region), is
+  held by the rerun's frame until it stops; one read only by rerun nodes is freed after its last reader.
+  Then the
   node's backward allocates the gradients of its inputs, frees the gradient of its output, and frees every
   storage whose last holder has now finished its backward;
 * a region holds the CPU RNG state (``Costs.region_bytes``) from its forward pass until its last holder's
@@ -240,6 +243,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             lo, _ = spans[r]
             copies = set()
             read_until: dict[int, list[int]] = {}  # recomputed node -> unsaved storages its run is the last to read
+            to_end = 0  # unsaved storages the recomputation holds until it stops (read after node i)
             alloc(acc.region_bytes, f"recompute {i} rng state")  # fork_rng's copy of the current state
             cast: set[int] = set()  # casts of this recomputation (autocast's cache, cleared when it ends)
             unsaved_casts = 0
@@ -269,6 +273,12 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                         copies.add(s)
                         copy_holders[(r, s)] = saved_in
                         alloc(acc.nbytes[s], f"recompute {j} {s}")
+                    elif j < i and (s in acc.output_storages or any(k > i for k in acc.consumers[s])):
+                        # read after the last saver (a region output, or a value of a later node of the
+                        # region), through any view: the recomputation's frame holds it until it stops (the
+                        # last saver's own outputs are made at the stop, or never: a transient)
+                        to_end += acc.nbytes[s]
+                        alloc(acc.nbytes[s], f"recompute {j} {s} (held to the stop)")
                     elif last_read > j:  # not saved, but read by a later recomputed node: alive until then
                         alloc(acc.nbytes[s], f"recompute {j} {s} (read by {last_read})")
                         read_until.setdefault(last_read, []).append(s)
@@ -277,7 +287,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 transient(acc.fwd_ws[j], f"recompute {j} workspace")
                 for s in read_until.pop(j, []):
                     free(acc.nbytes[s], f"recompute {j} free {s}")
-            free(unsaved_casts + acc.region_bytes, f"recompute {i} end")
+            free(unsaved_casts + to_end + acc.region_bytes, f"recompute {i} end")
             recomputed[r] = copies
             clock += sum(acc.fwd_seconds[lo:i + 1])
         for s, o in off.items():
