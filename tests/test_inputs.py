@@ -170,10 +170,11 @@ def test_forward_argument_with_a_default_takes_it():
     base = measure_training(plain, plain, (x,), y, _ce, steps=1)
     m = fresh_copy(model)
     planned = memfit.optimize(m, x, "min", strategy="memfit", loss_fn=lambda out: _ce(out, y))
-    # the planned module takes the forward's inputs as the graph has them: the default given explicitly
-    fig = measure_training(lambda inp: planned(inp, 2.0), m, (x,), y, _ce, steps=1)
+    fig = measure_training(planned, m, (x,), y, _ce, steps=1)  # the planned module takes the default too
     check = compare(base, fig)
     assert check["gradients_match"], check
+    with pytest.raises(TypeError, match="planned module was called with 3 inputs"):
+        planned(x, 2.0, 1.0)
 
 
 def test_left_out_arguments_get_a_clear_error():

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from memfit.graph.calls import compute_nodes, node_fn, tensors_in
+from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.runtime.offload import OffloadStep
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
@@ -459,9 +459,10 @@ class PlannedModule(nn.Module):
         model = self.model
         if not (self.training and model.training and torch.is_grad_enabled()):
             return model(*args)  # no training step, no plan: exactly what the model computes in this mode
-        if len(args) != len(self._placeholders):
-            raise TypeError(f"expected {len(self._placeholders)} positional inputs "
-                            f"({', '.join(self._placeholders)}), got {len(args)}")
+        try:  # arguments left out take the forward's defaults
+            env: dict[str, Any] = bind_inputs(self.gm, args)
+        except ValueError as exc:
+            raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")) from None
         if self.plan.input_shapes:  # the figures are a training step's
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
             key = repr(shapes)
@@ -470,7 +471,6 @@ class PlannedModule(nn.Module):
                 warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
                               f"called with {shapes}; results are correct but the planned memory figures do "
                               "not hold. Make a plan for these shapes.", stacklevel=2)
-        env: dict[str, Any] = dict(zip(self._placeholders, args))
         off = self._offload_step(args) if self._offloads else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
                  else contextlib.nullcontext())
