@@ -432,3 +432,37 @@ def test_channels_last_model_is_predicted_from_the_real_gradient_layouts(budget)
 class _MeanLast(nn.Module):
     def forward(self, x):
         return x.mean(-1)
+
+
+def test_a_region_that_saves_nothing_holds_no_inputs():
+    """Found by a fresh-user run: under ``checkpoint-all`` a frozen prefix (a region whose nodes save nothing
+    for backward, so it is never recomputed) was replayed as holding its inputs until its backward, and the
+    model was predicted 25% above its measured peak (10,224,012 against 8,147,088 bytes)."""
+    from memfit.bench.harness import compare, measure_training
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                     nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+            for p in self.pre.parameters():
+                p.requires_grad_(False)
+            self.post = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                      nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.head(self.post(self.pre(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Frozen().train()
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget="100%", strategy="checkpoint-all",
+                              loss_fn=lambda out: F.cross_entropy(out, y))
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    check = compare(base, fig)
+    assert check["gradients_match"] and check["bn_stats_match"], check
+    assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.01 * fig.peak_bytes, (
+        planned.plan.predicted_peak_bytes, fig.peak_bytes)
