@@ -520,16 +520,21 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         env[node.name] = out
         requires[node.name] = [t.requires_grad for t in tensors_in(out)]
         keep_alive.append(saved)
+
+        def created(t, kind, node=node, cost=cost):
+            """``register`` for this node; a storage seen for the first time is one it creates."""
+            n_before = len(storages)
+            sid = register(t, node.name, kind)
+            if sid is not None and len(storages) > n_before:
+                cost.creates.append(sid)
+            return sid
         for src, t in recorder.casts if recorder is not None else ():
             keep_alive.append(t)  # every address registered stays taken
             sid = cast_of.get(src)
             if sid is None:
-                n_before = len(storages)
-                sid = register(t, node.name, "cast")
+                sid = created(t, "cast")
                 if sid is None:
                     continue
-                if len(storages) > n_before:
-                    cost.creates.append(sid)
                 cast_of[src] = sid
             else:  # a later reader: in a real step, autocast's cache hands it the first reader's copy
                 by_ptr[t.untyped_storage().data_ptr()] = sid
@@ -541,12 +546,9 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                 if sid is not None and sid not in cost.mutates:
                     cost.mutates.append(sid)
         for t in tensors_in(out):
-            n_before = len(storages)
-            sid = register(t, node.name, "output")
+            sid = created(t, "output")
             if sid is None:
                 continue
-            if len(storages) > n_before:
-                cost.creates.append(sid)
             cost.outputs.append(sid)
             # views included (nn.Identity, flatten): the reader's backward makes a full gradient for the view,
             # which the view's backward then passes on to its input (an MLP with an nn.Identity measured 1 MiB
@@ -555,12 +557,9 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                 cost.grad_bytes += t.numel() * t.element_size()
             storages[sid].requires_grad |= t.requires_grad
         for t in saved:
-            n_before = len(storages)
-            sid = register(t, node.name, "internal")
+            sid = created(t, "internal")
             if sid is None:
                 continue
-            if len(storages) > n_before:
-                cost.creates.append(sid)
             if sid not in cost.saves:
                 cost.saves.append(sid)
         own = [sid for sid in cost.saves if sid not in cost.casts]
