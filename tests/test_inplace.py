@@ -376,3 +376,31 @@ def test_random_in_place_choices_and_regions_match_pytorch(program, cuts, seed):
     # miss a few KiB without any form (5 KiB with a one-convolution region on a chain of four, seed 0); the zoo
     # tests bound the prediction both ways at realistic sizes.
     assert under[1] <= max(0, under[0]) + 1024, (under, program, choice, spans)
+
+
+def test_min_budget_uses_the_in_place_form_of_a_functional_relu():
+    """Found by a fresh-user run: with ``F.relu``, ``budget="min"`` returned plain PyTorch's plan (51.1 MB)
+    while a 40 MB budget got ``relu-mask-inplace`` (35.7 MB): the peak-minimizing program, started from the
+    plan without in-place forms, came back without them. Measured against plain PyTorch."""
+    import torch.nn.functional as F
+
+    from memfit.bench.harness import compare, fresh_copy, measure_training
+
+    class OneReLU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.fc = nn.Conv2d(3, 64, 3, padding=1), nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.c(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = OneReLU().train()
+    x, y = torch.randn(16, 3, 64, 64), torch.zeros(16, dtype=torch.long)
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+    assert fig.peak_bytes < 0.8 * base.peak_bytes, (fig.peak_bytes, base.peak_bytes, planned.plan.variants)
