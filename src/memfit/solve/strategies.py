@@ -166,9 +166,11 @@ class _Problem:
             return []
         return [self.finish(res.spans, gap=res.mip_gap, variants=res.variants, offloads=res.offloads)]
 
-    def smallest_feasible(self, time_limit: float) -> int:
+    def smallest_feasible(self, time_limit: float, lows: list[Plan] | None = None) -> int:
+        """The smallest budget (bytes) with a plan: the lowest simulated peak of ``lows`` (default: the
+        lowest-memory plans, solved now) or keeping everything, plus the headroom."""
         # keeping everything is a plan too: the floor is never above its peak (plus the same headroom)
-        low = min(p.predicted_peak_bytes for p in self.low_memory_plans(time_limit))
+        low = min(p.predicted_peak_bytes for p in (lows or self.low_memory_plans(time_limit)))
         return min(low, self.plain.peak_bytes) + self.margin
 
 
@@ -314,9 +316,17 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     if prob.options or prob.offload:  # the recompute-only program first
         search(None, False, time.perf_counter() + 0.4 * time_limit)
     search(prob.options, prob.offload, deadline)
+    lows: list[Plan] = []
+    if best is None:
+        # the floor's own plans, solved as smallest_feasible solves them (with the whole time limit): the
+        # time-limited searches above can miss them on a loaded machine, and budget="min" then failed with
+        # "no plan fits a budget of X; the smallest feasible budget is X" (EfficientNet-B0, 1 run in 5)
+        lows = prob.low_memory_plans(time_limit)
+        for low in lows:
+            consider(low)
     if best is not None:
         best.solve_seconds = time.perf_counter() - prob.t0
         return best
     if prob.plain.peak_bytes <= budget_bytes:  # nothing beats keeping everything, which fits without headroom
         return prob.finish([], gap=0.0)
-    raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit), fixed, acc.step_bytes)
+    raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit, lows), fixed, acc.step_bytes)
