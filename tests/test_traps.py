@@ -27,6 +27,19 @@ def setup():
     return model, images, target
 
 
+def _plain_and_planned(model, x, y, budget, lr=0.01, strategy="memfit"):
+    """Plain PyTorch's figures for one SGD step (momentum 0.9) on a copy of ``model``, then the planned copy's:
+    ``(base, planned, fig)``."""
+    from memfit.bench.harness import measure_training
+
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget=budget, strategy=strategy,
+                              optimizer=torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
+                              loss_fn=lambda out: F.cross_entropy(out, y))
+    return base, planned, measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+
+
 def _planned(model, images, strategy="chen"):
     return memfit.optimize(fresh_copy(model), images, budget="100%", strategy=strategy)
 
@@ -277,16 +290,12 @@ def test_views_and_reused_layers_are_counted(mode, budget):
     called four times had its weight gradient counted only from its last contribution on, though autograd
     sums into it from the first; and a recomputed tensor that no node saves was freed at once in the replay
     though a later recomputed node reads it (``linear -> identity -> relu`` in one region)."""
-    from memfit.bench.harness import compare, measure_training
+    from memfit.bench.harness import compare
 
     torch.manual_seed(0)
     model = _ResidualMLP(mode).train()
     x, y = torch.randn(512, 256), torch.randint(0, 10, (512,))  # activations of 512 KiB
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, budget=budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: F.cross_entropy(out, y))
-    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    base, planned, fig = _plain_and_planned(model, x, y, budget)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert fig.peak_bytes - planned.plan.predicted_peak_bytes <= 64 << 10, (fig.peak_bytes,
@@ -409,7 +418,7 @@ def test_channels_last_model_is_predicted_from_the_real_gradient_layouts(budget)
     every budget the integer program met. A mean over the spatial dimensions hands the last pooling a
     contiguous gradient, whose reordering the isolated backward (seeded with its output's channels-last
     layout) did not see."""
-    from memfit.bench.harness import compare, measure_training
+    from memfit.bench.harness import compare
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -419,11 +428,7 @@ def test_channels_last_model_is_predicted_from_the_real_gradient_layouts(budget)
     ).train().to(memory_format=torch.channels_last)
     x = torch.randn(16, 3, 32, 32).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (16,))
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, budget=budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                              loss_fn=lambda out: F.cross_entropy(out, y))
-    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    base, planned, fig = _plain_and_planned(model, x, y, budget, lr=0.1)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert fig.peak_bytes <= planned.plan.predicted_peak_bytes + 4096, (fig.peak_bytes, planned.plan.predicted_peak_bytes)
