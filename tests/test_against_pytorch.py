@@ -181,6 +181,10 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
     extra.probe = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="probe.bias is in this model but not in the plan's"):
         memfit.optimize(extra, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    frozen = fresh_copy(model)
+    frozen.fc.weight.requires_grad_(False)  # no gradient, no momentum: other fixed bytes
+    with pytest.raises(ValueError, match="fc.weight has role trainable parameter .* and frozen parameter"):
+        memfit.optimize(frozen, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="bn1.bias has dtype torch.float32 .* and torch.float64"):
         memfit.optimize(fresh_copy(model).double(), images.double(), plan_=memfit.Plan.load(tmp_path / "p.json"))
     outside = r"made outside torch.autocast, and this call is under torch.autocast"
@@ -188,6 +192,28 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
         memfit.optimize(fresh_copy(model), images, plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="model.train"):
         memfit.optimize(fresh_copy(model).eval(), images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+
+
+def test_a_plan_for_tied_weights_is_refused_for_untied_ones(tmp_path):
+    """Found by a fresh-user run: a plan made for a model with tied embedding and output weights was applied to
+    the same model untied (same state_dict keys and shapes, one more weight with its gradient and optimizer
+    state) without an error, and went 1,249,220 B over its budget."""
+
+    class LM(nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.tok, self.head = nn.Embedding(64, 16), nn.Linear(16, 64, bias=False)
+            if tie:
+                self.head.weight = self.tok.weight
+
+        def forward(self, idx):
+            return self.head(self.tok(idx))
+
+    idx = torch.randint(0, 64, (2, 8))
+    memfit.optimize(LM(True).train(), idx, budget="100%", strategy="none").plan.save(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="head.weight has role tied to tok.weight .* and trainable parameter"):
+        memfit.optimize(LM(False).train(), idx, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    assert memfit.optimize(LM(True).train(), idx, plan_=memfit.Plan.load(tmp_path / "p.json"))(idx).shape == (2, 8, 64)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "unet"])

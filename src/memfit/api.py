@@ -33,6 +33,24 @@ def state_dtypes(model: nn.Module) -> dict[str, str]:
     return {k: str(v.dtype) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
+def state_roles(model: nn.Module) -> dict[str, str]:
+    """What each tensor of ``model.state_dict()`` is, by key: ``"trainable parameter"``, ``"frozen parameter"``
+    or ``"buffer"``, or ``"tied to <key>"`` when it is the tensor of an earlier key (tied weights). Two models
+    with the same shapes can differ here, and their gradients and optimizer state with it."""
+    roles: dict[str, str] = {}
+    first: dict[int, str] = {}
+    params = {id(p) for p in model.parameters()}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if id(v) in first:
+            roles[k] = f"tied to {first[id(v)]}"
+            continue
+        first[id(v)] = k
+        roles[k] = ("trainable parameter" if v.requires_grad else "frozen parameter") if id(v) in params else "buffer"
+    return roles
+
+
 def autocast_dtype(inputs: tuple) -> str | None:
     """The dtype ``torch.autocast`` casts to on the inputs' device right now, or ``None`` outside autocast."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
@@ -62,7 +80,8 @@ def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
 
 def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Check that a saved plan was made for this model (parameter and buffer shapes and dtypes), these input
+    """Check that a saved plan was made for this model (parameter and buffer shapes, dtypes and roles: trainable,
+    frozen, buffer, tied), these input
     shapes, this gradient convention, this autocast state and (when both name one) this optimizer class.
 
     Raises:
@@ -90,7 +109,8 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                          "memory figures would not hold; make a new plan for these shapes")
     for what, theirs, mine in (("shape", plan_.state_shapes, state_shapes(model)),
-                               ("dtype", plan_.state_dtypes, state_dtypes(model))):
+                               ("dtype", plan_.state_dtypes, state_dtypes(model)),
+                               ("role", plan_.state_roles, state_roles(model))):
         diff = _first_difference(what, theirs, mine) if theirs else None
         if diff:
             raise ValueError(f"the plan was made for another model: {diff}; make a new plan for this model")
@@ -140,7 +160,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             of its ``step()`` (Adam: about twice the largest parameter) in the peak. Both are measured by
             running its class with your hyperparameters on scratch copies of the parameters (for a moment,
             about 4x the parameters' memory for Adam); your optimizer is not touched.
-        time_limit: solver time limit in seconds.
+        time_limit: time limit of each integer program, in seconds. ``"min"`` and budgets near the smallest
+            feasible one solve several programs, so the whole solve can take several times longer
+            (``report["solve_seconds"]`` gives the total).
         variants: let ``memfit`` choose memory-efficient operator implementations (ReLU with a 1-bit
             mask, max-pooling with compact indices, convolution backward in two calls, ReLUs and additions
             written in place where autograd allows) jointly with recomputation (MONeT, Shah et al., ICLR
@@ -202,6 +224,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.input_shapes = _shapes(inputs)
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
+    result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     return result, captured, costs

@@ -8,7 +8,7 @@ nodes are counted once (DESIGN.md, "What memory means").
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import fx, nn
@@ -101,6 +101,17 @@ class NodeCost:
             contributions are summed into it). When gradients are
             set to ``None`` before the step (PyTorch's ``optimizer.zero_grad()``), autograd makes the computed
             gradient itself the ``.grad``, so these bytes stay allocated from then on.
+        param_sum_bytes: bytes of the parameters whose gradient this node's backward adds to a contribution an
+            earlier backward step made (a parameter several nodes use: tied weights, a layer called twice).
+            Autograd sums the two in its buffer for the parameter, out of place unless one of them can be
+            reused, so a tensor of the parameter's size exists beside both contributions for a moment (tied
+            embedding and output weights measured one weight's size over the replay without this).
+        param_buffer_bytes: bytes of the parameters several nodes use for which this node's backward makes the
+            first contribution: autograd holds it in its buffer until the last contribution is added. With
+            ``Costs.grads_exist`` that buffer is a tensor apart from ``.grad``, which it is added into when
+            the last contribution arrives.
+        param_buffer_end_bytes: bytes of the parameters several nodes use whose last contribution this node's
+            backward makes (autograd's buffer for them is then released or becomes ``.grad``).
         variants: operator variants that can replace this node, by name, with their measured costs.
         casts: storage ids of the autocast casts (kind ``"cast"``) this node reads: made by the first node that
             reads the parameter, then shared through autocast's cache until the forward pass ends; a
@@ -125,6 +136,9 @@ class NodeCost:
     grad_in_bytes: int = 0
     grad_alias: bool = False
     param_grad_bytes: int = 0
+    param_sum_bytes: int = 0
+    param_buffer_bytes: int = 0
+    param_buffer_end_bytes: int = 0
     variants: dict[str, VariantCost] = field(default_factory=dict)
     casts: list[int] = field(default_factory=list)
     saves_first: bool = False
@@ -144,6 +158,10 @@ class Costs:
         loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients, plus
             the outputs the loss saves for its backward, measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
             (two output-sized tensors).
+        loss_forward_bytes: bytes the loss's forward allocates at its peak beyond its arguments (the model's
+            outputs, still alive then: the loss reads them) while the outputs' gradients do not exist yet
+            (a loss that builds a soft target from the detached logits makes two logits-sized tensors
+            there); 0 when no loss function was given.
         link: copy costs to the host store used for offloading, or ``None`` (no offloading).
         grads_exist: gradients are allocated when the backward pass starts (``zero_grad(set_to_none=False)``
             or gradient accumulation over micro-batches): each parameter gradient is then computed into a
@@ -173,6 +191,7 @@ class Costs:
     step_bytes: int = 0
     loss_held_bytes: int = 0
     region_bytes: int = 0
+    loss_forward_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,7 +207,7 @@ class Costs:
                    fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
                    link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
-                   region_bytes=d.get("region_bytes", 0))
+                   region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -233,31 +252,22 @@ class Costs:
         for c in self.nodes:
             v = picked.get(c.name)
             if v is None:
-                nodes.append(NodeCost(
-                    name=c.name, outputs=ids(c.outputs), creates=ids(c.creates), saves=ids(c.saves),
-                    mutates=ids(c.mutates), grad_bytes=c.grad_bytes, fwd_seconds=c.fwd_seconds,
-                    bwd_seconds=c.bwd_seconds, fwd_workspace=c.fwd_workspace, bwd_workspace=c.bwd_workspace,
-                    grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias, param_grad_bytes=c.param_grad_bytes,
-                    variants=c.variants, casts=list(c.casts), saves_first=c.saves_first,
-                    grad_copies=list(c.grad_copies)))
+                nodes.append(replace(c, outputs=ids(c.outputs), creates=ids(c.creates), saves=ids(c.saves),
+                                     mutates=ids(c.mutates), casts=list(c.casts), grad_copies=list(c.grad_copies)))
                 continue
             outs = set(c.outputs)
             # an autocast cast stays whatever the variant (a later reader shares it through the cache)
             creates = ([x for x in c.creates if (x in outs and x not in merged) or kinds[x] == "cast"]
                        + list(v.creates))
             mutates = ids(c.mutates) + ([res(v.inplace_of)] if v.inplace_of is not None else [])
-            nodes.append(NodeCost(
-                name=c.name, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves),
-                mutates=ids(mutates), grad_bytes=c.grad_bytes,
+            nodes.append(replace(
+                c, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves), mutates=ids(mutates),
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
-                bwd_workspace=v.bwd_workspace, grad_in_bytes=c.grad_in_bytes, grad_alias=c.grad_alias,
-                param_grad_bytes=c.param_grad_bytes, casts=list(c.casts), grad_copies=list(c.grad_copies)))
+                bwd_workspace=v.bwd_workspace, variants={}, casts=list(c.casts), saves_first=False,
+                grad_copies=list(c.grad_copies)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
-        return Costs(device=self.device, storages=storages, nodes=nodes, fixed_bytes=self.fixed_bytes,
-                     loss_bytes=self.loss_bytes, link=self.link, grads_exist=self.grads_exist,
-                     step_bytes=self.step_bytes, loss_held_bytes=self.loss_held_bytes,
-                     region_bytes=self.region_bytes)
+        return replace(self, storages=storages, nodes=nodes)
 
     @property
     def step_seconds(self) -> float:
@@ -336,7 +346,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             formats = _grad_formats(gm, inputs, loss_fn, requires)
             _measure_workspace(gm, inputs, costs, device, requires, formats)
             if loss_fn is not None:
-                costs.loss_bytes, costs.loss_held_bytes = _measure_loss(gm, inputs, loss_fn, device, requires)
+                costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes = _measure_loss(
+                    gm, inputs, loss_fn, device, requires)
     finally:
         _restore(snapshot, flags)
         if cast_dtype is not None:
@@ -411,9 +422,14 @@ def _param_grads(gm: fx.GraphModule, costs: Costs) -> None:
     gradient exists from that node's backward on. A parameter used by several nodes (a layer called twice,
     tied weights) has its gradient summed from the first contribution on, in autograd's buffer for it,
     not only once its last contribution arrives (an MLP calling one Linear four times measured 1 MiB, that
-    weight's gradient, over its replay before this)."""
-    seen: set[int] = set()
-    for node, cost in reversed(list(zip(compute_nodes(gm), costs.nodes))):
+    weight's gradient, over its replay before this); each further contribution is summed into that buffer
+    (``param_sum_bytes``), and the buffer is held from the first contribution to the last
+    (``param_buffer_bytes`` / ``param_buffer_end_bytes``)."""
+    uses: dict[int, list[int]] = {}  # parameter id -> nodes using it, in backward order
+    sizes: dict[int, int] = {}
+    nodes = list(zip(compute_nodes(gm), costs.nodes))
+    for k in range(len(nodes) - 1, -1, -1):
+        node = nodes[k][0]
         if node.op == "call_module":
             params = list(gm.get_submodule(node.target).parameters())
         elif node.op == "get_attr":
@@ -422,9 +438,17 @@ def _param_grads(gm: fx.GraphModule, costs: Costs) -> None:
         else:
             params = []
         for p in params:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                cost.param_grad_bytes += p.untyped_storage().nbytes()
+            if p.requires_grad and k not in uses.setdefault(id(p), []):
+                uses[id(p)].append(k)
+                sizes[id(p)] = p.untyped_storage().nbytes()
+    for pid, ks in uses.items():
+        b = sizes[pid]
+        nodes[ks[0]][1].param_grad_bytes += b
+        if len(ks) > 1:
+            nodes[ks[0]][1].param_buffer_bytes += b
+            nodes[ks[-1]][1].param_buffer_end_bytes += b
+            for k in ks[1:]:
+                nodes[k][1].param_sum_bytes += b
 
 
 def _attr(gm: fx.GraphModule, target: str):
@@ -714,13 +738,14 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int]:
-    """``(loss_bytes, loss_held_bytes)``: transient bytes of ``loss_fn`` forward and backward on the model's
+                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes)`` (see :class:`Costs`): transient bytes of ``loss_fn`` forward and backward on the model's
     output, beyond the output's gradient (which the replay counts as an activation gradient), plus the
     outputs the loss saves for its backward (``(out ** 2).mean()``, ``F.mse_loss`` save their input;
     ``F.cross_entropy`` saves its own log-softmax instead): the replay frees the outputs once the loss has
     read them, and such an output stays until the loss's backward. Then the bytes the loss value's own
-    storage keeps (see :class:`Costs`).
+    storage keeps, and the peak of the loss's forward alone, while the outputs are alive and their gradients
+    are not.
 
     Outputs that require grad in the model's forward (``requires``, by the output node's name; without it,
     floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
@@ -748,9 +773,9 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
             kept[ptr] = out_storages[ptr]
         return t
 
-    with MemoryTracker(device) as tracker:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn(out)
+    with MemoryTracker(device) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(out)
+    with MemoryTracker(device) as backward:
         grads_of: tuple = ()
         if leaves and loss.requires_grad:
             with _no_autocast(device):
@@ -762,7 +787,8 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
             held += loss.numel() * loss.element_size()
         del loss
     grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
-    return max(0, tracker.peak_bytes - grads) + sum(kept.values()), held
+    during = max(forward.peak_bytes, forward.net_bytes + backward.peak_bytes)
+    return max(0, during - grads) + sum(kept.values()), held, forward.peak_bytes
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:

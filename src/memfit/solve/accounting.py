@@ -40,6 +40,7 @@ class Accounting:
         step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
         loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
             (``Costs.loss_held_bytes``).
+        loss_forward_bytes: the loss's forward peak beside the outputs (``Costs.loss_forward_bytes``).
         casts: storage ids of autocast's cached casts of parameters (kind ``"cast"``): alive from their first
             reader to the end of the forward pass (then only while a kept saver holds them); a region's
             recomputation makes its own, alive until the recomputation ends or, when saved, until the saver's
@@ -83,6 +84,7 @@ class Accounting:
     cast_uses: list[list[int]] = field(default_factory=list)
     saves_first: list[bool] = field(default_factory=list)
     region_bytes: int = 0
+    loss_forward_bytes: int = 0
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -140,7 +142,7 @@ class Accounting:
             loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
             loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],
             saves_first=[c.saves_first for c in costs.nodes],
-            region_bytes=costs.region_bytes,
+            region_bytes=costs.region_bytes, loss_forward_bytes=costs.loss_forward_bytes,
         )
         return _with_gradients(acc, costs)
 
@@ -155,6 +157,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     storage among their inputs, except those whose gradient is a tensor of its own (``NodeCost.grad_copies``:
     under autocast, autograd casts the gradient of an input of another dtype); a second contribution to an
     existing gradient is added into it, in place if that gradient has no other holder, else into a new tensor.
+    A parameter several nodes use gets its gradient summed in autograd's buffer (``NodeCost.param_sum_bytes``,
+    ``param_buffer_bytes``; see :func:`memfit.profile.costs._param_grads`).
     """
     n = acc.n
     needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs)
@@ -218,8 +222,15 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         during[i] = total + extra
         if t is not None:
             release(t)
+        c = costs.nodes[i]
+        # a further contribution to a parameter's gradient (within the node's workspace): summed into
+        # autograd's buffer for it once the node's backward has run, out of place unless either tensor can be
+        # reused (not known here, so counted)
+        during[i] = max(during[i], total + c.param_sum_bytes)
         if not costs.grads_exist:
-            total += costs.nodes[i].param_grad_bytes  # the node's own gradients, now the parameters' .grad
+            total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
+        else:  # autograd's buffer for a parameter several nodes use, until it is added into the existing .grad
+            total += c.param_buffer_bytes - c.param_buffer_end_bytes
     acc.grad_before, acc.grad_during = before, during
     acc.needs_grad = needs
     return acc

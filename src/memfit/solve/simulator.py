@@ -212,7 +212,9 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     for s, o in off.items():
         if o.wait >= n:
             wait_for(done[s])
-    # the loss reads the outputs; backward starts with their gradients
+    # the loss reads the outputs (alive while it runs its forward: they are its arguments); backward starts with
+    # their gradients
+    transient(acc.loss_forward_bytes, "loss forward")
     for s in list(alive):
         if s in acc.output_storages and not holders.get(s):
             alive.discard(s)

@@ -196,8 +196,9 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
         graph, costs: the captured graph and its profile.
         budget_bytes: total-peak budget in bytes (the integer programs need it; heuristics only record it).
         fixed_bytes: fixed bytes (default ``costs.fixed_bytes``; add optimizer state).
-        time_limit: solver time limit (seconds); near the smallest feasible budget, where the lowest-memory
-            plans are solved too, the search can run a few seconds over it.
+        time_limit: time limit of each integer program (seconds); the budgeted search keeps to about this in
+            all, but near the smallest feasible budget, where the lowest-memory programs are solved too, the
+            whole solve can take several times longer.
         use_variants: let ``memfit`` use operator variants.
         use_offload: let ``memfit`` offload activations (needs ``costs.link``, the measured copy costs).
 
