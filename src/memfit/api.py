@@ -16,7 +16,7 @@ from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
-from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, smallest_feasible
+from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
 
 
 def _shapes(inputs: tuple) -> list[list[int]]:
@@ -213,14 +213,13 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         state = measured.state_bytes
     fixed = costs.fixed_bytes + state
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
-    lowest = None
     if budget.minimum and strategy in ("memfit", "remat-ilp"):  # that strategy's own floor
-        joint = strategy == "memfit"
-        lowest = smallest_feasible(captured.graph, costs, fixed, time_limit, use_variants=variants and joint,
-                                   use_offload=store is not None and joint)
-    budget_bytes = budget.resolve(plain.predicted_peak_bytes, lowest or plain.predicted_peak_bytes)
-    result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed, time_limit=time_limit,
-                       use_variants=variants)
+        _, result = plan_at_floor(strategy, captured.graph, costs, fixed, time_limit, use_variants=variants,
+                                  use_offload=store is not None)
+    else:
+        budget_bytes = budget.resolve(plain.predicted_peak_bytes, plain.predicted_peak_bytes)
+        result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
+                           time_limit=time_limit, use_variants=variants)
     result.input_shapes = _shapes(inputs)
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)

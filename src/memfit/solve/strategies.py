@@ -70,6 +70,7 @@ class _Problem:
         self.offload = use_offload and costs.link is not None
         self.plain = _replay(self.acc, [], fixed)
         self.margin = _margin(self.plain.peak_bytes - fixed, costs.device)
+        self._lows: dict[tuple[bool, bool], list[Plan]] = {}  # (recompute_only, fastest) -> plans
 
     def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
                offloads: list[int] | None = None) -> Plan:
@@ -109,7 +110,16 @@ class _Problem:
         """The lowest-memory plans memfit knows: the integer program minimizing the modelled peak, one region
         per block, Chen's segments and a single region (with ``recompute_only``: the program without variants
         and offloading). With ``fastest``, each peak-minimizing solve is followed by the time-minimizing
-        program at the peak it reached (:meth:`fastest_at`), whose plan is listed too."""
+        program at the peak it reached (:meth:`fastest_at`), whose plan is listed too. Solved once per
+        problem: later calls return the same plans (a call without ``fastest`` gets those with it, when
+        known), so that ``budget="min"`` does not solve them again for the plan after the floor."""
+        for key in ((recompute_only, fastest), (recompute_only, True)):
+            if key in self._lows:
+                return list(self._lows[key])
+        plans = self._lows[recompute_only, fastest] = self._solve_lows(time_limit, recompute_only, fastest)
+        return list(plans)
+
+    def _solve_lows(self, time_limit: float, recompute_only: bool, fastest: bool) -> list[Plan]:
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
                  self.finish([(0, self.acc.n - 1)])]
         if recompute_only:
@@ -172,6 +182,27 @@ class _Problem:
         # keeping everything is a plan too: the floor is never above its peak (plus the same headroom)
         low = min(p.predicted_peak_bytes for p in (lows or self.low_memory_plans(time_limit)))
         return min(low, self.plain.peak_bytes) + self.margin
+
+
+def plan_at_floor(strategy: str, graph: Graph, costs: Costs, fixed_bytes: int, time_limit: float = 20.0,
+                  use_variants: bool = True, use_offload: bool = True) -> tuple[int, Plan]:
+    """``(smallest feasible budget in bytes, the fastest plan found under it)`` for ``remat-ilp`` or ``memfit``
+    (``budget="min"``): as :func:`smallest_feasible` then :func:`make_plan` at that budget, but the
+    lowest-memory plans are solved once for both (a small transformer at ``min`` took 43 s with
+    ``time_limit=5`` before, solving them three times).
+
+    Raises:
+        ValueError: another strategy.
+    """
+    if strategy not in ("remat-ilp", "memfit"):
+        raise ValueError(f"plan_at_floor plans remat-ilp or memfit, not {strategy!r}")
+    joint = strategy == "memfit"
+    prob = _Problem(strategy, graph, costs, fixed_bytes, None, use_variants and joint, use_offload and joint)
+    floor = prob.smallest_feasible(time_limit, prob.low_memory_plans(time_limit, fastest=True))
+    prob.budget = floor
+    plan = _solve(prob, floor, time_limit)
+    plan.budget_bytes = floor  # (a lowest-memory plan was made before the budget was known)
+    return floor, plan
 
 
 def smallest_feasible(graph: Graph, costs: Costs, fixed: int, time_limit: float = 20.0,
