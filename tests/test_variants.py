@@ -112,17 +112,34 @@ ACTS = [
 SHAPES = [(1,), (7,), (3, 5, 7), (2, 3, 4, 5), (4, 9)]
 
 
-def run_pair(ref, var, leaf, feed, dtype):
-    """Run PyTorch's module and its variant on copies of ``leaf`` with one random output gradient:
-    ``[(output, input gradient)]`` for each, in that order."""
+def run_pair(ref, var, leaf, feed, dtype, grad_layout=None):
+    """Run PyTorch's module and its variant on copies of ``leaf`` with one random output gradient (laid out
+    by ``grad_layout(tensor)``, default contiguous): ``[(output, input gradient)]`` for each, in that order."""
     res, g = [], None
     for mod in (ref, var):
         xl = leaf.clone().requires_grad_()
         y = mod(feed(xl))
         if g is None:
             g = torch.randn(y.shape).to(dtype)
+            g = grad_layout(g) if grad_layout is not None else g
         res.append((y, torch.autograd.grad(y, xl, g)[0]))
     return res
+
+
+def _layout(t):
+    """``t``'s strides, leaving out size-1 dimensions (whose strides say nothing about the memory order)."""
+    return tuple(s for d, s in zip(t.shape, t.stride()) if d != 1)
+
+
+def _constant(g):
+    """A gradient broadcast from one value (as a sum's backward hands on), strides 0."""
+    return g.reshape(-1)[:1].reshape([1] * g.dim()).expand(g.shape)
+
+
+def _transposed(g):
+    """``g``'s values with its memory order reversed (a non-contiguous gradient, as a cat or a permute hands on)."""
+    dims = list(range(g.dim()))[::-1]
+    return g.permute(*dims).contiguous().permute(*dims)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -141,9 +158,13 @@ def _check_mask_activation(name, ref, var, specials, dtype):
     for shape in SHAPES:
         x = with_specials(torch.randn(shape) * 3, specials).to(dtype)
         for lay, leaf, feed in layouts(x):
-            (y_ref, g_ref), (y_var, g_var) = run_pair(ref, var, leaf, feed, dtype)
-            assert same(y_ref, y_var), (name, shape, lay)
-            assert same(g_ref, g_var), (name, shape, lay)
+            for grad_layout in (None, _transposed, _constant):
+                (y_ref, g_ref), (y_var, g_var) = run_pair(ref, var, leaf, feed, dtype, grad_layout)
+                assert same(y_ref, y_var), (name, shape, lay)
+                assert same(g_ref, g_var), (name, shape, lay)
+                # PyTorch's layout too: the next backward reduces over it, and another layout sums in another
+                # order (a fresh-user run: 4e-9 on a convolution's bias gradient behind a chunk/cat mix)
+                assert _layout(g_ref) == _layout(g_var), (name, shape, lay, g_ref.stride(), g_var.stride())
 
 
 @pytest.mark.parametrize("chunk", [8, 16])
@@ -505,6 +526,22 @@ def test_maxpool_compact_saves_uint8_offsets():
     b_var, _ = saved_bytes(lambda: max_pool2d_compact(x, 3, 2, 1))
     assert b_var == y.numel()  # one byte per output element
     assert b_ref >= 8 * y.numel()  # int64 indices (torch also keeps the input)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_maxpool_compact_gradient_has_pytorchs_layout(channels_last):
+    """The input gradient is laid out as PyTorch's (channels-last for a channels-last input, where the
+    variant falls back to PyTorch's pooling), whatever the output gradient's layout: the layer before
+    reduces over it, and another layout sums in another order."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16, 16)
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    ref = nn.MaxPool2d(3, 2, 1)
+    var = VARIANTS["maxpool-compact"].make(ref)
+    for grad_layout in (None, _transposed, lambda g: g.contiguous(memory_format=torch.channels_last)):
+        (y_ref, g_ref), (y_var, g_var) = run_pair(ref, var, x, lambda leaf: leaf * 1, torch.float32, grad_layout)
+        assert same(y_ref, y_var) and same(g_ref, g_var)
+        assert _layout(g_ref) == _layout(g_var), (g_ref.stride(), g_var.stride())
 
 
 def test_maxpool_registry_limits():

@@ -190,7 +190,7 @@ class MaskedActivationFn(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
         ctx.save_for_backward(packed)
-        ctx.kind, ctx.a, ctx.shape, ctx.numel = kind, a, x.shape, x.numel()
+        ctx.kind, ctx.a, ctx.shape, ctx.numel, ctx.stride = kind, a, x.shape, x.numel(), out.stride()
         return out
 
     @staticmethod
@@ -198,7 +198,11 @@ class MaskedActivationFn(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (packed,) = ctx.saved_tensors
         n, chunk = ctx.numel, _chunk(grad)
-        if n > chunk and grad.is_contiguous():  # unpack a chunk at a time into the result
+        # the layout PyTorch's own backward gives its result, from the gradient's and the saved tensor's
+        # strides: the next backward reduces over it (a convolution's bias gradient), so another layout
+        # sums in another order (seen: 4e-9 on a bias, behind a chunk/cat mix of channels)
+        stride = _backward_stride(ctx.kind, grad, ctx.shape, ctx.stride)
+        if n > chunk and grad.is_contiguous() and stride == grad.stride():  # a chunk at a time into the result
             gx = torch.empty_like(grad, memory_format=torch.contiguous_format)
             gflat, oflat = grad.view(-1), gx.view(-1)
             for lo in range(0, n, chunk):
@@ -209,7 +213,22 @@ class MaskedActivationFn(torch.autograd.Function):
         # one byte per element (0/1 read as bool), in the logical order of the input: a quarter of a
         # float32 mask, which would be the backward's largest temporary
         m = unpack_mask(packed, n).view(torch.bool).view(ctx.shape)
-        return _masked(m, grad, ctx.kind, ctx.a), None, None, None, None
+        gx = torch.empty_strided(ctx.shape, stride, dtype=grad.dtype, device=grad.device)
+        return _masked(m, grad, ctx.kind, ctx.a, gx), None, None, None, None
+
+
+def _backward_stride(kind: str, grad: Tensor, shape, stride) -> tuple[int, ...]:
+    """Strides of the result of PyTorch's backward kernel for ``kind`` given ``grad`` and a saved tensor of
+    ``shape`` and ``stride``. Each kernel is an element-wise TensorIterator op, whose result layout follows
+    its operands in their order: ``(saved, grad)`` for ``threshold_backward`` and ``leaky_relu_backward``,
+    ``(grad, saved)`` for ``hardtanh_backward``. A meta-device addition of the operands in that order gives the
+    same layout (checked on every permutation and broadcast of 1- to 4-D operands on the CPU, in float32,
+    bfloat16 and float16, ignoring size-1 dimensions). The meta tensors are float32 whatever ``grad``'s dtype:
+    in bfloat16 or float16 they disagree with the CPU where an operand is broadcast, and so do the kernels'
+    own meta functions."""
+    meta = {"device": "meta", "dtype": torch.float32}
+    g, saved = torch.empty_strided(grad.shape, grad.stride(), **meta), torch.empty_strided(shape, stride, **meta)
+    return (torch.add(g, saved) if kind == "hardtanh" else torch.add(saved, g)).stride()
 
 
 def _masked(m: Tensor, grad: Tensor, kind: str, slope: float, out: Tensor | None = None) -> Tensor:
