@@ -291,6 +291,17 @@ def test_offload_dir_errors_say_what_to_change(tmp_path):
     for bad in (afile, afile / "sub", ""):
         with pytest.raises(OSError, match="offload directory"):
             DiskStore(bad)
+    if Path("/sys/kernel").is_dir():  # writable by its permission bits for root, yet no file can be made there
+        with pytest.raises(OSError, match="offload directory"):
+            DiskStore("/sys/kernel")
+
+
+def test_offload_false_with_an_offload_dir_is_refused(tmp_path):
+    """Found by a fresh-user run: the Python API took ``offload=False`` with ``offload_dir`` silently, where the
+    command line refuses ``--no-offload`` with ``--offload-dir``."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with pytest.raises(ValueError, match="contradict"):
+        memfit.plan(model, torch.randn(4, 8), offload=False, offload_dir=str(tmp_path))
 
 
 def test_offload_false_contradicting_a_vdnn_strategy_is_refused():

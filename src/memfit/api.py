@@ -126,6 +126,9 @@ def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_di
     the ``vdnn-*`` strategies always offload."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
+    if offload is False and offload_dir is not None:  # (the command line refuses --no-offload --offload-dir too)
+        raise ValueError(f"offload=False and offload_dir={str(offload_dir)!r} contradict each other: drop "
+                         "offload_dir to plan without offloading, or offload=False to offload there")
     if strategy in OFFLOAD_STRATEGIES:
         if offload is False:
             raise ValueError(f"the {strategy} strategy offloads activations; offload=False contradicts it "

@@ -37,7 +37,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "implementations, and in-place ReLUs and additions); recomputation stays, and so does offloading where "
         "a store exists (on CUDA, or with --offload-dir); with --no-offload as well it equals the remat-ilp "
         "strategy (recomputation only)"))
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -297,7 +297,7 @@ def _bench_run_flags(p: argparse.ArgumentParser) -> None:
     default, for stable CPU timings)."""
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU; default 1)")
+    p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (CPU; default 1)")
     p.add_argument("--seed", type=int, default=0)
     _offload_flags(p)
     _grads_flag(p)

@@ -106,6 +106,13 @@ class DiskStore(HostStore):
         if not self.directory.is_dir() or not os.access(self.directory, os.W_OK):
             raise OSError(f"memfit: the offload directory {self.directory} is not a writable directory; "
                           "name another one")
+        try:  # a real write: permission bits do not stop root, but /sys or a read-only mount still refuse
+            with tempfile.TemporaryFile(dir=self.directory) as probe:
+                probe.write(b"\0")
+                probe.flush()
+        except OSError as exc:
+            raise OSError(f"memfit: cannot write a file in the offload directory {self.directory} "
+                          f"({exc.strerror}); name a writable directory on a local disk") from exc
         if _filesystem(self.directory) == "tmpfs":
             warnings.warn(f"memfit: the offload directory {self.directory} is on a tmpfs, which keeps its files "
                           "in RAM: offloading there saves no memory. Name a directory on a disk.", stacklevel=2)
