@@ -175,6 +175,8 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
         memfit.optimize(narrow, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="inputs of shape"):
         memfit.optimize(fresh_copy(model), images[:1], plan_=memfit.Plan.load(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match=r"inputs of dtype \['torch.float32'\], not \['torch.float64'\]"):
+        memfit.optimize(fresh_copy(model), images.double(), plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="sets gradients to None"):
         memfit.optimize(fresh_copy(model), images, plan_=memfit.Plan.load(tmp_path / "p.json"), grads_exist=True)
     extra = fresh_copy(model)

@@ -23,6 +23,10 @@ def _shapes(inputs: tuple) -> list[list[int]]:
     return [list(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
 
 
+def _dtypes(inputs: tuple) -> list[str]:
+    return [str(t.dtype) for t in inputs if isinstance(t, torch.Tensor)]
+
+
 def state_shapes(model: nn.Module) -> dict[str, list[int]]:
     """Shape of each tensor of ``model.state_dict()`` (parameters and buffers), by key."""
     return {k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -81,7 +85,7 @@ def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
 def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
     """Check that a saved plan was made for this model (parameter and buffer shapes, dtypes and roles: trainable,
-    frozen, buffer, tied), these input
+    frozen, buffer, tied), these input dtypes and
     shapes, this gradient convention, this autocast state and (when both name one) this optimizer class.
 
     Raises:
@@ -114,6 +118,10 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         diff = _first_difference(what, theirs, mine) if theirs else None
         if diff:
             raise ValueError(f"the plan was made for another model: {diff}; make a new plan for this model")
+    dtypes = _dtypes(_as_tuple(example_inputs))
+    if plan_.input_dtypes and dtypes != plan_.input_dtypes:
+        raise ValueError(f"the plan was made for inputs of dtype {plan_.input_dtypes}, not {dtypes}: its memory "
+                         "figures would not hold; make a new plan for these dtypes")
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -224,6 +232,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
                            time_limit=time_limit, use_variants=variants)
     result.input_shapes = _shapes(inputs)
+    result.input_dtypes = _dtypes(inputs)
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
     result.state_roles = state_roles(model)

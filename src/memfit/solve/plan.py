@@ -55,6 +55,7 @@ class Plan:
         autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
         optimizer: class name of the optimizer whose state and step the plan counted (``"Adam"``), or
             ``None`` when none was given.
+        input_dtypes: dtypes of the example inputs (``"torch.int64"``), as ``input_shapes``.
         state_roles: what each ``state_dict`` key is (``"trainable parameter"``, ``"frozen parameter"``,
             ``"buffer"`` or ``"tied to <key>"``; :func:`memfit.api.state_roles`).
     """
@@ -80,6 +81,7 @@ class Plan:
     autocast: str | None = None
     optimizer: str | None = None
     state_roles: dict[str, str] = field(default_factory=dict)
+    input_dtypes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}
