@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
+from _models import ChannelMix, TiedLM
 from memfit import zoo
 from memfit.bench.harness import fresh_copy
 
@@ -473,20 +474,6 @@ def test_a_region_that_saves_nothing_holds_no_inputs():
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
 
 
-class _TiedLM(nn.Module):
-    """Token embedding, one MLP layer and an output layer sharing the embedding's weight (as GPT-2 does)."""
-
-    def __init__(self, vocab=512, width=256):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.mid = nn.Linear(width, width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx):
-        return self.head(F.gelu(self.mid(self.tok(idx))))
-
-
 @pytest.mark.parametrize("grads_exist", [False, True])
 @pytest.mark.parametrize("budget", ["min", "100%"])
 def test_tied_embedding_and_output_weights_are_counted(grads_exist, budget):
@@ -497,7 +484,7 @@ def test_tied_embedding_and_output_weights_are_counted(grads_exist, budget):
     from memfit.bench.harness import compare, measure_training
 
     torch.manual_seed(0)
-    model = _TiedLM().train()
+    model = TiedLM().train()
     idx, y = torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32))
 
     def loss(out, target):
@@ -540,25 +527,6 @@ def test_a_loss_that_builds_a_target_from_the_output_is_counted_while_the_output
         fig.peak_bytes, planned.plan.predicted_peak_bytes)
 
 
-class _ChannelMix(nn.Module):
-    """A convolution + ReLU module called on channels-last activations (a permuted LayerNorm made them so in a
-    fresh-user model) after a chunk/cat mix of channels and before a mean (the ReLU's output gradient is then
-    a broadcast)."""
-
-    def __init__(self, c=16):
-        super().__init__()
-        self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.shared = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU())
-        self.mix = nn.Conv2d(2 * c, c, 1)
-        self.head = nn.Linear(c, 10)
-
-    def forward(self, x):
-        x = self.shared(self.stem(x).contiguous(memory_format=torch.channels_last))
-        a, b = torch.chunk(x, 2, dim=1)
-        x = self.mix(torch.cat([x, torch.cat([b, a], 1)], 1)) + torch.cat([b, a], 1)
-        return self.head(self.shared(x).mean((2, 3)))
-
-
 def test_relu_mask_gives_pytorchs_gradient_layout_and_bits():
     """Found by a fresh-user run: with ``relu-mask`` on a reused ReLU, a convolution bias gradient differed from
     plain PyTorch's by 4e-9 (6.5e-6 after three momentum steps), and the step measured 1.5 MB over its
@@ -569,7 +537,7 @@ def test_relu_mask_gives_pytorchs_gradient_layout_and_bits():
     from memfit.solve.strategies import make_plan
 
     torch.manual_seed(0)
-    model = _ChannelMix().train()
+    model = ChannelMix().train()
     x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
     base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
     m = fresh_copy(model)

@@ -1,0 +1,62 @@
+"""Predicted activation memory against predicted overhead for ``remat-ilp`` and ``memfit`` (no offloading) on
+one profile of a zoo model: both strategies solved from the same measured costs, so the comparison carries
+no timing noise. Per budget: each plan's predicted activation peak (fraction of plain PyTorch's predicted
+activation peak), predicted step time over plain PyTorch's, the operator variants it chose, and the forward
+seconds it recomputes, by layer type.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/predicted_pareto.py resnet50:8:128 --budgets 90,70,50,40,35
+"""
+
+import argparse
+import collections
+
+import torch
+
+import memfit
+from memfit import zoo
+from memfit.solve.strategies import InfeasibleBudgetError, make_plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", help="model:batch:image-size, e.g. resnet50:8:128")
+    ap.add_argument("--budgets", default="90,80,70,60,50,45,40,35", help="activation budgets, percent")
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    name, batch, px = args.spec.split(":")
+    model = zoo.build_model(name).train()
+    x, y = zoo.example_batch(name, int(batch), int(px))
+    loss = zoo.loss_for(name)
+    _, captured, costs = memfit.plan(model, x, budget="100%", strategy="memfit",
+                                     loss_fn=lambda out, y=y, loss=loss: loss(out, y))
+    graph, fixed = captured.graph, costs.fixed_bytes
+    plain = make_plan("none", graph, costs)
+    act = plain.predicted_peak_bytes - fixed
+    kind = [n.module_type or n.target for n in graph.nodes]
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    print(f"{args.spec}: plain activation peak {act / 2**20:.1f} MiB, predicted step {plain.predicted_step_seconds:.3f} s")
+    for pct in [float(b) for b in args.budgets.split(",")]:
+        row = [f"{pct:g}%"]
+        for strategy in ("remat-ilp", "memfit"):
+            try:
+                p = make_plan(strategy, graph, costs, budget_bytes=int(fixed + pct / 100 * act),
+                              time_limit=args.time_limit, use_offload=False)
+            except InfeasibleBudgetError as exc:
+                row.append(f"{strategy}: infeasible (floor {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
+                continue
+            chosen = collections.Counter(v for v in p.variants.values() if v != "default")
+            recomputed: collections.Counter = collections.Counter()
+            for lo, hi in p.regions:
+                for i in range(index[lo], index[hi] + 1):
+                    recomputed[kind[i]] += costs.nodes[i].fwd_seconds
+            top = ", ".join(f"{k} {v:.3f}" for k, v in recomputed.most_common(3))
+            row.append(f"{strategy}: {100 * (p.predicted_peak_bytes - fixed) / act:.1f}% "
+                       f"{p.predicted_step_seconds / plain.predicted_step_seconds:.3f}x "
+                       f"variants {dict(chosen) or '-'} recomputes {top or '-'} s")
+        print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
