@@ -169,6 +169,7 @@ class Check:
         m = self.model()
         # memfit jointly with offloading (pinned memory on CUDA); vdnn-* always offload; the others never
         offload = strategy == "memfit" or strategy in OFFLOAD_STRATEGIES
+        offload_dir = offload_dir if offload else None
         store = offload_store(inputs, strategy, offload, offload_dir)
         try:
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
