@@ -195,6 +195,66 @@ def test_buffers_under_strategies(name, strategy):
     _assert_same(*_train_side_by_side(plain, planned, x, y))
 
 
+class RandomizedLeakyReLU(nn.Module):
+    """Randomized leaky ReLU as a module and as a function: a recomputation does not reproduce it."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1), nn.Linear(c, 10)
+        self.act = nn.RReLU()
+
+    def forward(self, x):
+        h = F.rrelu(self.c2(self.act(self.c1(x))), training=self.training)
+        return self.head(h.mean((2, 3)))
+
+
+class MaxNormEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=1.0)`` renormalizes the rows it reads in place, in the forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.mlp = nn.Embedding(10, 16, max_norm=1.0), nn.Sequential(nn.Linear(16, 32), nn.GELU())
+        self.head = nn.Linear(32, 10)
+        with torch.no_grad():
+            self.tok.weight.mul_(3.0)  # every row above the norm
+
+    def forward(self, x):
+        return self.head(self.mlp(self.tok(x)).mean(1))
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint-all", "chen", "memfit"])
+@pytest.mark.parametrize("name", ["rrelu", "max_norm"])
+def test_what_a_recomputation_cannot_reproduce_runs_outside_regions(name, strategy):
+    """Found by a fresh-user run: recomputed, ``nn.RReLU`` gave gradients of uninitialized memory (1e31) and
+    ``nn.Embedding(max_norm=...)`` renormalized rows a second time (1e-9). Such nodes stay out of regions,
+    and gradients, parameters and buffers are plain PyTorch's, bit for bit."""
+    torch.manual_seed(1)
+    if name == "rrelu":
+        factory, (x, y) = RandomizedLeakyReLU, _data()
+        loose = {"act", "rrelu"}
+    else:
+        factory, x, y = MaxNormEmbedding, torch.randint(0, 10, (4, 6)), torch.randint(0, 10, (4,))
+        loose = {"tok"}
+    plain = _build(factory)
+    planned = memfit.optimize(_build(factory), x, strategy=strategy, budget="min",
+                              loss_fn=lambda out: F.cross_entropy(out, y))
+    assert all(planned.plan.decisions[n] != "recompute" for n in loose)
+    assert strategy == "memfit" or any(d == "recompute" for d in planned.plan.decisions.values())
+    torch.manual_seed(2)
+    state = torch.get_rng_state()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (plain, planned)]
+    for _ in range(2):
+        for m, opt in zip((plain, planned), opts):
+            torch.set_rng_state(state)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+        state = torch.get_rng_state()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), planned.parameters()))
+        for opt in opts:
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), planned.parameters()))
+
+
 def test_deepcopy_is_an_independent_planned_module():
     x, y = _data()
     model = _build(MODELS["batch_norm"])

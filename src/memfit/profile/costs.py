@@ -121,6 +121,11 @@ class NodeCost:
             its forward), modifies nothing in place, and saves only tensors made before it (and autocast
             casts). A recomputation that ends at this node then stops before computing it (the non-reentrant
             checkpoint stops at its last saved tensor). ``False`` when not known.
+        recomputable: a recomputation of this node gives what its forward gave. ``False`` for a node that
+            modifies a trainable parameter in place (``nn.Embedding(max_norm=...)`` renormalizes rows again,
+            and the gradients differed by 1e-9) and for randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``:
+            recomputed by PyTorch's own checkpoint, its gradients differed; under memfit's regions they were
+            uninitialized memory): such a node always runs outside checkpoint regions.
     """
 
     name: str
@@ -142,6 +147,7 @@ class NodeCost:
     variants: dict[str, VariantCost] = field(default_factory=dict)
     casts: list[int] = field(default_factory=list)
     saves_first: bool = False
+    recomputable: bool = True
     grad_copies: list[str] = field(default_factory=list)
 
 
@@ -537,6 +543,7 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                 if p._version != version:
                     snapshot.append((p, copy))
                     kept_params.add(id(p))
+            cost.recomputable = not any(p._version != version and p.requires_grad for p, version, _ in before)
             del before
         if any(a.name in from_default for a in node.all_input_nodes):
             from_default[node.name] = next(from_default[a.name] for a in node.all_input_nodes
@@ -591,6 +598,8 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                             and _builtin_only(tensors_in(out), ins))
         if with_variants and node.op == "call_module":
             _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
+        if _is_rrelu(gm, node):
+            cost.recomputable = False
         nodes.append(cost)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     requires[output_node.name] = [t.requires_grad for t in tensors_in(fx.node.map_arg(output_node.args,
@@ -602,6 +611,16 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
     if with_variants:
         _profile_inplace(gm, env, nodes, storages, by_ptr, register, keep_alive)
     return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+
+
+def _is_rrelu(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is a randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``, ``torch.rrelu``), which a
+    recomputation does not reproduce (see :class:`NodeCost`)."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), nn.RReLU)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "") in ("rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_")
+    return node.op == "call_method" and node.target in ("rrelu", "rrelu_")
 
 
 def _builtin_only(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:

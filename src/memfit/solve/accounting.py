@@ -48,6 +48,7 @@ class Accounting:
         cast_uses: node index -> the casts it reads (``NodeCost.casts``).
         saves_first: node index -> ``NodeCost.saves_first`` (a recomputation ending there stops before it
             computes).
+        recomputable: node index -> ``NodeCost.recomputable`` (``False``: never inside a checkpoint region).
         region_bytes: bytes each checkpoint region holds from its forward pass to its backward pass, and again
             while recomputed (``Costs.region_bytes``).
     """
@@ -83,6 +84,7 @@ class Accounting:
     casts: set[int] = field(default_factory=set)
     cast_uses: list[list[int]] = field(default_factory=list)
     saves_first: list[bool] = field(default_factory=list)
+    recomputable: list[bool] = field(default_factory=list)
     region_bytes: int = 0
     loss_forward_bytes: int = 0
 
@@ -141,7 +143,7 @@ class Accounting:
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
             loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
             loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],
-            saves_first=[c.saves_first for c in costs.nodes],
+            saves_first=[c.saves_first for c in costs.nodes], recomputable=[c.recomputable for c in costs.nodes],
             region_bytes=costs.region_bytes, loss_forward_bytes=costs.loss_forward_bytes,
         )
         return _with_gradients(acc, costs)

@@ -140,6 +140,10 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for i in range(n):
             m.lb[r[i]] = m.ub[r[i]] = float(i in inside)
             m.lb[c[i]] = m.ub[c[i]] = float(i in starts and i - 1 in inside)
+    else:
+        for k in range(n):
+            if acc.recomputable and not acc.recomputable[k]:  # (randomized leaky ReLU, in-place parameter writes)
+                m.ub[r[k]] = 0.0
     peak = m.var(lb=0, ub=INF, cost=1.0) if minimize_peak else None
     if minimize_peak:  # memory only, so that the answer does not depend on noisy timings
         for i in range(n):

@@ -30,11 +30,17 @@ def mutated_conflicts(acc: Accounting, spans: list[tuple[int, int]]) -> list[int
     return sorted(bad)
 
 
+def unrecomputable(acc: Accounting, spans: list[tuple[int, int]]) -> list[int]:
+    """Region nodes whose recomputation would not give what their forward gave (``Accounting.recomputable``)."""
+    return [i for lo, hi in spans for i in range(lo, hi + 1) if acc.recomputable and not acc.recomputable[i]]
+
+
 def legalize(acc: Accounting, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Split regions around conflicting nodes (:func:`mutated_conflicts`) until none is left; drop empty ones."""
+    """Split regions around conflicting nodes (:func:`mutated_conflicts`) and nodes that cannot be recomputed
+    (:func:`unrecomputable`) until none is left; drop empty ones."""
     spans = sorted(spans)
     while True:
-        bad = mutated_conflicts(acc, spans)
+        bad = sorted(set(unrecomputable(acc, spans)) | set(mutated_conflicts(acc, spans)))
         if not bad:
             return spans
         i = bad[0]
