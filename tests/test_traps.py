@@ -141,6 +141,23 @@ def test_plan_for_other_shapes_is_refused_and_warned(setup, tmp_path):
         planned(other)
 
 
+def test_gradients_allocated_against_the_plan_warn_once(setup):
+    """Found by a fresh-user run: ``zero_grad(set_to_none=False)`` with a plan made for PyTorch's default went
+    586,722 B over its budget without a word. The planned module warns once when it sees the gradients
+    allocated, and not at all with a plan made for them."""
+    import warnings
+
+    model, images, target = setup
+    for grads_exist in (False, True):
+        planned = memfit.optimize(fresh_copy(model), images, budget="100%", strategy="chen", grads_exist=grads_exist)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                F.cross_entropy(planned(images), target).backward()  # gradients accumulate from the 2nd call
+        told = [w for w in seen if "grads_exist=True" in str(w.message)]
+        assert len(told) == (0 if grads_exist else 1), [str(w.message) for w in seen]
+
+
 def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
     import warnings
 
