@@ -320,6 +320,18 @@ def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
     assert rc == 2 and "contradicts" in capsys.readouterr().err
 
 
+def test_cli_plan_out_and_threads_errors_are_messages_before_solving(tmp_path, capsys):
+    """Found by fresh-user runs: ``memfit plan --out <a folder>`` solved, then died with a traceback; ``--threads 0``
+    was taken."""
+    for flags, words in [(["plan", "--out", str(tmp_path)], "is a folder"), (["plan", "--threads", "0"], ">= 1"),
+                         (["run", "--threads", "0"], ">= 1")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*flags[:1], "--model", "resnet18", "--batch", "2", "--image-size", "32", *flags[1:]])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+
+
 def test_no_variants_help_says_what_it_turns_off(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help lines (and breaks them at hyphens)
     for command in ("run", "plan", "train"):
