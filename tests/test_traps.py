@@ -430,6 +430,68 @@ def test_grad_mode_change_in_forward_is_refused_with_the_line(mode):
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
+class _UserCheckpoint(nn.Module):
+    """A block run through ``torch.utils.checkpoint`` inside forward."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant).mean((2, 3)))
+
+
+def test_a_models_own_checkpoints_are_named():
+    """Found by a fresh-user run: a reentrant ``torch.utils.checkpoint`` in forward was refused with advice about
+    ``torch.no_grad`` (``.detach()``, which would drop its gradients), and a non-reentrant one was traced
+    through without a word, though BatchNorm statistics then update once (PyTorch's checkpoint: twice) and a
+    percentage budget is of the peak without the checkpoints."""
+    import torch.utils.checkpoint as cp
+
+    real = (cp.CheckpointFunction.apply, cp._checkpoint_impl)
+    with pytest.raises(memfit.TraceError, match=r"use_reentrant=True[\s\S]*test_traps.py:\d+[\s\S]*remove"):
+        memfit.optimize(_UserCheckpoint(True).train(), torch.randn(2, 3, 8, 8))
+    assert (cp.CheckpointFunction.apply, cp._checkpoint_impl) == real  # restored
+    torch.manual_seed(0)
+    model, x, y = _UserCheckpoint(False).train(), torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    with pytest.warns(UserWarning, match=r"traced through the torch.utils.checkpoint call .*test_traps.py"):
+        planned = memfit.optimize(fresh_copy(model), x, budget="100%", strategy="chen")
+    plain = fresh_copy(model)
+    for m in (plain, planned):
+        F.cross_entropy(m(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), planned.parameters()))
+
+
+def test_trace_errors_give_advice_that_fits():
+    """Found by a fresh-user run: a submodule wrapped in ``torch.compile`` and ``torch.rand(x.shape[0], 1, 1, 1)``
+    were both refused with advice about data-dependent control flow."""
+
+    class Compiled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.compile(nn.Linear(8, 8), backend="eager")
+
+        def forward(self, x):
+            return self.body(x)
+
+    class StochasticDepth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.body(x) * (torch.rand(x.shape[0], 1) < 0.8)
+
+    with pytest.raises(memfit.TraceError, match=r"body is wrapped in torch.compile.*body._orig_mod"):
+        memfit.optimize(Compiled().train(), torch.randn(4, 8))
+    with pytest.raises(memfit.TraceError, match=r"plain number.*rand_like"):
+        memfit.optimize(StochasticDepth().train(), torch.randn(4, 8))
+
+
 @pytest.mark.parametrize("budget", ["min", "95%"])
 def test_channels_last_model_is_predicted_from_the_real_gradient_layouts(budget):
     """Found by a fresh-user run: a channels-last CNN measured up to 0.66 MB above its prediction and over

@@ -84,6 +84,73 @@ def _refuse_grad_mode_changes():
         torch.autograd.grad_mode.inference_mode.__enter__ = real_inference
 
 
+class _ReentrantCheckpoint(Exception):
+    """The traced forward called ``torch.utils.checkpoint`` with ``use_reentrant=True``."""
+
+
+def _call_site() -> str:
+    """The innermost frame of the current stack outside torch and memfit: the user's line."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(torch_dir)
+              and "memfit/graph" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}: {frames[-1].line}" if frames else "?"
+
+
+@contextlib.contextmanager
+def _watch_user_checkpoints(seen: list[str]):
+    """While tracing, note each call of ``torch.utils.checkpoint`` (its line, in ``seen``): fx traces through a
+    non-reentrant checkpoint, so its function runs once in the graph and memfit plans recomputation itself; a
+    reentrant one raises :class:`_ReentrantCheckpoint` (it runs its function under ``torch.no_grad()``)."""
+    import torch.utils.checkpoint as cp
+
+    # the non-reentrant generator's name differs between torch versions; checkpoint() looks it up at call time
+    names = [n for n in ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+             if hasattr(cp, n)]
+    real = {n: getattr(cp, n) for n in names}
+    real_apply = cp.CheckpointFunction.__dict__.get("apply")
+
+    def watched(name):
+        def generator(*args, **kwargs):
+            if not seen or seen[-1] != _call_site():
+                seen.append(_call_site())
+            return real[name](*args, **kwargs)
+        return generator
+
+    def reentrant(*args, **kwargs):
+        seen.append(_call_site())
+        raise _ReentrantCheckpoint()
+
+    for n in names:
+        setattr(cp, n, watched(n))
+    cp.CheckpointFunction.apply = reentrant
+    try:
+        yield
+    finally:
+        for n, f in real.items():
+            setattr(cp, n, f)
+        if real_apply is not None:
+            cp.CheckpointFunction.apply = real_apply
+        else:
+            del cp.CheckpointFunction.apply
+
+
+def _trace_advice(model: nn.Module, exc: BaseException) -> str:
+    """What to change, for an exception fx raised while tracing ``model``."""
+    compiled = [name for name, m in model.named_modules() if hasattr(m, "_orig_mod")]
+    if compiled:
+        return (f"  {', '.join(compiled[:3])} is wrapped in torch.compile, which torch.fx cannot trace: plan the "
+                f"model with the module itself ({compiled[0]}._orig_mod in its place); memfit runs PyTorch's "
+                "eager kernels.")
+    if "Proxy" in str(exc):
+        return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
+                "number, which torch.fx cannot pass: use an operation that takes the tensor itself (e.g. "
+                "torch.rand_like(x[:, :1, :1, :1]) for torch.rand(x.shape[0], 1, 1, 1), x.new_zeros(...)), or "
+                "move that line into a function fx keeps whole (torch.fx.wrap).")
+    return ("  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
+            "rewrite that line with tensor operations (e.g. torch.where), or move it into a submodule "
+            "that fx treats as a leaf.")
+
+
 class _BufferTracer(fx.Tracer):
     """``torch.fx``'s tracer with reads of buffers recorded as ``get_attr`` nodes. The default tracer runs an
     expression that reads only buffers (``self.count.add_(1)``, ``1 + self.ema``) once, while tracing, and
@@ -133,9 +200,18 @@ def capture(model: nn.Module) -> Captured:
         UserWarning: the model traces only with its buffers read as constants (a buffer in Python control
             flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
+    checkpoints: list[str] = []
     try:
-        with _refuse_grad_mode_changes():
+        with _refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints):
             gm = _trace(model)
+    except _ReentrantCheckpoint:
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
+            "which runs its function under torch.no_grad() and hides it from torch.fx.\n"
+            f"  failing line: {checkpoints[-1]}\n"
+            "  memfit plans recomputation itself: remove that checkpoint (or turn your model's gradient "
+            "checkpointing option off), or pass use_reentrant=False."
+        ) from None
     except _GradModeChange as exc:
         raise TraceError(
             f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
@@ -148,11 +224,17 @@ def capture(model: nn.Module) -> Captured:
     except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
         raise TraceError(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-            f"  failing line: {_user_frame(exc)}\n"
-            "  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
-            "rewrite that line with tensor operations (e.g. torch.where), or move it into a submodule "
-            "that fx treats as a leaf."
+            f"  failing line: {_user_frame(exc)}\n" + _trace_advice(model, exc)
         ) from exc
+    if checkpoints:
+        warnings.warn(
+            f"memfit traced through the torch.utils.checkpoint call{'s' if len(checkpoints) > 1 else ''} in "
+            f"{type(model).__name__} ({checkpoints[0]}{' ...' if len(checkpoints) > 1 else ''}): the plan runs "
+            "those functions once and decides what to recompute itself, so BatchNorm statistics are updated "
+            "once per step (PyTorch's checkpoint updates them again when it recomputes), and a percentage "
+            "budget is of plain PyTorch's peak without your checkpoints, which can be well above your model's "
+            "own peak. Give the budget in bytes (or 'min') to stay under what your checkpoints reached.",
+            stacklevel=3)
     nodes: list[Node] = []
     inputs: list[str] = []
     outputs: list[str] = []
