@@ -407,7 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (InfeasibleBudgetError, TraceError, ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]memfit {args.command}: {exc}[/]")
+        hint = ""
+        if "more than 1 value per channel" in str(exc):  # PyTorch's BatchNorm on one value per channel
+            hint = (" (BatchNorm in training needs more than one value per channel: give --batch 2 or more, or a "
+                    "larger --image-size)")
+        Console(stderr=True).print(f"[red]memfit {args.command}: {exc}{hint}[/]")
         return 2
 
 
