@@ -13,13 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import memfit
-from memfit.bench.harness import fresh_copy, measure_training
-from memfit.solve.simulator import simulate
-from memfit.solve.strategies import make_plan
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _models import ChannelMix, TiedLM
+from _models import TiedLM, channel_mix_with_relu_mask, plain_and_planned
 
 
 def _max_diff(base, fig) -> float:
@@ -32,12 +27,7 @@ def _row(case, fig, predicted, budget, base) -> None:
 
 
 def _planned_case(case, model, x, y, loss, budget, grads_exist=False) -> None:
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, loss, steps=1, grads_exist=grads_exist)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, budget=budget, grads_exist=grads_exist,
-                              optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: loss(out, y))
-    fig = measure_training(planned, planned, (x,), y, loss, steps=1, grads_exist=grads_exist)
+    base, planned, fig = plain_and_planned(model, x, y, budget, loss=loss, grads_exist=grads_exist)
     _row(case, fig, planned.plan.predicted_peak_bytes, planned.plan.budget_bytes, base)
 
 
@@ -66,17 +56,7 @@ def main() -> None:
     _planned_case("KL to a sharpened softmax of the detached logits, `memfit` at min", mlp,
                   torch.randn(128, 64), None, soft_target_kl, "min")
 
-    torch.manual_seed(0)
-    mix = ChannelMix().train()
-    x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
-    base = measure_training(*[fresh_copy(mix)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(mix)
-    _, captured, costs = memfit.plan(m, x, budget="100%", loss_fn=lambda out: F.cross_entropy(out, y))
-    plan = make_plan("none", captured.graph, costs)
-    plan.variants.update({c.name: "relu-mask" for c in costs.nodes if "relu-mask" in c.variants})
-    fig = measure_training(memfit.optimize(m, x, plan_=plan), m, (x,), y, F.cross_entropy, steps=1)
-    momentum = sum(p.numel() * p.element_size() for p in m.parameters())
-    predicted = simulate(captured.graph, costs, plan, costs.fixed_bytes + momentum).peak_bytes
+    base, fig, predicted, _ = channel_mix_with_relu_mask()
     _row("channels-last conv + ReLU after a chunk/cat mix, every ReLU `relu-mask`, no regions", fig, predicted,
          predicted, base)
 

@@ -53,3 +53,40 @@ class ChannelMix(nn.Module):
         a, b = torch.chunk(x, 2, dim=1)
         x = self.mix(torch.cat([x, torch.cat([b, a], 1)], 1)) + torch.cat([b, a], 1)
         return self.head(self.shared(x).mean((2, 3)))
+
+
+def channel_mix_with_relu_mask():
+    """Plain PyTorch's figures for one SGD step (momentum 0.9) of :class:`ChannelMix`, then those of a plan
+    that keeps everything with every ReLU as ``relu-mask``: ``(base, fig, predicted peak bytes, ReLUs forced)``."""
+    import memfit
+    from memfit.bench.harness import fresh_copy, measure_training
+    from memfit.solve.simulator import simulate
+    from memfit.solve.strategies import make_plan
+
+    torch.manual_seed(0)
+    model = ChannelMix().train()
+    x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    _, captured, costs = memfit.plan(m, x, budget="100%", loss_fn=lambda out: F.cross_entropy(out, y))
+    plan = make_plan("none", captured.graph, costs)
+    forced = {c.name: "relu-mask" for c in costs.nodes if "relu-mask" in c.variants}
+    plan.variants.update(forced)
+    planned = memfit.optimize(m, x, plan_=plan)
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    momentum = sum(p.numel() * p.element_size() for p in m.parameters())  # measure_training's SGD state
+    return base, fig, simulate(captured.graph, costs, plan, costs.fixed_bytes + momentum).peak_bytes, len(forced)
+
+
+def plain_and_planned(model, x, y, budget, loss=F.cross_entropy, lr=0.01, strategy="memfit", grads_exist=False):
+    """Plain PyTorch's figures for one SGD step (momentum 0.9) on a copy of ``model``, then those of a copy planned
+    at ``budget`` with ``loss(out, y)`` measured (``lr``: the planning optimizer's): ``(base, planned, fig)``."""
+    import memfit
+    from memfit.bench.harness import fresh_copy, measure_training
+
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, loss, steps=1, grads_exist=grads_exist)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget=budget, strategy=strategy, grads_exist=grads_exist,
+                              optimizer=torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
+                              loss_fn=lambda out: loss(out, y))
+    return base, planned, measure_training(planned, planned, (x,), y, loss, steps=1, grads_exist=grads_exist)

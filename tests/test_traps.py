@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from _models import ChannelMix, TiedLM
+from _models import TiedLM, channel_mix_with_relu_mask, plain_and_planned
 from memfit import zoo
 from memfit.bench.harness import fresh_copy
 
@@ -26,19 +26,6 @@ def setup():
     model = zoo.build_model("resnet18").train()
     images, target = zoo.example_batch("resnet18", 4, 32)
     return model, images, target
-
-
-def _plain_and_planned(model, x, y, budget, lr=0.01, strategy="memfit"):
-    """Plain PyTorch's figures for one SGD step (momentum 0.9) on a copy of ``model``, then the planned copy's:
-    ``(base, planned, fig)``."""
-    from memfit.bench.harness import measure_training
-
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, budget=budget, strategy=strategy,
-                              optimizer=torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
-                              loss_fn=lambda out: F.cross_entropy(out, y))
-    return base, planned, measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
 
 
 def _planned(model, images, strategy="chen"):
@@ -313,7 +300,7 @@ def test_views_and_reused_layers_are_counted(mode, budget):
     torch.manual_seed(0)
     model = _ResidualMLP(mode).train()
     x, y = torch.randn(512, 256), torch.randint(0, 10, (512,))  # activations of 512 KiB
-    base, planned, fig = _plain_and_planned(model, x, y, budget)
+    base, planned, fig = plain_and_planned(model, x, y, budget)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert fig.peak_bytes - planned.plan.predicted_peak_bytes <= 64 << 10, (fig.peak_bytes,
@@ -508,7 +495,7 @@ def test_channels_last_model_is_predicted_from_the_real_gradient_layouts(budget)
     ).train().to(memory_format=torch.channels_last)
     x = torch.randn(16, 3, 32, 32).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (16,))
-    base, planned, fig = _plain_and_planned(model, x, y, budget, lr=0.1)
+    base, planned, fig = plain_and_planned(model, x, y, budget, lr=0.1)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert fig.peak_bytes <= planned.plan.predicted_peak_bytes + 4096, (fig.peak_bytes, planned.plan.predicted_peak_bytes)
@@ -560,7 +547,7 @@ def test_tied_embedding_and_output_weights_are_counted(grads_exist, budget):
     up to one weight's size (420,688 B with preallocated gradients at ``min``). Autograd sums the two
     contributions to the shared weight's gradient in its own buffer, out of place here, and with preallocated
     gradients that buffer is a tensor apart from ``.grad``; neither was counted."""
-    from memfit.bench.harness import compare, measure_training
+    from memfit.bench.harness import compare
 
     torch.manual_seed(0)
     model = TiedLM().train()
@@ -569,12 +556,7 @@ def test_tied_embedding_and_output_weights_are_counted(grads_exist, budget):
     def loss(out, target):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
-    base = measure_training(*[fresh_copy(model)] * 2, (idx,), y, loss, steps=1, grads_exist=grads_exist)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, idx, budget=budget, grads_exist=grads_exist,
-                              optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: loss(out, y))
-    fig = measure_training(planned, planned, (idx,), y, loss, steps=1, grads_exist=grads_exist)
+    base, planned, fig = plain_and_planned(model, idx, y, budget, loss=loss, grads_exist=grads_exist)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert abs(fig.peak_bytes - planned.plan.predicted_peak_bytes) <= 0.01 * fig.peak_bytes, (
@@ -585,7 +567,7 @@ def test_a_loss_that_builds_a_target_from_the_output_is_counted_while_the_output
     """Found by a fresh-user run: a self-distillation loss (KL divergence to a sharpened softmax of the
     detached logits) went 938,811 B over its budget at ``min``: while the loss runs its forward, the model's
     output is its argument and still alive, which the replay (freeing it once the loss has read it) missed."""
-    from memfit.bench.harness import compare, measure_training
+    from memfit.bench.harness import compare
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 2048)).train()
@@ -595,11 +577,7 @@ def test_a_loss_that_builds_a_target_from_the_output_is_counted_while_the_output
         soft = torch.softmax(out.detach() * 2.0, -1)
         return F.kl_div(F.log_softmax(out, -1), soft, reduction="batchmean")
 
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), None, loss, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, budget="min", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=loss)
-    fig = measure_training(planned, planned, (x,), None, loss, steps=1)
+    base, planned, fig = plain_and_planned(model, x, None, "min", loss=loss)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     assert abs(fig.peak_bytes - planned.plan.predicted_peak_bytes) <= 0.01 * fig.peak_bytes, (
@@ -611,23 +589,10 @@ def test_relu_mask_gives_pytorchs_gradient_layout_and_bits():
     plain PyTorch's by 4e-9 (6.5e-6 after three momentum steps), and the step measured 1.5 MB over its
     prediction: the variant's input gradient was contiguous where PyTorch's follows the operands' layout, so
     the convolution's backward summed in another order and reordered a copy."""
-    from memfit.bench.harness import compare, measure_training
-    from memfit.solve.simulator import simulate
-    from memfit.solve.strategies import make_plan
+    from memfit.bench.harness import compare
 
-    torch.manual_seed(0)
-    model = ChannelMix().train()
-    x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    _, captured, costs = memfit.plan(m, x, budget="100%", loss_fn=lambda out: F.cross_entropy(out, y))
-    plan = make_plan("none", captured.graph, costs)
-    forced = {c.name: "relu-mask" for c in costs.nodes if "relu-mask" in c.variants}
-    assert len(forced) == 2
-    plan.variants.update(forced)
-    planned = memfit.optimize(m, x, plan_=plan)
-    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    base, fig, predicted, forced = channel_mix_with_relu_mask()
+    assert forced == 2
     assert compare(base, fig)["gradients_match"]
     assert all(torch.equal(a, b) for a, b in zip(base.grads.values(), fig.grads.values()))
-    momentum = sum(p.numel() * p.element_size() for p in m.parameters())  # measure_training's SGD state
-    assert fig.peak_bytes == simulate(captured.graph, costs, plan, costs.fixed_bytes + momentum).peak_bytes
+    assert fig.peak_bytes == predicted
