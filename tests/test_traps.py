@@ -454,8 +454,9 @@ def test_a_models_own_checkpoints_are_named():
 
 
 def test_trace_errors_give_advice_that_fits():
-    """Found by a fresh-user run: a submodule wrapped in ``torch.compile`` and ``torch.rand(x.shape[0], 1, 1, 1)``
-    were both refused with advice about data-dependent control flow."""
+    """Found by fresh-user runs: a submodule wrapped in ``torch.compile``, ``torch.rand(x.shape[0], 1, 1, 1)`` and
+    ``h[:, :4] = 0`` were refused with advice about data-dependent control flow (or about sizes), and
+    ``memfit.optimize(planned)`` with a trace error inside memfit's own code."""
 
     class Compiled(nn.Module):
         def __init__(self):
@@ -475,8 +476,19 @@ def test_trace_errors_give_advice_that_fits():
 
     with pytest.raises(memfit.TraceError, match=r"body is wrapped in torch.compile.*body._orig_mod"):
         memfit.optimize(Compiled().train(), torch.randn(4, 8))
+    class SliceAssignment(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            h[:, :4] = 0.0
+            return h
+
     with pytest.raises(memfit.TraceError, match=r"plain number.*rand_like"):
         memfit.optimize(StochasticDepth().train(), torch.randn(4, 8))
+    with pytest.raises(memfit.TraceError, match=r"assignment into part of a tensor.*masked_fill"):
+        memfit.optimize(SliceAssignment().train(), torch.randn(4, 8))
+    planned = memfit.optimize(StochasticDepth().body.train(), torch.randn(4, 8), budget="100%")
+    with pytest.raises(TypeError, match=r"already planned.*planned.model"):  # re-planning a planned module
+        memfit.optimize(planned, torch.randn(4, 8), budget="100%")
 
 
 @pytest.mark.parametrize("budget", ["min", "95%"])

@@ -65,6 +65,9 @@ def autocast_dtype(inputs: tuple) -> str | None:
 
 
 def _require_training(model: nn.Module) -> None:
+    if isinstance(model, PlannedModule):
+        raise TypeError("this model is already planned (a PlannedModule): to plan again, for another budget or "
+                         "strategy, pass the model it wraps, planned.model")
     if not model.training:
         raise ValueError("memfit plans a training step: call model.train() first")
 
@@ -201,6 +204,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     Raises:
         memfit.TraceError: ``torch.fx`` cannot trace the model; the message names the line.
         memfit.InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
+        TypeError: ``model`` is already a :class:`PlannedModule` (plan ``planned.model`` instead).
         ValueError: bad budget text or strategy; ``example_inputs`` has more inputs than the forward takes,
             leaves out an argument without a default, or leaves out one whose default the traced forward
             cannot run with (``mask=None`` when fx traced ``if mask is not None:`` as taken).

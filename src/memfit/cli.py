@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         path = getattr(args, flag, None)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
-        if path and os.path.isdir(path):
-            parser.error(f"--{flag} {path} is a folder: name a file in it, e.g. {os.path.join(path, 'plan.json')}")
+        if path and (os.path.isdir(path) or path.endswith(("/", os.sep))):
+            parser.error(f"--{flag} {path} names a folder: name a file in it, e.g. {os.path.join(path, 'plan.json')}")
     import torch
 
     if args.threads:

@@ -141,6 +141,11 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return (f"  {', '.join(compiled[:3])} is wrapped in torch.compile, which torch.fx cannot trace: plan the "
                 f"model with the module itself ({compiled[0]}._orig_mod in its place); memfit runs PyTorch's "
                 "eager kernels.")
+    if "does not support item assignment" in str(exc):
+        return ("  an assignment into part of a tensor (x[:, :4] = 0), which torch.fx cannot record: write it as "
+                "an operation that returns a new tensor (x.masked_fill(mask, 0), x.index_fill(1, idx, 0), "
+                "torch.where, torch.cat of the parts), or move that line into a function fx keeps whole "
+                "(torch.fx.wrap).")
     if "Proxy" in str(exc):
         return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
                 "number, which torch.fx cannot pass: use an operation that takes the tensor itself (e.g. "
