@@ -173,7 +173,8 @@ class Check:
         store = offload_store(inputs, strategy, offload, offload_dir)
         try:
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-            plan, captured, _ = make_plan(m, inputs, budget_bytes, strategy=strategy, optimizer=opt,
+            # measure() keeps gradients allocated (zero_grad(set_to_none=False)): the plan counts that
+            plan, captured, _ = make_plan(m, inputs, budget_bytes, strategy=strategy, optimizer=opt, grads_exist=True,
                                           time_limit=time_limit, loss_fn=lambda out, t=target: self.loss_fn(out, t),
                                           offload=offload, offload_dir=offload_dir, _store=store)
             del opt
