@@ -145,7 +145,7 @@ def test_every_in_place_form_at_once_matches_pytorch(spans):
     regions = {"none": [], "chen": make_plan("chen", captured.graph, costs).region_spans(),
                "one": [(0, len(names) - 1)]}[spans]
     acc = Accounting.build(captured.graph, costs.with_variants(choice))
-    plan = Plan.from_spans(spans, names, legalize(acc, regions), fixed_bytes=fixed)
+    plan = Plan.from_spans(spans, names, legalize(acc, regions), fixed_bytes=fixed, grads_exist=True)
     plan.variants.update(choice)
     predicted = simulate(captured.graph, costs, plan, fixed)
     fig = _run(m, initial, captured, plan, inputs, target)
@@ -195,11 +195,11 @@ def test_runtime_refuses_an_in_place_form_in_a_region_without_its_operand():
     *_, captured, _costs, fixed = _setup()
     names = [n.name for n in captured.graph.nodes]
     i = names.index("relu_2")  # F.relu(b1(...)): its operand is made by b1, just before it
-    plan = Plan.from_spans("hand-made", names, [(i, i + 1)], fixed_bytes=fixed)
+    plan = Plan.from_spans("hand-made", names, [(i, i + 1)], fixed_bytes=fixed, grads_exist=True)
     plan.variants["relu_2"] = "inplace"
     with pytest.raises(ValueError, match="overwritten value"):
         memfit.PlannedModule(captured, plan)
-    plan = Plan.from_spans("hand-made", names, [(i - 1, i + 1)], fixed_bytes=fixed)
+    plan = Plan.from_spans("hand-made", names, [(i - 1, i + 1)], fixed_bytes=fixed, grads_exist=True)
     plan.variants["relu_2"] = "inplace"
     memfit.PlannedModule(captured, plan)  # with its operand's producer in the region: fine
 
@@ -358,7 +358,7 @@ def test_random_in_place_choices_and_regions_match_pytorch(program, cuts, seed):
     spans = legalize(acc, sorted(spans))
     under = []
     for forms in ({}, choice):  # the same regions without and with the in-place forms
-        plan = Plan.from_spans("random", names, spans, fixed_bytes=fixed)
+        plan = Plan.from_spans("random", names, spans, fixed_bytes=fixed, grads_exist=True)
         plan.variants.update(forms)
         predicted = simulate(captured.graph, costs, plan, fixed)
         m.load_state_dict(initial)
