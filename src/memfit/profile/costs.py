@@ -164,6 +164,11 @@ class Costs:
         loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients, plus
             the outputs the loss saves for its backward, measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
             (two output-sized tensors).
+        output_ids: storage id of each tensor of the model's output, in :func:`tensors_in` order (``None`` for
+            an input or a parameter passed through).
+        loss_keeps: storage ids of the outputs the loss saves for its backward (``(out ** 2).mean()``,
+            ``F.mse_loss``; ``F.cross_entropy`` saves its own log-softmax instead): they stay alive until the
+            loss's backward, where the replay would otherwise free them once the loss has read them.
         loss_forward_bytes: bytes the loss's forward allocates at its peak beyond its arguments (the model's
             outputs, still alive then: the loss reads them) while the outputs' gradients do not exist yet
             (a loss that builds a soft target from the detached logits makes two logits-sized tensors
@@ -198,6 +203,8 @@ class Costs:
     loss_held_bytes: int = 0
     region_bytes: int = 0
     loss_forward_bytes: int = 0
+    output_ids: list[int | None] = field(default_factory=list)
+    loss_keeps: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -213,7 +220,8 @@ class Costs:
                    fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
                    link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
-                   region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0))
+                   region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
+                   output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -273,7 +281,8 @@ class Costs:
                 grad_copies=list(c.grad_copies)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
-        return replace(self, storages=storages, nodes=nodes)
+        return replace(self, storages=storages, nodes=nodes, loss_keeps=ids(self.loss_keeps),
+                       output_ids=[None if x is None else res(x) for x in self.output_ids])
 
     @property
     def step_seconds(self) -> float:
@@ -352,8 +361,10 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             formats = _grad_formats(gm, inputs, loss_fn, requires)
             _measure_workspace(gm, inputs, costs, device, requires, formats)
             if loss_fn is not None:
-                costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes = _measure_loss(
+                costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept = _measure_loss(
                     gm, inputs, loss_fn, device, requires)
+                costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
+                                           and costs.output_ids[k] is not None})
     finally:
         _restore(snapshot, flags)
         if cast_dtype is not None:
@@ -602,15 +613,16 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
             cost.recomputable = False
         nodes.append(cost)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    requires[output_node.name] = [t.requires_grad for t in tensors_in(fx.node.map_arg(output_node.args,
-                                                                                      lambda a: env[a.name]))]
+    outs = tensors_in(fx.node.map_arg(output_node.args, lambda a: env[a.name]))
+    requires[output_node.name] = [t.requires_grad for t in outs]
+    output_ids = [by_ptr.get(t.untyped_storage().data_ptr()) for t in outs]  # (the order the loss sees)
     mutated = {sid for c in nodes for sid in c.mutates}
     for c in nodes:  # backward from the output fails if a later in-place op rewrites that output
         if "bn-from-output" in c.variants and mutated & set(c.outputs):
             del c.variants["bn-from-output"]
     if with_variants:
         _profile_inplace(gm, env, nodes, storages, by_ptr, register, keep_alive)
-    return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0)
+    return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0, output_ids=output_ids)
 
 
 def _is_rrelu(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -757,14 +769,14 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int]:
-    """``(loss_bytes, loss_held_bytes, loss_forward_bytes)`` (see :class:`Costs`): transient bytes of ``loss_fn`` forward and backward on the model's
-    output, beyond the output's gradient (which the replay counts as an activation gradient), plus the
-    outputs the loss saves for its backward (``(out ** 2).mean()``, ``F.mse_loss`` save their input;
-    ``F.cross_entropy`` saves its own log-softmax instead): the replay frees the outputs once the loss has
-    read them, and such an output stays until the loss's backward. Then the bytes the loss value's own
-    storage keeps, and the peak of the loss's forward alone, while the outputs are alive and their gradients
-    are not.
+                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int, list[int]]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept)`` (see :class:`Costs`): transient bytes of
+    ``loss_fn`` forward and backward on the model's output, beyond the output's gradient (which the replay
+    counts as an activation gradient); the bytes the loss value's own storage keeps; the peak of the loss's
+    forward alone, while the outputs are alive and their gradients are not; and the positions (in
+    :func:`tensors_in` order) of the outputs the loss saves for its backward (``Costs.loss_keeps``; they were
+    added to ``loss_bytes`` before, which counted them twice where a node of the model saves them too: the
+    replay of a model returning its ReLU outputs was 22% above the measured peak).
 
     Outputs that require grad in the model's forward (``requires``, by the output node's name; without it,
     floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
@@ -807,7 +819,8 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         del loss
     grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
     during = max(forward.peak_bytes, forward.net_bytes + backward.peak_bytes)
-    return max(0, during - grads) + sum(kept.values()), held, forward.peak_bytes
+    positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
+    return max(0, during - grads), held, forward.peak_bytes, positions
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:

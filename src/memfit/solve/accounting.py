@@ -41,6 +41,7 @@ class Accounting:
         loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
             (``Costs.loss_held_bytes``).
         loss_forward_bytes: the loss's forward peak beside the outputs (``Costs.loss_forward_bytes``).
+        loss_keeps: the outputs the loss saves for its backward (``Costs.loss_keeps``).
         casts: storage ids of autocast's cached casts of parameters (kind ``"cast"``): alive from their first
             reader to the end of the forward pass (then only while a kept saver holds them); a region's
             recomputation makes its own, alive until the recomputation ends or, when saved, until the saver's
@@ -87,6 +88,7 @@ class Accounting:
     recomputable: list[bool] = field(default_factory=list)
     region_bytes: int = 0
     loss_forward_bytes: int = 0
+    loss_keeps: set[int] = field(default_factory=set)
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -145,6 +147,7 @@ class Accounting:
             loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],
             saves_first=[c.saves_first for c in costs.nodes], recomputable=[c.recomputable for c in costs.nodes],
             region_bytes=costs.region_bytes, loss_forward_bytes=costs.loss_forward_bytes,
+            loss_keeps=set(costs.loss_keeps),
         )
         return _with_gradients(acc, costs)
 

@@ -216,7 +216,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     # their gradients
     transient(acc.loss_forward_bytes, "loss forward")
     for s in list(alive):
-        if s in acc.output_storages and not holders.get(s):
+        if s in acc.output_storages and not holders.get(s) and s not in acc.loss_keeps:
             alive.discard(s)
             free(acc.nbytes[s], f"loss free {s}")
     grad = acc.grad_before[n - 1] if n else 0
@@ -224,6 +224,10 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     # output-sized tensor and makes another in its backward
     loss = acc.loss_bytes if acc.loss_bytes is not None else 2 * sum(acc.nbytes[s] for s in acc.output_storages)
     transient(loss, "loss backward")
+    for s in list(alive):  # outputs the loss saved: released by its backward
+        if s in acc.loss_keeps and not holders.get(s):
+            alive.discard(s)
+            free(acc.nbytes[s], f"loss backward free {s}")
     for s in list(alive):  # autocast's cache is cleared when its context exits, after the loss
         if s in acc.casts and not holders.get(s):
             alive.discard(s)
