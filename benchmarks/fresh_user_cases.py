@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _models import TiedLM, channel_mix_with_relu_mask, plain_and_planned
+from _models import ListOut, TiedLM, channel_mix_with_relu_mask, plain_and_planned
 
 
 def _max_diff(base, fig) -> float:
@@ -26,8 +26,8 @@ def _row(case, fig, predicted, budget, base) -> None:
           f"{_max_diff(base, fig):.1e} |", flush=True)
 
 
-def _planned_case(case, model, x, y, loss, budget, grads_exist=False) -> None:
-    base, planned, fig = plain_and_planned(model, x, y, budget, loss=loss, grads_exist=grads_exist)
+def _planned_case(case, model, x, y, loss, budget, grads_exist=False, strategy="memfit") -> None:
+    base, planned, fig = plain_and_planned(model, x, y, budget, loss=loss, grads_exist=grads_exist, strategy=strategy)
     _row(case, fig, planned.plan.predicted_peak_bytes, planned.plan.budget_bytes, base)
 
 
@@ -55,6 +55,14 @@ def main() -> None:
 
     _planned_case("KL to a sharpened softmax of the detached logits, `memfit` at min", mlp,
                   torch.randn(128, 64), None, soft_target_kl, "min")
+
+    torch.manual_seed(3)
+
+    def saves_outputs(out, _target=None):
+        return out[0].square().mean() + out[1].abs().mean() + out[2].sum() * 1e-3
+
+    _planned_case("three ReLU outputs, a loss that saves two of them, `none`", ListOut().train(),
+                  torch.randn(4, 3, 32, 32), None, saves_outputs, "100%", strategy="none")
 
     base, fig, predicted, _ = channel_mix_with_relu_mask()
     _row("channels-last conv + ReLU after a chunk/cat mix, every ReLU `relu-mask`, no regions", fig, predicted,

@@ -55,6 +55,20 @@ class ChannelMix(nn.Module):
         return self.head(self.shared(x).mean((2, 3)))
 
 
+class ListOut(nn.Module):
+    """Returns three ReLU outputs, which its own convolutions (and ReLUs) save for their backward as well."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, c, 3, padding=1)
+        self.c2, self.c3 = nn.Conv2d(c, c, 3, stride=2, padding=1), nn.Conv2d(c, c, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        a = F.relu(self.c1(x))
+        b = F.relu(self.c2(a))
+        return [a, b, F.relu(self.c3(b)).flatten(1)]
+
+
 def channel_mix_with_relu_mask():
     """Plain PyTorch's figures for one SGD step (momentum 0.9) of :class:`ChannelMix`, then those of a plan
     that keeps everything with every ReLU as ``relu-mask``: ``(base, fig, predicted peak bytes, ReLUs forced)``."""

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from _models import TiedLM, channel_mix_with_relu_mask, plain_and_planned
+from _models import ListOut, TiedLM, channel_mix_with_relu_mask, plain_and_planned
 from memfit import zoo
 from memfit.bench.harness import fresh_copy
 
@@ -610,27 +610,13 @@ def test_relu_mask_gives_pytorchs_gradient_layout_and_bits():
     assert fig.peak_bytes == predicted
 
 
-class _ListOut(nn.Module):
-    """Returns three ReLU outputs, which its own convolutions (and ReLUs) save for their backward as well."""
-
-    def __init__(self, c=8):
-        super().__init__()
-        self.c1 = nn.Conv2d(3, c, 3, padding=1)
-        self.c2, self.c3 = nn.Conv2d(c, c, 3, stride=2, padding=1), nn.Conv2d(c, c, 3, stride=2, padding=1)
-
-    def forward(self, x):
-        a = F.relu(self.c1(x))
-        b = F.relu(self.c2(a))
-        return [a, b, F.relu(self.c3(b)).flatten(1)]
-
-
 def test_outputs_the_loss_and_the_model_both_save_are_counted_once():
     """Found by a fresh-user run: a loss that saves the model's outputs (``a.square().mean()``) had them added to
     the loss's bytes, though the model's own nodes hold them anyway: plain PyTorch's replay was 172,028 B (22%)
     above its measured 789,388 B. (Its ``min`` plan, one region over everything, is still predicted 5% above
     the measured peak, before and after this fix.)"""
     torch.manual_seed(3)
-    model, x = _ListOut().train(), torch.randn(4, 3, 32, 32)
+    model, x = ListOut().train(), torch.randn(4, 3, 32, 32)
 
     def loss(out, _target=None):
         return out[0].square().mean() + out[1].abs().mean() + out[2].sum() * 1e-3
