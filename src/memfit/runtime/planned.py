@@ -306,7 +306,7 @@ class PlannedModule(nn.Module):
         self.plan = plan
         self.report = report
         self._warned_shapes: set[str] = set()
-        self._warned_grads = False
+        self._grad_checks = 3  # training calls left to look at .grad in (see forward)
         self._build()
 
     @property
@@ -472,14 +472,17 @@ class PlannedModule(nn.Module):
                 warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
                               f"called with {shapes}; results are correct but the planned memory figures do "
                               "not hold. Make a plan for these shapes.", stacklevel=2)
-        if not self.plan.grads_exist and not self._warned_grads and any(
-                p.grad is not None for p in self.parameters() if p.requires_grad):
-            self._warned_grads = True  # once: gradient accumulation allocates them from the second call on
-            warnings.warn("memfit: parameter gradients are allocated as this step starts (zero_grad(set_to_none="
-                          "False), or gradients accumulated over several backward passes), but the plan was made "
-                          "for gradients set to None (PyTorch's zero_grad()): each backward pass then adds into "
-                          "them through temporaries the plan did not count, and the step can exceed its budget. "
-                          "Make the plan with grads_exist=True (--grads-exist).", stacklevel=2)
+        # only in the first few training calls (gradient accumulation allocates them from the second on), so that
+        # the training step does not walk every parameter each time
+        if self._grad_checks > 0 and not self.plan.grads_exist:
+            self._grad_checks -= 1
+            if any(p.grad is not None for p in self.parameters() if p.requires_grad):
+                self._grad_checks = 0  # once
+                warnings.warn("memfit: parameter gradients are allocated as this step starts (zero_grad(set_to_none="
+                              "False), or gradients accumulated over several backward passes), but the plan was made "
+                              "for gradients set to None (PyTorch's zero_grad()): each backward pass then adds into "
+                              "them through temporaries the plan did not count, and the step can exceed its budget. "
+                              "Make the plan with grads_exist=True (--grads-exist).", stacklevel=2)
         off = self._offload_step(args) if self._offloads else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
                  else contextlib.nullcontext())
