@@ -2,7 +2,8 @@
 one profile of a zoo model: both strategies solved from the same measured costs, so the comparison carries
 no timing noise. Per budget: each plan's predicted activation peak (fraction of plain PyTorch's predicted
 activation peak), predicted step time over plain PyTorch's, the operator variants it chose, and the forward
-seconds it recomputes, by layer type.
+seconds it recomputes, by layer type (a BatchNorm that ``bn-saved-stats`` recomputes from its forward
+pass's statistics at its recomputation time).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/predicted_pareto.py resnet50:8:128 --budgets 90,70,50,40,35
 """
@@ -46,11 +47,13 @@ def main() -> None:
             except InfeasibleBudgetError as exc:
                 row.append(f"{strategy}: infeasible (floor {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
                 continue
-            chosen = collections.Counter(v for v in p.variants.values() if v != "default")
+            chosen = p.counts()["variants"]
+            from_stats = set(p.stats_recompute)
             recomputed: collections.Counter = collections.Counter()
             for lo, hi in p.regions:
                 for i in range(index[lo], index[hi] + 1):
-                    recomputed[kind[i]] += costs.nodes[i].fwd_seconds
+                    c = costs.nodes[i]
+                    recomputed[kind[i]] += c.recompute_seconds if c.name in from_stats else c.fwd_seconds
             top = ", ".join(f"{k} {v:.3f}" for k, v in recomputed.most_common(3))
             row.append(f"{strategy}: {100 * (p.predicted_peak_bytes - fixed) / act:.1f}% "
                        f"{p.predicted_step_seconds / plain.predicted_step_seconds:.3f}x "

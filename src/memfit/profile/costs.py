@@ -126,6 +126,12 @@ class NodeCost:
             and the gradients differed by 1e-9) and for randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``:
             recomputed by PyTorch's own checkpoint, its gradients differed; under memfit's regions they were
             uninitialized memory): such a node always runs outside checkpoint regions.
+        recompute_seconds: time of the node's recomputation when it reuses the statistics of its forward pass
+            (``bn-saved-stats``: a BatchNorm in training mode normalizes without computing them again), or
+            ``None`` where that does not apply (its recomputation then costs ``fwd_seconds``). Profiled with
+            the variants, and used by ``memfit`` only.
+        stats_bytes: bytes of those statistics (``2 * C`` values per BatchNorm call), which the runtime holds
+            from the node's forward pass to its recomputation when the node is in a checkpoint region.
     """
 
     name: str
@@ -149,6 +155,8 @@ class NodeCost:
     saves_first: bool = False
     recomputable: bool = True
     grad_copies: list[str] = field(default_factory=list)
+    recompute_seconds: float | None = None
+    stats_bytes: int = 0
 
 
 @dataclass
@@ -284,6 +292,15 @@ class Costs:
         return replace(self, storages=storages, nodes=nodes, loss_keeps=ids(self.loss_keeps),
                        output_ids=[None if x is None else res(x) for x in self.output_ids])
 
+    def recomputing_from_stats(self, names: set[str] | None) -> Costs:
+        """A copy in which only the nodes in ``names`` recompute from their saved statistics
+        (``bn-saved-stats``); the others recompute as PyTorch's checkpoint does (``recompute_seconds`` None,
+        no statistics held). ``None`` keeps every node that was measured doing so."""
+        if names is None:
+            return self
+        nodes = [c if c.name in names else replace(c, recompute_seconds=None, stats_bytes=0) for c in self.nodes]
+        return replace(self, nodes=nodes)
+
     @property
     def step_seconds(self) -> float:
         """Sum of the nodes' forward and backward times: the modelled time of one plain training step."""
@@ -356,7 +373,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     try:
         with torch.random.fork_rng(devices=devices):
             costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype, requires, snapshot)
-            _time_nodes(gm, inputs, costs, device, repeats, requires)
+            _time_nodes(gm, inputs, costs, device, repeats, requires, saved_stats=with_variants)
             _no_faster_than_default(costs)
             formats = _grad_formats(gm, inputs, loss_fn, requires)
             _measure_workspace(gm, inputs, costs, device, requires, formats)
@@ -1035,10 +1052,32 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
 
 
+def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, repeats: int) -> None:
+    """``cost.recompute_seconds`` and ``cost.stats_bytes`` of a node whose batch-norm calls
+    ``bn-saved-stats`` applies to (every call; a node with none, or with one it does not apply to, keeps
+    ``None``): the statistics come from one forward run, and each timed run replays a copy of them."""
+    from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
+
+    rec = RecordStats()
+    with rec:
+        forward(setup())
+    if not rec.stats or None in rec.stats:
+        return
+
+    def replay(env_leaves):
+        with ReplayStats(list(rec.stats)):
+            return forward(env_leaves)
+
+    cost.recompute_seconds = min(cost.fwd_seconds, median_seconds(replay, device, repeats, setup=setup))
+    cost.stats_bytes = rec.nbytes
+
+
 def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int,
-                requires: dict[str, list[bool]] | None = None) -> None:
+                requires: dict[str, list[bool]] | None = None, saved_stats: bool = False) -> None:
     """Median forward and backward time of each node (and of its variants), run in isolation on detached
-    copies of its inputs (made outside the timed part: an in-place implementation runs on a fresh copy)."""
+    copies of its inputs (made outside the timed part: an in-place implementation runs on a fresh copy).
+    With ``saved_stats``, also the time of the recomputation of each node that ``bn-saved-stats`` applies to
+    (``NodeCost.recompute_seconds``, at most its forward time) and the bytes of the statistics it keeps."""
     for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs, requires), costs.nodes):
         for _, fn, record, clone in _implementations(gm, node, fn0, cost):
 
@@ -1049,6 +1088,8 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
                 return fn(env_leaves[0])
 
             record.fwd_seconds = median_seconds(forward, device, repeats, setup=setup)
+            if saved_stats and record is cost:
+                _time_stats_recompute(cost, forward, setup, device, repeats)
             if not any(t.requires_grad for t in tensors_in(forward(setup()))) or not (params or make_env()[1]):
                 continue
 

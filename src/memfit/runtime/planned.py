@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from memfit.graph.capture import Captured
 from memfit.runtime.offload import OffloadStep
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
+from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
 
 _Slot = tuple[nn.Module, str]  # a buffer's registration: (module, name in module._buffers)
 
@@ -44,6 +45,7 @@ class _Region:
     frees: list[list[str]]  # per node: local values to drop after it
     modules: list[nn.Module]  # every module (and submodule) its call_module nodes call: whose buffers it reads
     slots: list[_Slot]  # the buffers it can reach: those of ``modules`` and of its get_attr nodes
+    stats: list[bool] = field(default_factory=list)  # per node: recomputed from saved statistics (bn-saved-stats)
 
 
 # What a recomputation does with a buffer the forward pass writes (by the buffer's storage):
@@ -97,6 +99,8 @@ class _RegionCall:
         self.side = side or {}
         # id(tensor) -> (tensor, snapshot, storage key): the values the forward pass read
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, tuple | None]] = {}
+        # node name -> the batch-norm statistics its forward pass computed (bn-saved-stats), until recomputed
+        self.stats: dict[str, list] = {}
 
     def _inputs(self, values) -> list:
         if not self.side:
@@ -163,8 +167,18 @@ class _RegionCall:
         region = self.region
         recompute = self.calls > 1
         env = dict(zip(region.inputs, values))
-        for name, fn, frees in zip(region.names, region.fns, region.frees):
-            value = fn(env)
+        stats = region.stats or [False] * len(region.names)
+        for name, fn, frees, from_stats in zip(region.names, region.fns, region.frees, stats):
+            if not from_stats:
+                value = fn(env)
+            elif recompute:  # the statistics are released as autograd takes them over again
+                with ReplayStats(self.stats.pop(name, [])):
+                    value = fn(env)
+            else:
+                record = RecordStats()
+                with record:
+                    value = fn(env)
+                self.stats[name] = record.stats
             if scratch and isinstance(value, torch.Tensor):
                 value = scratch.get(id(value), value)  # a get_attr of a buffer the step writes
             env[name] = value
@@ -415,9 +429,11 @@ class PlannedModule(nn.Module):
                     if attr in owner._buffers:
                         slots.append((owner, attr))
             slots += [(mod, name) for mod in modules.values() for name in mod._buffers]
+            from_stats = set(plan.stats_recompute)
             region = _Region(names=[n.name for n in group], fns=[self._fn(n) for n in group],
                              inputs=sorted(reads[k]), outputs=outputs, frees=frees_local,
-                             modules=list(modules.values()), slots=slots)
+                             modules=list(modules.values()), slots=slots,
+                             stats=[n.name in from_stats for n in group])
             self._steps.append(("region", region, None, frees))
 
     def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:

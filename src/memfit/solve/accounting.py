@@ -52,6 +52,10 @@ class Accounting:
         recomputable: node index -> ``NodeCost.recomputable`` (``False``: never inside a checkpoint region).
         region_bytes: bytes each checkpoint region holds from its forward pass to its backward pass, and again
             while recomputed (``Costs.region_bytes``).
+        recompute_seconds: node index -> time of its recomputation (``NodeCost.recompute_seconds``, else its
+            forward time).
+        stats_bytes: node index -> statistics held from its forward pass to its recomputation when it is in a
+            region (``NodeCost.stats_bytes``).
     """
 
     n: int
@@ -89,6 +93,8 @@ class Accounting:
     region_bytes: int = 0
     loss_forward_bytes: int = 0
     loss_keeps: set[int] = field(default_factory=set)
+    recompute_seconds: list[float] = field(default_factory=list)
+    stats_bytes: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -148,6 +154,9 @@ class Accounting:
             saves_first=[c.saves_first for c in costs.nodes], recomputable=[c.recomputable for c in costs.nodes],
             region_bytes=costs.region_bytes, loss_forward_bytes=costs.loss_forward_bytes,
             loss_keeps=set(costs.loss_keeps),
+            recompute_seconds=[c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds
+                               for c in costs.nodes],
+            stats_bytes=[c.stats_bytes for c in costs.nodes],
         )
         return _with_gradients(acc, costs)
 

@@ -132,7 +132,7 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     t0 = time.perf_counter()
     n = acc.n
     m = _Model()
-    r = [m.var(integer=True, cost=acc.fwd_seconds[i] + 1e-9) for i in range(n)]
+    r = [m.var(integer=True, cost=acc.recompute_seconds[i] + 1e-9) for i in range(n)]
     c = [m.var(integer=True, cost=1e-7) for i in range(n)]
     if fix_spans is not None:
         inside = {i for lo, hi in fix_spans for i in range(lo, hi + 1)}

@@ -56,6 +56,8 @@ class Plan:
         optimizer: class name of the optimizer whose state and step the plan counted (``"Adam"``), or
             ``None`` when none was given.
         input_dtypes: dtypes of the example inputs (``"torch.int64"``), as ``input_shapes``.
+        stats_recompute: nodes in regions whose BatchNorm is recomputed from the statistics of its forward pass
+            (``bn-saved-stats``, :mod:`memfit.variants.bn_saved_stats`) rather than computing them again.
         state_roles: what each ``state_dict`` key is (``"trainable parameter"``, ``"frozen parameter"``,
             ``"buffer"`` or ``"tied to <key>"``; :func:`memfit.api.state_roles`).
     """
@@ -82,6 +84,7 @@ class Plan:
     optimizer: str | None = None
     state_roles: dict[str, str] = field(default_factory=dict)
     input_dtypes: list[str] = field(default_factory=list)
+    stats_recompute: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}
@@ -96,6 +99,10 @@ class Plan:
                 self.decisions[self.nodes[i]] = "recompute"
         if not self.variants:
             self.variants = {n: "default" for n in self.nodes}
+        for name in self.stats_recompute:
+            if self.decisions.get(name) != "recompute":
+                raise ValueError(f"plan recomputes node {name!r} from saved statistics, but it is not in a "
+                                 "checkpoint region")
 
     @classmethod
     def from_spans(cls, strategy: str, nodes: list[str], spans: list[tuple[int, int]], **kw) -> Plan:
@@ -124,7 +131,8 @@ class Plan:
         return spans
 
     def counts(self) -> dict:
-        """The ``decisions`` summary of the JSON report: counts of keep / recompute / offload and variants."""
+        """The ``decisions`` summary of the JSON report: counts of keep / recompute / offload and variants
+        (``bn-saved-stats``: the recomputed nodes in ``stats_recompute``)."""
         out = {d: 0 for d in DECISIONS}
         for d in self.decisions.values():
             out[d] += 1
@@ -132,6 +140,8 @@ class Plan:
         for v in self.variants.values():
             if v != "default":
                 variants[v] = variants.get(v, 0) + 1
+        if self.stats_recompute:
+            variants["bn-saved-stats"] = len(self.stats_recompute)
         out["variants"] = variants
         return out
 

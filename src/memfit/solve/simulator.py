@@ -91,6 +91,7 @@ def simulate(graph: Graph, costs: Costs, plan: Plan, fixed_bytes: int | None = N
     Raises:
         ValueError: the plan or profile does not belong to the graph.
     """
+    costs = costs.recomputing_from_stats(set(plan.stats_recompute))
     acc = Accounting.build(graph, costs)
     if plan.nodes != [n.name for n in graph.nodes]:
         raise ValueError("the plan was solved for another graph (node names differ); solve again")
@@ -192,6 +193,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             alive.add(s)
             alloc(acc.nbytes[s], f"fwd {i} alloc {s}")
         transient(acc.fwd_ws[i], f"fwd {i} workspace")
+        if reg[i] >= 0:  # bn-saved-stats: the statistics are kept for the recomputation
+            alloc(acc.stats_bytes[i], f"fwd {i} statistics")
         clock += acc.fwd_seconds[i]
         for s, o in off.items():
             if o.kept[0] == i:  # saved for the first time: the copy to the host starts
@@ -256,7 +259,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             cast: set[int] = set()  # casts of this recomputation (autocast's cache, cleared when it ends)
             unsaved_casts = 0
             for j in range(lo, i + 1):
-                recompute_seconds += acc.fwd_seconds[j]
+                recompute_seconds += acc.recompute_seconds[j]
+                free(acc.stats_bytes[j], f"recompute {j} statistics")  # now its saved statistics again
                 for s in acc.cast_uses[j]:
                     if s in cast:
                         continue
@@ -297,7 +301,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                     free(acc.nbytes[s], f"recompute {j} free {s}")
             free(unsaved_casts + to_end + acc.region_bytes, f"recompute {i} end")
             recomputed[r] = copies
-            clock += sum(acc.fwd_seconds[lo:i + 1])
+            clock += sum(acc.recompute_seconds[lo:i + 1])
         for s, o in off.items():
             if i in o.kept:
                 if s in fetched:

@@ -63,6 +63,8 @@ class _Problem:
     def __init__(self, strategy: str, graph: Graph, costs: Costs, fixed: int, budget: int | None,
                  use_variants: bool, use_offload: bool = False):
         self.t0 = time.perf_counter()
+        if not use_variants:  # BatchNorm recomputed as PyTorch's checkpoint does (bn-saved-stats is memfit's)
+            costs = costs.recomputing_from_stats(set())
         self.strategy, self.graph, self.costs, self.fixed, self.budget = strategy, graph, costs, fixed, budget
         self.acc = Accounting.build(graph, costs)
         self.names = [n.name for n in graph.nodes]
@@ -95,6 +97,8 @@ class _Problem:
                                offload_waits=offload_waits(acc, self.names, offloads),
                                grads_exist=self.costs.grads_exist)
         plan.variants.update(choice)
+        plan.stats_recompute = [self.names[i] for i in sorted(inside) if self.costs.nodes[i].recompute_seconds
+                                is not None]
         return plan
 
     def start_of(self, plan: Plan | None) -> dict:
