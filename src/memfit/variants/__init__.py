@@ -12,6 +12,10 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
 * ``conv-native``: Conv2d on CUDA with cuDNN off (PyTorch's im2col + GEMM kernels), split backward: a
   workspace of one sample's columns instead of cuDNN's (MONeT's algorithm choice, the one per-call form
   PyTorch allows; float rounding against cuDNN's TF32);
+* ``bn-saved-stats``: a BatchNorm that a plan recomputes normalizes with its forward pass's statistics
+  instead of computing them again (:mod:`memfit.variants.bn_saved_stats`; bit-exact on the CPU). It
+  changes the recomputation only, so it is not a registry entry: the profile times it per node
+  (``NodeCost.recompute_seconds``) and a plan lists where it runs (``Plan.stats_recompute``);
 * ``inplace`` / ``inplace-rhs`` / ``relu-mask-inplace``: ReLU-family activations and additions (modules,
   functions or methods) written into their operand (:mod:`memfit.variants.inplace`; bit-exact). These
   depend on the graph around the node, so they are not registry entries: the profile offers them where
