@@ -1,0 +1,92 @@
+"""``remat-ilp`` against ``memfit`` at chosen activation budgets, timed round-robin with plain PyTorch.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/ab_overhead.py resnet50:8:128 \
+        --setups remat-ilp@60,remat-ilp@50,remat-ilp@40,memfit@50,memfit@40 --rounds 15
+
+Issue 3 compares the two at equal measured overhead. ``memfit bench`` times each row against its own plain
+PyTorch run, and on the shared development machine plain PyTorch's median moved by up to 10% between rows,
+as much as the difference being measured. Here every plan comes from one profile (with the operator
+variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch and every plan of
+``--setups`` (``strategy@activation budget in percent``) take one training step each in turn (SGD with
+momentum, gradients set to ``None``) for ``--rounds`` rounds after a warm-up
+(:func:`memfit.bench.harness.interleaved_step_seconds`): the overheads are ratios of medians taken in the
+same minutes, so plans can be compared with each other directly. Memory (exact tracker), gradients and
+BatchNorm statistics come from one step of each plan from the same weights as plain PyTorch
+(:func:`measure_training`).
+
+Prints one row per setup: measured activation peak (fraction of plain PyTorch's), predicted and measured
+overhead, the operator variants, and whether gradients and BatchNorm statistics match plain PyTorch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+import memfit
+from memfit import zoo
+from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
+from memfit.graph import capture
+from memfit.solve.strategies import InfeasibleBudgetError, make_plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", help="model:batch:image-size, e.g. resnet50:8:128")
+    ap.add_argument("--setups", default="remat-ilp@60,remat-ilp@50,remat-ilp@40,memfit@50,memfit@40",
+                    help="strategy@activation budget (percent of plain PyTorch's), comma-separated")
+    ap.add_argument("--rounds", type=int, default=15, help="timed steps per setup, round-robin")
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    name, batch, px = args.spec.split(":")
+    model = zoo.build_model(name).train()
+    x, y = zoo.example_batch(name, int(batch), int(px))
+    loss = zoo.loss_for(name)
+    print(f"{args.spec}, {platform.machine()}, 1 thread, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    plain_copy = fresh_copy(model)
+    base = measure_training(plain_copy, plain_copy, (x,), y, loss, steps=1)
+    _, captured, costs = memfit.plan(fresh_copy(model), x, budget="100%", strategy="memfit",
+                                     loss_fn=lambda out: loss(out, y))
+    graph, fixed = captured.graph, costs.fixed_bytes
+    plain_plan = make_plan("none", graph, costs)
+    act = plain_plan.predicted_peak_bytes - fixed
+    print(f"plain PyTorch: activation peak {base.activation_peak_bytes / 2**20:.1f} MiB measured, "
+          f"{act / 2**20:.1f} MiB predicted", flush=True)
+    rows, setups = [], [(plain := fresh_copy(model), plain)]
+    for setup in args.setups.split(","):
+        strategy, pct = setup.split("@")
+        try:
+            plan = make_plan(strategy, graph, costs, budget_bytes=int(fixed + float(pct) / 100 * act),
+                             time_limit=args.time_limit, use_offload=False)
+        except InfeasibleBudgetError as exc:
+            print(f"{setup}: infeasible (smallest feasible {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
+            continue
+        planned = memfit.PlannedModule(capture(fresh_copy(model)), plan)
+        fig = measure_training(planned, planned, (x,), y, loss, steps=1)
+        timed = memfit.PlannedModule(capture(fresh_copy(model)), plan)
+        setups.append((timed, timed))
+        rows.append((strategy, pct, plan, fig))
+    seconds = interleaved_step_seconds(setups, (x,), y, loss, rounds=args.rounds)
+    print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds})")
+    print("| strategy | budget | activation peak | predicted overhead | measured overhead | variants | gradients |")
+    print("|---|---|---|---|---|---|---|")
+    for k, (strategy, pct, plan, fig) in enumerate(rows, start=1):
+        check = compare(base, fig)
+        print(f"| {strategy} | {pct}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
+              f"| {plan.predicted_step_seconds / plain_plan.predicted_step_seconds:.3f}x "
+              f"| {seconds[k] / seconds[0]:.3f}x | {plan.counts()['variants'] or '-'} "
+              f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'} "
+              f"({check['max_abs_grad_diff']:.1e}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
