@@ -1055,7 +1055,9 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
 def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, repeats: int) -> None:
     """``cost.recompute_seconds`` and ``cost.stats_bytes`` of a node whose batch-norm calls
     ``bn-saved-stats`` applies to (every call; a node with none, or with one it does not apply to, keeps
-    ``None``): the statistics come from one forward run, and each timed run replays a copy of them."""
+    ``None``). A node in a region pays the recording in its forward pass too, so ``recompute_seconds`` is the
+    replay's time plus what recording adds to the forward; where that is not below ``fwd_seconds`` the node
+    keeps ``None`` (tiny BatchNorms, where the Python around the replay outweighs the statistics)."""
     from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
 
     rec = RecordStats()
@@ -1064,12 +1066,19 @@ def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, 
     if not rec.stats or None in rec.stats:
         return
 
+    def record(env_leaves):
+        with RecordStats():
+            return forward(env_leaves)
+
     def replay(env_leaves):
         with ReplayStats(list(rec.stats)):
             return forward(env_leaves)
 
-    cost.recompute_seconds = min(cost.fwd_seconds, median_seconds(replay, device, repeats, setup=setup))
-    cost.stats_bytes = rec.nbytes
+    extra = max(0.0, median_seconds(record, device, repeats, setup=setup) - cost.fwd_seconds)
+    seconds = median_seconds(replay, device, repeats, setup=setup) + extra
+    if seconds < cost.fwd_seconds:
+        cost.recompute_seconds = seconds
+        cost.stats_bytes = rec.nbytes
 
 
 def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device, repeats: int,
