@@ -99,6 +99,8 @@ class Plan:
                 self.decisions[self.nodes[i]] = "recompute"
         if not self.variants:
             self.variants = {n: "default" for n in self.nodes}
+        if not isinstance(self.stats_recompute, list) or not all(isinstance(n, str) for n in self.stats_recompute):
+            raise ValueError("plan stats_recompute must be a list of node names")
         for name in self.stats_recompute:
             if self.decisions.get(name) != "recompute":
                 raise ValueError(f"plan recomputes node {name!r} from saved statistics, but it is not in a "
