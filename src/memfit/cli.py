@@ -34,7 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
     p.add_argument("--no-variants", action="store_true", help=(
         "memfit strategy: turn off operator variants (the memory-efficient ReLU, max-pool and convolution "
-        "implementations, and in-place ReLUs and additions); recomputation stays, and so does offloading where "
+        "implementations, in-place ReLUs and additions, and BatchNorm recomputed from saved statistics); "
+        "recomputation stays, and so does offloading where "
         "a store exists (on CUDA, or with --offload-dir); with --no-offload as well it equals the remat-ilp "
         "strategy (recomputation only)"))
     p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
