@@ -152,13 +152,14 @@ def stats_always_pay(monkeypatch):
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_planned_models_recompute_batchnorm_from_statistics_and_match_pytorch(channels_last, stats_always_pay):
-    """A lowest-memory memfit plan recomputes BatchNorm from saved statistics: gradients and running
+    """A memfit plan recomputes BatchNorm from saved statistics: gradients and running
     statistics are plain PyTorch's bit for bit, the backward runs no batch-norm kernel, and the measured peak
     is the predicted one (the statistics are counted)."""
     torch.manual_seed(0)
     model = _ConvBN(channels_last).train()
     x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
-    base, planned, fig = plain_and_planned(model, x, y, "min")
+    # (at "min" the statistics are left out wherever they raise the peak, by even a few bytes)
+    base, planned, fig = plain_and_planned(model, x, y, "85%")
     check = compare(base, fig)
     assert check["max_abs_grad_diff"] == 0.0 and check["bn_stats_match"], check
     plan = planned.plan
