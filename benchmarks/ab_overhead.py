@@ -28,9 +28,9 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
+from _spec import profile_once, zoo_setup
 
 import memfit
-from memfit import zoo
 from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.graph import capture
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
@@ -44,18 +44,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per setup, round-robin")
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    name, batch, px = args.spec.split(":")
-    model = zoo.build_model(name).train()
-    x, y = zoo.example_batch(name, int(batch), int(px))
-    loss = zoo.loss_for(name)
+    model, x, y, loss = zoo_setup(args.spec)
     print(f"{args.spec}, {platform.machine()}, 1 thread, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     plain_copy = fresh_copy(model)
     base = measure_training(plain_copy, plain_copy, (x,), y, loss, steps=1)
-    _, captured, costs = memfit.plan(fresh_copy(model), x, budget="100%", strategy="memfit",
-                                     loss_fn=lambda out: loss(out, y))
+    captured, costs = profile_once(model, x, y, loss)
     graph, fixed = captured.graph, costs.fixed_bytes
     plain_plan = make_plan("none", graph, costs)
     act = plain_plan.predicted_peak_bytes - fixed

@@ -19,10 +19,10 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch
+
+from _spec import profile_once, zoo_setup
 
 import memfit
-from memfit import zoo
 from memfit.bench.harness import fresh_copy, interleaved_step_seconds
 from memfit.graph import capture
 from memfit.solve import simulate
@@ -38,14 +38,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=40.0, help="memfit's activation budget, percent")
     ap.add_argument("--rounds", type=int, default=25)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    name, batch, px = args.spec.split(":")
-    model = zoo.build_model(name).train()
-    x, y = zoo.example_batch(name, int(batch), int(px))
-    loss = zoo.loss_for(name)
-    _, captured, costs = memfit.plan(fresh_copy(model), x, budget="100%", strategy="memfit",
-                                     loss_fn=lambda out: loss(out, y))
+    model, x, y, loss = zoo_setup(args.spec)
+    captured, costs = profile_once(model, x, y, loss)
     graph, fixed = captured.graph, costs.fixed_bytes
     names = [n.name for n in graph.nodes]
     plain = make_plan("none", graph, costs)

@@ -11,10 +11,8 @@ pass's statistics at its recomputation time).
 import argparse
 import collections
 
-import torch
+from _spec import profile_once, zoo_setup
 
-import memfit
-from memfit import zoo
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
 
 
@@ -24,14 +22,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="90,80,70,60,50,45,40,35", help="activation budgets, percent")
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    name, batch, px = args.spec.split(":")
-    model = zoo.build_model(name).train()
-    x, y = zoo.example_batch(name, int(batch), int(px))
-    loss = zoo.loss_for(name)
-    _, captured, costs = memfit.plan(model, x, budget="100%", strategy="memfit",
-                                     loss_fn=lambda out, y=y, loss=loss: loss(out, y))
+    model, x, y, loss = zoo_setup(args.spec)
+    captured, costs = profile_once(model, x, y, loss)
     graph, fixed = captured.graph, costs.fixed_bytes
     plain = make_plan("none", graph, costs)
     act = plain.predicted_peak_bytes - fixed

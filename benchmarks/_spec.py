@@ -1,0 +1,28 @@
+"""Setup shared by the benchmark scripts that take a ``model:batch:image-size`` spec (e.g. ``resnet50:8:128``)."""
+
+from __future__ import annotations
+
+import torch
+
+import memfit
+from memfit import zoo
+from memfit.bench.harness import fresh_copy
+
+
+def zoo_setup(spec: str):
+    """Seed 0 and one intra-op thread, then the zoo model of ``spec`` in training mode, its example batch
+    ``x`` (``[batch, 3, size, size]``), targets ``y`` and loss ``loss(out, y)``: ``(model, x, y, loss)``."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    name, batch, px = spec.split(":")
+    model = zoo.build_model(name).train()
+    x, y = zoo.example_batch(name, int(batch), int(px))
+    return model, x, y, zoo.loss_for(name)
+
+
+def profile_once(model, x, y, loss):
+    """One profile of a copy of ``model`` as ``memfit`` makes it (operator variants included), from which every
+    strategy can be solved: ``(captured, costs)``."""
+    _, captured, costs = memfit.plan(fresh_copy(model), x, budget="100%", strategy="memfit",
+                                     loss_fn=lambda out: loss(out, y))
+    return captured, costs
