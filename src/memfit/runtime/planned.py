@@ -403,6 +403,7 @@ class PlannedModule(nn.Module):
             wait = plan.offload_waits.get(name, "<end>")
             self._releases.setdefault(step_of.get(wait, len(steps)), []).append(self._index[name])
         self._steps = []
+        from_stats = set(plan.stats_recompute)
         for k, (kind, payload) in enumerate(steps):
             frees = [name for name, last in last_step.items() if last == k and name not in keep_forever]
             if kind == "node":
@@ -429,7 +430,6 @@ class PlannedModule(nn.Module):
                     if attr in owner._buffers:
                         slots.append((owner, attr))
             slots += [(mod, name) for mod in modules.values() for name in mod._buffers]
-            from_stats = set(plan.stats_recompute)
             region = _Region(names=[n.name for n in group], fns=[self._fn(n) for n in group],
                              inputs=sorted(reads[k]), outputs=outputs, frees=frees_local,
                              modules=list(modules.values()), slots=slots,
