@@ -7,37 +7,23 @@ and this script is the check that would decide it.)
 
 Per shape, layout and dtype: whether :func:`memfit.variants.bn_saved_stats.normalize` equals
 ``F.batch_norm(training=True)``'s output bit for bit (else the largest difference in ulps of the output's
-dtype), and the median time of each (CUDA events on CUDA, one intra-op thread on the CPU), 20 runs.
+dtype), and the median time of each (wall clock, synchronized on CUDA; one intra-op thread on the CPU), 20 runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from memfit.profile.timing import median_seconds
 from memfit.variants.bn_saved_stats import normalize
 
 
 def _time(fn, device: torch.device, runs: int = 20) -> float:
-    fn()
-    out = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    fn()  # warm-up
+    return median_seconds(fn, device, runs)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ class _Region:
     frees: list[list[str]]  # per node: local values to drop after it
     modules: list[nn.Module]  # every module (and submodule) its call_module nodes call: whose buffers it reads
     slots: list[_Slot]  # the buffers it can reach: those of ``modules`` and of its get_attr nodes
-    stats: list[bool] = field(default_factory=list)  # per node: recomputed from saved statistics (bn-saved-stats)
+    stats: list[bool]  # per node: recomputed from saved statistics (bn-saved-stats)
 
 
 # What a recomputation does with a buffer the forward pass writes (by the buffer's storage):
@@ -167,8 +167,7 @@ class _RegionCall:
         region = self.region
         recompute = self.calls > 1
         env = dict(zip(region.inputs, values))
-        stats = region.stats or [False] * len(region.names)
-        for name, fn, frees, from_stats in zip(region.names, region.fns, region.frees, stats):
+        for name, fn, frees, from_stats in zip(region.names, region.fns, region.frees, region.stats):
             if not from_stats:
                 value = fn(env)
             elif recompute:  # the statistics are released as autograd takes them over again
