@@ -242,6 +242,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
+    result.buffer_kinds = dict(costs.buffer_kinds)
     return result, captured, costs
 
 

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
+from memfit.profile.buffers import FindWrites, buffer_storages, by_storage, reachable_slots, storage_key
 from memfit.profile.link import LinkCost
 from memfit.profile.timing import median_seconds
 from memfit.profile.tracker import MemoryTracker
@@ -132,6 +133,10 @@ class NodeCost:
             the variants, and used by ``memfit`` only.
         stats_bytes: bytes of those statistics (``2 * C`` values per BatchNorm call), which the runtime holds
             from the node's forward pass to its recomputation when the node is in a checkpoint region.
+        buffers: names of the buffers the forward pass writes (``Costs.buffer_kinds``) that a checkpoint region
+            holding this node can reach (its module's and submodules' buffers, a buffer it reads through
+            ``get_attr`` or as an input): the region's recomputation copies each of them
+            (:mod:`memfit.profile.buffers`).
     """
 
     name: str
@@ -157,6 +162,7 @@ class NodeCost:
     grad_copies: list[str] = field(default_factory=list)
     recompute_seconds: float | None = None
     stats_bytes: int = 0
+    buffers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -198,6 +204,10 @@ class Costs:
             pass is done, and allocates again while it is recomputed: the CPU random-number-generator state that
             ``torch.utils.checkpoint`` keeps to replay dropout (``preserve_rng_state``; 5056 bytes), on the CPU
             only (on CUDA it is host memory).
+        buffer_kinds: every buffer the forward pass writes, by name (``"bn.running_mean"``), and what a
+            recomputation does with it: ``"stateful"``, ``"scratch"`` or ``"restore"``
+            (:mod:`memfit.profile.buffers`).
+        buffer_bytes: the bytes of one copy of each of those buffers, by name.
     """
 
     device: str
@@ -213,6 +223,8 @@ class Costs:
     loss_forward_bytes: int = 0
     output_ids: list[int | None] = field(default_factory=list)
     loss_keeps: list[int] = field(default_factory=list)
+    buffer_kinds: dict[str, str] = field(default_factory=dict)
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,7 +241,8 @@ class Costs:
                    link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
-                   output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []))
+                   output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []),
+                   buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -536,6 +549,8 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
     param_ids = {id(p) for p in gm.parameters()}
     kept_params = {id(p) for p, _ in snapshot or ()}
     nodes: list[NodeCost] = []
+    finder = FindWrites(buffer_storages(gm))
+    reach: list[set[tuple]] = []  # per node: storage keys of the buffers a region holding it copies
     for node in compute_nodes(gm):
         cost = NodeCost(name=node.name)
         saved: list[torch.Tensor] = []
@@ -551,7 +566,7 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         if recorder is not None:
             torch.clear_autocast_cache()
         try:
-            with recorder or contextlib.nullcontext(), torch.autograd.graph.saved_tensors_hooks(
+            with recorder or contextlib.nullcontext(), finder, torch.autograd.graph.saved_tensors_hooks(
                     lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
                 out = node_fn(gm, node)(env)
         except Exception as exc:
@@ -579,6 +594,8 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         env[node.name] = out
         requires[node.name] = [t.requires_grad for t in tensors_in(out)]
         keep_alive.append(saved)
+        reach.append({storage_key(mod._buffers[name]) for mod, name in reachable_slots(gm, node)
+                      if mod._buffers[name] is not None} | {storage_key(t) for t in ins})
 
         def created(t, kind, node=node, cost=cost):
             """``register`` for this node; a storage seen for the first time is one it creates."""
@@ -643,7 +660,29 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         for c in nodes:         # 258 KB above its prediction (over budget); the cause is not found yet
             for name in ("relu-mask", "relu-mask-inplace"):
                 c.variants.pop(name, None)
-    return Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0, output_ids=output_ids)
+    costs = Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0, output_ids=output_ids)
+    _written_buffers(gm, finder, reach, costs)
+    return costs
+
+
+def _written_buffers(gm: fx.GraphModule, finder: FindWrites, reach: list[set[tuple]], costs: Costs) -> None:
+    """Fill in ``Costs.buffer_kinds`` / ``buffer_bytes`` and each node's ``buffers`` from what ``finder`` saw
+    the forward pass do (a buffer on several registrations is named by its first, in ``gm.modules()`` order)."""
+    kinds = by_storage(finder.kinds())
+    paths = {}
+    for path, mod in gm.named_modules(remove_duplicate=False):
+        paths.setdefault(id(mod), path)
+    names: dict[tuple, str] = {}
+    for key, slots in finder.storages.items():
+        if key in kinds:
+            mod, attr = slots[0]
+            name = f"{paths[id(mod)]}.{attr}".lstrip(".")
+            names[key] = name
+            buf = mod._buffers[attr]
+            costs.buffer_kinds[name] = kinds[key]
+            costs.buffer_bytes[name] = buf.numel() * buf.element_size()
+    for c, keys in zip(costs.nodes, reach):
+        c.buffers = sorted(names[k] for k in keys if k in names)
 
 
 def _is_rrelu(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -22,18 +22,25 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
+from memfit.profile.buffers import (
+    RESTORE,
+    SCRATCH,
+    STATEFUL,
+    FindWrites,
+    Slot,
+    buffer_storages,
+    by_storage,
+    reachable_slots,
+    storage_key,
+)
 from memfit.runtime.offload import OffloadStep
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
-
-_Slot = tuple[nn.Module, str]  # a buffer's registration: (module, name in module._buffers)
 
 
 @dataclass
@@ -44,30 +51,23 @@ class _Region:
     outputs: list[str]
     frees: list[list[str]]  # per node: local values to drop after it
     modules: list[nn.Module]  # every module (and submodule) its call_module nodes call: whose buffers it reads
-    slots: list[_Slot]  # the buffers it can reach: those of ``modules`` and of its get_attr nodes
+    slots: list[Slot]  # the buffers it can reach: those of ``modules`` and of its get_attr nodes
     stats: list[bool]  # per node: recomputed from saved statistics (bn-saved-stats)
-
-
-# What a recomputation does with a buffer the forward pass writes (by the buffer's storage):
-_STATEFUL = "stateful"  # its value is read: snapshot it in the forward pass, recompute on a copy of the snapshot
-_SCRATCH = "scratch"  # written by operators that bump its version, value never read: recompute on a copy of it
-_RESTORE = "restore"  # written only as batch-norm running statistics (no version bump): recompute on the buffer
-# itself, then put its value back without a version bump (as the batch-norm kernels write it)
 
 
 class _StepState:
     """The buffers one forward pass writes, by storage (``kinds``: storage key -> what a recomputation does
-    with it; in the first training step every buffer is ``_STATEFUL`` until the forward pass has shown which
+    with it; in the first training step every buffer is ``STATEFUL`` until the forward pass has shown which
     ones it writes), and the region calls made so far."""
 
-    def __init__(self, kinds: dict[tuple, str], finder: _FindWrites | None = None):
+    def __init__(self, kinds: dict[tuple, str], finder: FindWrites | None = None):
         self.kinds = kinds
         self.finder = finder  # the first training step's dispatch mode: memfit's own snapshots are not reads
         self.calls: list[_RegionCall] = []
 
     def kind(self, value) -> str | None:
         """What ``value`` is, if it is, or shares storage with, a buffer the step writes."""
-        return self.kinds.get(_storage_key(value)) if isinstance(value, torch.Tensor) else None
+        return self.kinds.get(storage_key(value)) if isinstance(value, torch.Tensor) else None
 
 
 class _RegionCall:
@@ -79,13 +79,13 @@ class _RegionCall:
     once the forward pass updates them in place (plain PyTorch saves nothing there).
 
     Buffers the step writes never change in a recomputation, and their version counters never move: the
-    forward pass snapshots (clones) those whose values are read (``_STATEFUL``: spectral normalization's
+    forward pass snapshots (clones) those whose values are read (``STATEFUL``: spectral normalization's
     vectors, InstanceNorm's statistics, a user's buffer read after or before its update), and the
     recomputation runs on fresh copies of the snapshots; it runs on a copy of the current value for those
-    written by version-bumping operators and never read (``_SCRATCH``: ``num_batches_tracked``, counters).
+    written by version-bumping operators and never read (``SCRATCH``: ``num_batches_tracked``, counters).
     The copies stand in for the buffers in the region's modules (``module._buffers``), inputs and get_attr
     values, and the model's buffers are put back afterwards (also when the recomputation stops early).
-    BatchNorm running statistics (``_RESTORE``) are updated by the recomputation in place, as plain
+    BatchNorm running statistics (``RESTORE``) are updated by the recomputation in place, as plain
     PyTorch's kernel does without a version bump, and their values put back afterwards through ``.data``
     (no version bump either), so a module applied several times, inside and outside regions, keeps what
     autograd saved valid and needs no more memory than the buffers' size while it recomputes."""
@@ -130,9 +130,9 @@ class _RegionCall:
                 if t is None or id(t) in scratch or id(t) in restore:
                     continue
                 kind = state.kind(t)
-                if kind == _RESTORE:
+                if kind == RESTORE:
                     restore[id(t)] = (t, t.detach().clone())
-                elif kind is not None:  # _SCRATCH (a _STATEFUL one always has its snapshot)
+                elif kind is not None:  # SCRATCH (a STATEFUL one always has its snapshot)
                     scratch[id(t)] = t.detach().clone()
         swapped = []
         try:
@@ -155,8 +155,8 @@ class _RegionCall:
         found = [mod._buffers.get(name) for mod, name in self.region.slots] + list(values)
         with torch.no_grad(), state.finder.paused() if state.finder is not None else contextlib.nullcontext():
             for t in found:
-                if id(t) not in self.saved and state.kind(t) == _STATEFUL:
-                    self.saved[id(t)] = (t, t.detach().clone(), _storage_key(t))
+                if id(t) not in self.saved and state.kind(t) == STATEFUL:
+                    self.saved[id(t)] = (t, t.detach().clone(), storage_key(t))
 
     def keep_only(self, keys: set[tuple]) -> None:
         """Drop the snapshots of tensors whose storage is not in ``keys`` (after the first step found the
@@ -189,72 +189,6 @@ class _RegionCall:
         return tuple(env[o] for o in region.outputs)
 
 
-# ATen operators that update running statistics without declaring them written in their schema
-# (``native_batch_norm`` & co.: ``Tensor? running_mean``, no ``(a!)``); the update happens when ``training``.
-_RUNNING_STATS = ("running_mean", "running_var")
-
-
-class _FindWrites(TorchDispatchMode):
-    """Records which buffer storages operators write (arguments marked ``(a!)`` in the schema: ``bumped``,
-    as autograd bumps their version; and the running statistics of batch-norm operators in training), and
-    which ones they read (any other argument that is not a view's source)."""
-
-    def __init__(self, storages: dict[tuple, list[_Slot]]):
-        super().__init__()
-        self.storages = storages
-        self.written: set[_Slot] = set()
-        self.bumped: set[_Slot] = set()
-        self.read: set[_Slot] = set()
-        self.off = False
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Record nothing inside (memfit's own copies)."""
-        self.off = True
-        try:
-            yield
-        finally:
-            self.off = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.off:
-            return func(*args, **kwargs)
-        schema = func._schema
-        values = {}
-        for i, a in enumerate(schema.arguments):
-            values[a.name] = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        training = values.get("training", True)
-        for a in schema.arguments:
-            declared = a.alias_info is not None and a.alias_info.is_write
-            hidden = a.name in _RUNNING_STATS and training is not False
-            for t in tree_leaves(values[a.name]):
-                slots = self.storages.get(_storage_key(t)) if isinstance(t, torch.Tensor) else None
-                if not slots:
-                    continue
-                if declared:
-                    self.written.update(slots)
-                    self.bumped.update(slots)
-                elif hidden:
-                    self.written.update(slots)
-                elif a.alias_info is None:
-                    self.read.update(slots)
-        return func(*args, **kwargs)
-
-    def kinds(self) -> dict[_Slot, str]:
-        """What a recomputation does with each written buffer."""
-        return {slot: _STATEFUL if slot in self.read else _SCRATCH if slot in self.bumped else _RESTORE
-                for slot in self.written}
-
-
-def _storage_key(t: torch.Tensor) -> tuple | None:
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses, meta)
-        return None
-    return (t.device, storage.data_ptr()) if storage.nbytes() else None
-
-
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -275,10 +209,11 @@ class PlannedModule(nn.Module):
     updates of a user's buffers) is written once per step, by the forward pass: a checkpoint region's
     recomputation runs on scratch copies of the buffers it can reach, holding their values from the forward
     pass, and never writes the model's buffers or bumps their version counters (a module applied several
-    times, inside and outside regions, is fine). The written buffers are found in the first training step,
-    under a ``TorchDispatchMode`` (operators that declare a write, and batch-norm running statistics); until
-    then every reachable buffer is snapshotted. The snapshots (the size of those buffers, per region) are
-    held from a region's forward pass to its recomputation; the plan does not count them.
+    times, inside and outside regions, is fine). The plan names the written buffers (``Plan.buffer_kinds``,
+    found by the profile under a ``TorchDispatchMode``: operators that declare a write, and batch-norm running
+    statistics), and its replay counts the copies (:mod:`memfit.profile.buffers`). A plan that does not name
+    them (an older plan file) has them found in the first training step, in which every reachable buffer is
+    snapshotted, beyond what the plan counted.
 
     Nodes the plan offloads have their saved tensors copied to a host store (``offload_store``: pinned memory
     on CUDA, memory-mapped files in ``offload_dir`` otherwise) and prefetched back in the backward pass
@@ -418,17 +353,12 @@ class PlannedModule(nn.Module):
             frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs]
                            for j in range(len(group))]
             modules: dict[int, nn.Module] = {}
-            slots: list[_Slot] = []
+            slots: list[Slot] = []
             for n in group:
+                slots += reachable_slots(gm, n)
                 if n.op == "call_module":
                     for mod in gm.get_submodule(n.target).modules():
                         modules.setdefault(id(mod), mod)
-                elif n.op == "get_attr":
-                    path, _, attr = n.target.rpartition(".")
-                    owner = gm.get_submodule(path)
-                    if attr in owner._buffers:
-                        slots.append((owner, attr))
-            slots += [(mod, name) for mod in modules.values() for name in mod._buffers]
             region = _Region(names=[n.name for n in group], fns=[self._fn(n) for n in group],
                              inputs=sorted(reads[k]), outputs=outputs, frees=frees_local,
                              modules=list(modules.values()), slots=slots,
@@ -535,7 +465,7 @@ class PlannedModule(nn.Module):
             self.__dict__["_kinds"] = finder.kinds()
             state.kinds = self._storage_kinds()
             state.finder = None
-            keep = {key for key, kind in state.kinds.items() if kind == _STATEFUL}
+            keep = {key for key, kind in state.kinds.items() if kind == STATEFUL}
             for call in state.calls:
                 call.keep_only(keep)
         if state is not None:
@@ -545,31 +475,37 @@ class PlannedModule(nn.Module):
         return fx.node.map_arg(self._output.args[0], lambda n: env[n.name])
 
     def _storage_kinds(self) -> dict[tuple, str]:
-        """Storage key -> what a recomputation does with it, for the buffers the forward pass writes (when a
-        storage holds several, the most careful kind)."""
-        order = {_STATEFUL: 0, _SCRATCH: 1, _RESTORE: 2}
-        kinds: dict[tuple, str] = {}
-        for (mod, name), kind in self.__dict__["_kinds"].items():
-            key = _storage_key(mod._buffers[name]) if mod._buffers.get(name) is not None else None
-            if key is not None and (key not in kinds or order[kind] < order[kinds[key]]):
-                kinds[key] = kind
-        return kinds
+        """Storage key -> what a recomputation does with it, for the buffers the forward pass writes."""
+        return by_storage(self.__dict__["_kinds"])
 
-    def _step_state(self) -> tuple[_StepState | None, _FindWrites | None]:
-        """What the regions of this step do with buffers; and, in the first training step, the dispatch mode
-        that finds the buffers the forward pass writes and reads."""
+    def _plan_kinds(self) -> dict[Slot, str] | None:
+        """The written buffers the plan names (``Plan.buffer_kinds``, from the profile), or ``None`` when it
+        names none or one this graph does not have."""
+        kinds = {}
+        for name, kind in self.plan.buffer_kinds.items():
+            path, _, attr = name.rpartition(".")
+            try:
+                owner = self.gm.get_submodule(path)
+            except AttributeError:
+                return None
+            if owner._buffers.get(attr) is None or kind not in (STATEFUL, SCRATCH, RESTORE):
+                return None
+            kinds[(owner, attr)] = kind
+        return kinds or None
+
+    def _step_state(self) -> tuple[_StepState | None, FindWrites | None]:
+        """What the regions of this step do with buffers; and, in the first training step of a plan that does
+        not name the written buffers, the dispatch mode that finds the buffers the forward pass writes and
+        reads (every buffer is snapshotted in that step)."""
         if not any(kind == "region" for kind, *_ in self._steps):
             return None, None
+        if self.__dict__["_kinds"] is None:
+            self.__dict__["_kinds"] = self._plan_kinds()
         if self.__dict__["_kinds"] is not None:
             return _StepState(self._storage_kinds()), None
-        storages: dict[tuple, list[_Slot]] = {}
-        for mod in self.gm.modules():
-            for name, buf in mod._buffers.items():
-                key = _storage_key(buf) if buf is not None else None
-                if key is not None:
-                    storages.setdefault(key, []).append((mod, name))
-        finder = _FindWrites(storages)
-        return _StepState(dict.fromkeys(storages, _STATEFUL), finder), finder
+        storages = buffer_storages(self.gm)
+        finder = FindWrites(storages)
+        return _StepState(dict.fromkeys(storages, STATEFUL), finder), finder
 
     def _offload_step(self, args) -> OffloadStep:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]

@@ -56,6 +56,11 @@ class Accounting:
             forward time).
         stats_bytes: node index -> statistics held from its forward pass to its recomputation when it is in a
             region (``NodeCost.stats_bytes``).
+        buffers: node index -> the written buffers a region holding it copies for its recomputation
+            (``NodeCost.buffers``).
+        buffer_bytes: written buffer name -> bytes of one copy (``Costs.buffer_bytes``).
+        stateful: names of the written buffers whose values the forward pass reads (``Costs.buffer_kinds``
+            ``"stateful"``): a region also holds a snapshot of each from its forward pass to its backward pass.
     """
 
     n: int
@@ -95,6 +100,17 @@ class Accounting:
     loss_keeps: set[int] = field(default_factory=set)
     recompute_seconds: list[float] = field(default_factory=list)
     stats_bytes: list[int] = field(default_factory=list)
+    buffers: list[list[str]] = field(default_factory=list)
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
+    stateful: set[str] = field(default_factory=set)
+
+    def region_buffer_bytes(self, lo: int, hi: int) -> tuple[int, int]:
+        """``(copies, snapshots)``: bytes a region over nodes ``lo..hi`` copies of the written buffers while it
+        is recomputed, and bytes of the snapshots it holds from its forward pass to its backward pass
+        (:mod:`memfit.profile.buffers`)."""
+        names = {b for i in range(lo, hi + 1) for b in self.buffers[i]}
+        copies = sum(self.buffer_bytes[b] for b in names)
+        return copies, sum(self.buffer_bytes[b] for b in names & self.stateful)
 
     @classmethod
     def build(cls, graph: Graph, costs: Costs) -> Accounting:
@@ -157,6 +173,8 @@ class Accounting:
             recompute_seconds=[c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds
                                for c in costs.nodes],
             stats_bytes=[c.stats_bytes for c in costs.nodes],
+            buffers=[list(c.buffers) for c in costs.nodes], buffer_bytes=dict(costs.buffer_bytes),
+            stateful={b for b, kind in costs.buffer_kinds.items() if kind == "stateful"},
         )
         return _with_gradients(acc, costs)
 

@@ -60,6 +60,9 @@ class Plan:
             (``bn-saved-stats``, :mod:`memfit.variants.bn_saved_stats`) rather than computing them again.
         state_roles: what each ``state_dict`` key is (``"trainable parameter"``, ``"frozen parameter"``,
             ``"buffer"`` or ``"tied to <key>"``; :func:`memfit.api.state_roles`).
+        buffer_kinds: the buffers the profiled forward pass wrote, by name in the traced graph, and what a
+            recomputation does with each (``Costs.buffer_kinds``, :mod:`memfit.profile.buffers`); the runtime
+            uses them from its first step. Empty: it finds them in its first training step.
     """
 
     strategy: str
@@ -85,6 +88,7 @@ class Plan:
     state_roles: dict[str, str] = field(default_factory=dict)
     input_dtypes: list[str] = field(default_factory=list)
     stats_recompute: list[str] = field(default_factory=list)
+    buffer_kinds: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.decisions = {n: "keep" for n in self.nodes}

@@ -14,12 +14,13 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   that node's last save: a node that saves only tensors made before it, ``NodeCost.saves_first``, saves
   them before computing, so its outputs are not made). A storage an earlier node of the rerun makes that is
   read after that node, through any view (a region output, or a value of a later node of the region), is
-  held by the rerun's frame until it stops; one read only by rerun nodes is freed after its last reader.
-  Then the
-  node's backward allocates the gradients of its inputs, frees the gradient of its output, and frees every
+  held by the rerun's frame until it stops, as are that node's own unsaved outputs (made before what it saves
+  last); one read only by rerun nodes is freed after its last reader. Then the node's backward allocates the gradients of its inputs, frees the gradient of its output, and frees every
   storage whose last holder has now finished its backward;
 * a region holds the CPU RNG state (``Costs.region_bytes``) from its forward pass until its last holder's
-  backward, and a second copy while it is recomputed (``torch.random.fork_rng``);
+  backward, and a second copy while it is recomputed (``torch.random.fork_rng``); it holds a snapshot of each
+  buffer it can reach whose value the forward pass reads and writes as long, and copies every written buffer it
+  can reach while it is recomputed (``Accounting.region_buffer_bytes``, :mod:`memfit.profile.buffers`);
 * under ``torch.autocast``, the cast of a parameter (``Accounting.casts``) lives from its first reader to the
   end of the forward pass and the loss (autocast's cache), and then as long as a kept node saves it; a
   region's recomputation runs under autocast too and makes its own casts, which live until the
@@ -185,10 +186,12 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             clock = t
 
     starts = {lo: r for r, (lo, _) in enumerate(spans)}
+    buffer_copies, snapshots = zip(*(acc.region_buffer_bytes(lo, hi) for lo, hi in spans)) if spans else ((), ())
+    held = [acc.region_bytes + b for b in snapshots]  # from a region's forward pass until its backward pass
     # forward
     for i in range(n):
-        if i in starts:  # the checkpoint keeps the RNG state until the region's backward
-            alloc(acc.region_bytes, f"fwd {i} region {starts[i]} rng state")
+        if i in starts:  # the checkpoint keeps the RNG state (and buffer snapshots) until the region's backward
+            alloc(held[starts[i]], f"fwd {i} region {starts[i]} rng state and buffer snapshots")
         for s in acc.creates[i]:
             alive.add(s)
             alloc(acc.nbytes[s], f"fwd {i} alloc {s}")
@@ -211,7 +214,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 alive.discard(s)
                 free(acc.nbytes[s], f"fwd {i} free {s}")
         if reg[i] >= 0 and spans[reg[i]][1] == i and last_saver[reg[i]][0] is None:
-            free(acc.region_bytes, f"fwd {i} region {reg[i]} rng state")  # nothing saved: nothing holds it
+            free(held[reg[i]], f"fwd {i} region {reg[i]} rng state")  # nothing saved: nothing holds it
     for s, o in off.items():
         if o.wait >= n:
             wait_for(done[s])
@@ -255,7 +258,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             copies = set()
             read_until: dict[int, list[int]] = {}  # recomputed node -> unsaved storages its run is the last to read
             to_end = 0  # unsaved storages the recomputation holds until it stops (read after node i)
-            alloc(acc.region_bytes, f"recompute {i} rng state")  # fork_rng's copy of the current state
+            # fork_rng's copy of the current state, and the copies of the written buffers the region reaches
+            alloc(acc.region_bytes + buffer_copies[r], f"recompute {i} rng state and buffer copies")
             cast: set[int] = set()  # casts of this recomputation (autocast's cache, cleared when it ends)
             unsaved_casts = 0
             for j in range(lo, i + 1):
@@ -285,10 +289,11 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                         copies.add(s)
                         copy_holders[(r, s)] = saved_in
                         alloc(acc.nbytes[s], f"recompute {j} {s}")
-                    elif j < i and (s in acc.output_storages or any(k > i for k in acc.consumers[s])):
+                    elif j == i or s in acc.output_storages or any(k > i for k in acc.consumers[s]):
                         # read after the last saver (a region output, or a value of a later node of the
-                        # region), through any view: the recomputation's frame holds it until it stops (the
-                        # last saver's own outputs are made at the stop, or never: a transient)
+                        # region), through any view: the recomputation's frame holds it until it stops; so are
+                        # the last saver's own outputs, made before what it saves last (BatchNorm's output,
+                        # then its statistics, measured alive through its workspace)
                         to_end += acc.nbytes[s]
                         alloc(acc.nbytes[s], f"recompute {j} {s} (held to the stop)")
                     elif last_read > j:  # not saved, but read by a later recomputed node: alive until then
@@ -299,7 +304,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 transient(acc.fwd_ws[j], f"recompute {j} workspace")
                 for s in read_until.pop(j, []):
                     free(acc.nbytes[s], f"recompute {j} free {s}")
-            free(unsaved_casts + to_end + acc.region_bytes, f"recompute {i} end")
+            free(unsaved_casts + to_end + acc.region_bytes + buffer_copies[r], f"recompute {i} end")
             recomputed[r] = copies
             clock += sum(acc.recompute_seconds[lo:i + 1])
         for s, o in off.items():
@@ -323,7 +328,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                     alive.discard(s)
                     free(acc.nbytes[s], f"bwd {i} free {s}")
         if r >= 0 and last_saver[r][0] is not None and last_saver[r][1] == i:
-            free(acc.region_bytes, f"bwd {i} region {r} rng state")
+            free(held[r], f"bwd {i} region {r} rng state")
         if r >= 0 and r in recomputed:
             for s in list(recomputed[r]):
                 h = copy_holders[(r, s)]
