@@ -234,3 +234,21 @@ def test_the_lowest_memory_plan_drops_the_statistics_where_they_cost_memory(stat
         assert fig.peak_bytes <= planned.plan.budget_bytes
         peaks[strategy] = fig.peak_bytes
     assert peaks["memfit"] <= peaks["remat-ilp"], peaks
+
+
+def test_a_plan_naming_a_node_that_calls_no_batchnorm_is_refused():
+    """A hand-edited plan listed a convolution in stats_recompute: it was accepted and counted in the report,
+    though nothing was recomputed from statistics there."""
+    from memfit.graph import capture
+    from memfit.graph.calls import compute_nodes
+    from memfit.solve.plan import Plan
+
+    model = _ConvBN().train()
+    names = [n.name for n in compute_nodes(capture(model).gm)]
+    region = [[names[0], names[-1]]]
+    for ok in ("b1", "batch_norm"):
+        memfit.PlannedModule(capture(model), Plan(strategy="t", nodes=names, regions=region, stats_recompute=[ok]))
+    for bad in ("c1", "relu"):
+        with pytest.raises(ValueError, match=f"node {bad} .* calls no BatchNorm: remove it from stats_recompute"):
+            memfit.PlannedModule(capture(model), Plan(strategy="t", nodes=names, regions=region,
+                                                      stats_recompute=[bad]))

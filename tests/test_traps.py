@@ -490,6 +490,28 @@ def test_trace_errors_give_advice_that_fits():
     with pytest.raises(TypeError, match=r"already planned.*planned.model"):  # re-planning a planned module
         memfit.optimize(planned, torch.randn(4, 8), budget="100%")
 
+    class ScaledBN(nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) * 1.5
+
+    with pytest.raises(memfit.TraceError, match=r"PyTorch's own \(batchnorm.py:\d+ in _check_input_dim.*super\(\)"
+                                                r".*Hold the torch.nn module as a child"):
+        memfit.optimize(nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4)).train(), torch.randn(2, 3, 4, 4))
+
+
+def test_lazy_modules_are_refused_until_initialized():
+    """Found by a fresh-user run: uninitialized lazy modules failed deep in profiling with PyTorch's error."""
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.LazyBatchNorm2d(), nn.ReLU()).train()
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(ValueError, match=r"lazy modules .*0.weight.*model.eval\(\); with torch.no_grad\(\): model"):
+        memfit.optimize(model, x)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    planned = memfit.optimize(model, x, budget="100%")
+    planned(x).sum().backward()
+
 
 @pytest.mark.parametrize("budget", ["min", "95%"])
 def test_channels_last_model_is_predicted_from_the_real_gradient_layouts(budget):

@@ -70,6 +70,12 @@ def _require_training(model: nn.Module) -> None:
                          "strategy, pass the model it wraps, planned.model")
     if not model.training:
         raise ValueError("memfit plans a training step: call model.train() first")
+    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise ValueError(f"the model has lazy modules whose parameters are not initialized yet ({', '.join(lazy[:3])}"
+                         f"{', ...' if len(lazy) > 3 else ''}): initialize them with one forward pass that changes nothing else "
+                         "(model.eval(); with torch.no_grad(): model(example_batch); model.train()), then plan")
 
 
 def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:

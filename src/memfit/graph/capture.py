@@ -146,6 +146,17 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "an operation that returns a new tensor (x.masked_fill(mask, 0), x.index_fill(1, idx, 0), "
                 "torch.where, torch.cat of the parts), or move that line into a function fx keeps whole "
                 "(torch.fx.wrap).")
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_nn = torch.__file__.rsplit("/", 1)[0] + "/nn/modules/"
+    inner = [f for f in frames if f.filename.startswith(torch_nn)]
+    user = _user_frame(exc)
+    if inner and "super()" in user:
+        f = inner[-1]
+        return (f"  the check that fails is PyTorch's own ({f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}: "
+                f"{f.line}), reached through super() in a subclass of a torch.nn module: torch.fx traces a "
+                "subclass like any module of yours, so the parent's checks run on traced values. Hold the torch.nn "
+                "module as a child instead (self.bn = nn.BatchNorm2d(...); self.bn(x) * 1.5) or call its "
+                "functional form (torch.nn.functional).")
     if "Proxy" in str(exc):
         return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
                 "number, which torch.fx cannot pass: use an operation that takes the tensor itself (e.g. "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -304,6 +305,7 @@ class PlannedModule(nn.Module):
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
+        self._check_stats(nodes)
         region_at = {lo: hi for lo, hi in spans}
         # steps: ("node", name, fn) or ("region", _Region); compute last forward use of every value
         steps: list[tuple] = []
@@ -364,6 +366,20 @@ class PlannedModule(nn.Module):
                              modules=list(modules.values()), slots=slots,
                              stats=[n.name in from_stats for n in group])
             self._steps.append(("region", region, None, frees))
+
+    def _check_stats(self, nodes: list[fx.Node]) -> None:
+        """Refuse ``stats_recompute`` entries that are no BatchNorm call: nothing would be recomputed from
+        statistics there, though the report would count it."""
+        by_name = {n.name: n for n in nodes}
+        for name in self.plan.stats_recompute:
+            node = by_name[name]
+            if node.op == "call_module":
+                ok = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.gm.get_submodule(node.target).modules())
+            else:
+                ok = node.op == "call_function" and node.target in (F.batch_norm, torch.batch_norm)
+            if not ok:
+                raise ValueError(f"plan recomputes node {name} from saved BatchNorm statistics (stats_recompute), but "
+                                 "it calls no BatchNorm: remove it from stats_recompute")
 
     def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:
         """Refuse an in-place form inside a region that does not compute its operand: the region's
