@@ -656,10 +656,6 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
             del c.variants["bn-from-output"]
     if with_variants:
         _profile_inplace(gm, env, nodes, storages, by_ptr, register, keep_alive)
-    if cast_dtype is not None:  # under autocast the 1-bit-mask ReLUs are not offered: a plan with one measured
-        for c in nodes:         # 258 KB above its prediction (over budget); the cause is not found yet
-            for name in ("relu-mask", "relu-mask-inplace"):
-                c.variants.pop(name, None)
     costs = Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0, output_ids=output_ids)
     _written_buffers(gm, finder, reach, costs)
     return costs
