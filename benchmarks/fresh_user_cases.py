@@ -1,7 +1,8 @@
 """Measured against predicted total peak (bytes) for the cases fresh-user runs found on 2026-11-30, each
 beside plain PyTorch's gradients: tied embedding/output weights (with gradients set to None and kept
-allocated), a loss that builds a soft target from the model's output, and ``relu-mask`` on channels-last
-activations. Each case is also a regression test in ``tests/test_traps.py``.
+allocated), a loss that builds a soft target from the model's output, ``relu-mask`` on channels-last
+activations, BatchNorms over 65536 channels and two values each, and a bfloat16 autocast CNN. Each case is
+also a regression test (``tests/test_traps.py``, ``tests/test_stateful.py``, ``tests/test_autocast.py``).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/fresh_user_cases.py
 """
@@ -67,6 +68,60 @@ def main() -> None:
     base, fig, predicted, _ = channel_mix_with_relu_mask()
     _row("channels-last conv + ReLU after a chunk/cat mix, every ReLU `relu-mask`, no regions", fig, predicted,
          predicted, base)
+
+    wide = _wide_batchnorm()
+    for strategy in ("remat-ilp", "memfit"):
+        _planned_case(f"65536-channel BatchNorms at batch 2, `{strategy}` at min", wide,
+                      torch.randn(2, 65536, 1, 1), torch.randn(2, 65536, 1, 1), F.mse_loss, "min", strategy=strategy)
+
+    for budget in ("min", "70%"):
+        _bf16_cnn_case(budget)
+
+
+def _wide_batchnorm() -> nn.Module:
+    """Six (scale, BatchNorm2d(65536), tanh) layers: the copies a recomputation makes of the running statistics
+    are half an activation (2 x C values against 2 x C)."""
+    torch.manual_seed(0)
+
+    class Wide(nn.Module):
+        def __init__(self, c=65536, n=6):
+            super().__init__()
+            self.scale = nn.ParameterList([nn.Parameter(torch.rand(c, 1, 1) + 0.5) for _ in range(n)])
+            self.bns = nn.ModuleList([nn.BatchNorm2d(c) for _ in range(n)])
+
+        def forward(self, x):
+            for s, bn in zip(self.scale, self.bns):
+                x = torch.tanh(bn(x * s))
+            return x
+
+    return Wide().train()
+
+
+def _bf16_cnn_case(budget) -> None:
+    """Five Conv-BatchNorm-ReLU blocks under bfloat16 autocast, planned by ``memfit`` (1-bit-mask ReLUs offered)."""
+    import memfit
+    from memfit.bench.harness import fresh_copy, measure_training
+
+    torch.manual_seed(0)
+    layers = []
+    for i in range(5):
+        layers += [nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def loss(out, target):
+        return F.cross_entropy(out.float(), target)
+
+    plain = fresh_copy(model)
+    base = measure_training(plain, plain, (x,), y, loss, steps=1, autocast=torch.bfloat16)
+    m = fresh_copy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = memfit.optimize(m, x, budget=budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                                  loss_fn=lambda out: loss(out, y))
+    fig = measure_training(planned, planned, (x,), y, loss, steps=1, autocast=torch.bfloat16)
+    variants = ", ".join(f"{k} x{v}" for k, v in planned.plan.counts()["variants"].items()) or "none"
+    _row(f"bf16 autocast Conv-BN-ReLU CNN, `memfit` at {budget} (variants: {variants})", fig,
+         planned.plan.predicted_peak_bytes, planned.plan.budget_bytes, base)
 
 
 if __name__ == "__main__":
