@@ -285,6 +285,25 @@ def test_optimize_with_offload_dir(tmp_path):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("where", ["offload_dir", "default store"])
+def test_deepcopy_of_an_offloading_planned_module(where, tmp_path):
+    """Found by a fresh-user run: copy.deepcopy(planned) raised AttributeError whenever the plan offloaded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                          nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    ref = fresh_copy(model)
+    kw = {"offload_dir": str(tmp_path)} if where == "offload_dir" else {"offload": True}
+    planned = memfit.optimize(model, x, budget="min", **kw)
+    assert planned.plan.offloads
+    twin = copy.deepcopy(planned)
+    for m in (twin, ref):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(twin.parameters(), ref.parameters()))
+    assert all(p.grad is None for p in planned.parameters())  # the copy's parameters are its own
+    assert twin.offload_store is not planned.offload_store
+
+
 def test_offload_dir_errors_say_what_to_change(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -98,6 +98,7 @@ class DiskStore(HostStore):
         if str(directory) == "":
             raise OSError("memfit: the offload directory is empty; name a directory on a local disk")
         self.directory = Path(directory)
+        self.remove_when_done = remove_when_done
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
