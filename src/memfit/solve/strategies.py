@@ -188,10 +188,10 @@ class _Problem:
 
     def smallest_feasible(self, time_limit: float, lows: list[Plan] | None = None) -> int:
         """The smallest budget (bytes) with a plan: the lowest simulated peak of ``lows`` (default: the
-        lowest-memory plans, solved now) or keeping everything, plus the headroom."""
-        # keeping everything is a plan too: the floor is never above its peak (plus the same headroom)
+        lowest-memory plans, solved now) plus the headroom, or keeping everything (which needs no headroom:
+        plain PyTorch's own peak is what the replay predicts exactly)."""
         low = min(p.predicted_peak_bytes for p in (lows or self.low_memory_plans(time_limit)))
-        return min(low, self.plain.peak_bytes) + self.margin
+        return min(low + self.margin, self.plain.peak_bytes)
 
 
 def plan_at_floor(strategy: str, graph: Graph, costs: Costs, fixed_bytes: int, time_limit: float = 20.0,
@@ -219,7 +219,7 @@ def smallest_feasible(graph: Graph, costs: Costs, fixed: int, time_limit: float 
                       use_variants: bool = True, use_offload: bool = True) -> int:
     """The smallest budget (bytes) for which :func:`make_plan` finds a ``memfit`` plan (``remat-ilp`` with
     ``use_variants=False`` and ``use_offload=False``): the lowest simulated peak among the lowest-memory
-    plans memfit knows or plain PyTorch's simulated peak, whichever is lower, plus the safety margin."""
+    plans memfit knows plus the safety margin, or plain PyTorch's simulated peak, whichever is lower."""
     return _Problem("memfit", graph, costs, fixed, None, use_variants, use_offload).smallest_feasible(time_limit)
 
 
