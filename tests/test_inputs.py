@@ -140,6 +140,14 @@ class Masked(Scaled):
         return self.o(h)
 
 
+class ScaledMasked(Scaled):
+    def forward(self, x, scale: float = 2.0, mask=None):
+        h = F.relu(self.l(x)) * scale
+        if mask is not None:
+            h = h * mask
+        return self.o(h)
+
+
 class TwoInputs(Scaled):
     def forward(self, x, y):
         return self.o(F.relu(self.l(x)) + y)
@@ -166,6 +174,10 @@ def test_left_out_arguments_get_a_clear_error():
     # before: KeyError: 'mask' (fx traced the `mask is not None` branch, so the default cannot run)
     with pytest.raises(ValueError, match=r"'mask' is not in example_inputs.*pass 'mask' in example_inputs"):
         memfit.optimize(Masked().train(), x)
+    # a fresh user's case: the failing node also reads a value computed from `scale` (default 2.0), and the
+    # error named 'scale'
+    with pytest.raises(ValueError, match=r"argument 'mask' is not in example_inputs"):
+        memfit.optimize(ScaledMasked().train(), x)
     with pytest.raises(ValueError, match=r"also needs 'y' \(no default value\)"):
         memfit.optimize(TwoInputs().train(), x)
     with pytest.raises(ValueError, match=r"has 3 inputs, but the model's forward takes 2 \(x, scale\)"):

@@ -547,7 +547,7 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
     env.update(bind_inputs(gm, inputs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     defaulted = {ph.name: ph for ph in placeholders[len(inputs):]}  # arguments left out: their defaults
-    from_default = {name: name for name in defaulted}  # value -> the defaulted argument it depends on
+    from_default = {name: [name] for name in defaulted}  # value -> the defaulted arguments it depends on
     for ph in placeholders:
         requires[ph.name] = [t.requires_grad for t in tensors_in(env[ph.name])]
         for t in tensors_in(env[ph.name]):
@@ -576,10 +576,11 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                     lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
                 out = node_fn(gm, node)(env)
         except Exception as exc:
-            arg = next((from_default[a.name] for a in node.all_input_nodes if a.name in from_default), None)
-            if arg is None:
+            args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
+            if not args:
                 raise
-            ph = defaulted[arg]
+            # a default of None is the likelier culprit (`if mask is not None:` traced as true) than a number
+            ph = defaulted[min(args, key=lambda d: defaulted[d].args[0] is not None)]
             raise ValueError(
                 f"the model's forward argument {ph.target!r} is not in example_inputs, so it takes its default "
                 f"{ph.args[0]!r}, but the traced forward fails with that value at node {node.name} "
@@ -594,9 +595,9 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
                     kept_params.add(id(p))
             cost.recomputable = not any(p._version != version and p.requires_grad for p, version, _ in before)
             del before
-        if any(a.name in from_default for a in node.all_input_nodes):
-            from_default[node.name] = next(from_default[a.name] for a in node.all_input_nodes
-                                           if a.name in from_default)
+        depends = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
+        if depends:
+            from_default[node.name] = depends
         env[node.name] = out
         requires[node.name] = [t.requires_grad for t in tensors_in(out)]
         keep_alive.append(saved)
