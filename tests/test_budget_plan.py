@@ -45,6 +45,48 @@ def test_plan_rejects_overlapping_regions():
         Plan(strategy="x", nodes=["a", "b", "c"], regions=[["a", "b"], ["b", "c"]])
 
 
+def test_hand_edited_plans_get_errors_and_warnings_that_say_what_to_change():
+    """Found by a fresh-user run: malformed regions failed with Python's unpacking errors, and edits of
+    decisions, of buffer_kinds and of budget_bytes were accepted silently."""
+    nodes = ["a", "b", "c"]
+    for regions in ([["b"]], ["a", "b"]):
+        with pytest.raises(ValueError, match=r"list of \[first, last\] node-name pairs"):
+            Plan(strategy="x", nodes=nodes, regions=regions)
+    with pytest.raises(ValueError, match="budget_bytes must be a number of bytes or null, not '90%'"):
+        Plan(strategy="x", nodes=nodes, budget_bytes="90%")
+    with pytest.raises(ValueError, match=r"buffer_kinds \{'bn.running_mean': 'bogus'\}"):
+        Plan(strategy="x", nodes=nodes, buffer_kinds={"bn.running_mean": "bogus"})
+    saved = Plan(strategy="x", nodes=nodes, regions=[["a", "b"]]).to_dict()
+    with pytest.warns(UserWarning, match="decisions for c are ignored: .*edit those instead"):
+        Plan.from_dict({**saved, "decisions": {**saved["decisions"], "c": "recomptue"}})
+
+
+def test_an_edited_plan_is_flagged_and_an_inexact_variant_warned(tmp_path):
+    """Found by a fresh-user run: a saved plan whose regions were removed by hand still reported its solved
+    peak and budget (measured 8 MB over that budget), and a hand-chosen bn-from-output (not offered to the
+    planner: float32 rounding) ran without a word."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, padding=1)]
+    for _ in range(4):
+        layers += [nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).train()
+    x = torch.randn(4, 3, 32, 32)
+    plan, _, _ = memfit.plan(model, x, "min", strategy="remat-ilp")
+    assert plan.regions and plan.solved_digest == plan.decision_digest()
+    plan.save(tmp_path / "p.json")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memfit.optimize(model, x, plan_=Plan.load(tmp_path / "p.json"))  # as solved: no warning
+    edited = {**Plan.load(tmp_path / "p.json").to_dict(), "regions": []}
+    with pytest.warns(UserWarning, match=r"edited after it was solved.*no longer hold"):
+        memfit.optimize(model, x, plan_=Plan.from_dict(edited))
+    bn = {**edited, "variants": {**edited["variants"], "_1": "bn-from-output"}}
+    with pytest.warns(UserWarning, match="bn-from-output, which memfit does not offer to its planner"):
+        memfit.optimize(model, x, plan_=Plan.from_dict(bn))
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()

@@ -249,6 +249,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
+    result.solved_digest = result.decision_digest()
     return result, captured, costs
 
 
@@ -294,6 +295,11 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")
+        if plan_.solved_digest is not None and plan_.solved_digest != plan_.decision_digest():
+            warnings.warn(f"memfit.optimize: the plan was edited after it was solved (regions, offloads, variants or "
+                          f"stats_recompute differ): its predicted peak ({plan_.predicted_peak_bytes} bytes) and "
+                          f"step time no longer hold, nor does its budget ({plan_.budget_bytes} bytes). Check it "
+                          "by measuring a step, or solve again", stacklevel=2)
         captured = capture(model)
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)

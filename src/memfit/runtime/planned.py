@@ -306,6 +306,13 @@ class PlannedModule(nn.Module):
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
         self._check_stats(nodes)
+        from memfit.variants import VARIANTS
+
+        inexact = sorted({v for v in plan.variants.values() if v in VARIANTS and not VARIANTS[v].offered})
+        if inexact:
+            warnings.warn(f"the plan uses {', '.join(inexact)}, which memfit does not offer to its planner: its "
+                          "gradients equal PyTorch's only to float32 rounding, not bit for bit (README, operator "
+                          "variants)", stacklevel=3)
         region_at = {lo: hi for lo, hi in spans}
         # steps: ("node", name, fn) or ("region", _Region); compute last forward use of every value
         steps: list[tuple] = []

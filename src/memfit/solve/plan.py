@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,6 +65,8 @@ class Plan:
         buffer_kinds: the buffers the profiled forward pass wrote, by name in the traced graph, and what a
             recomputation does with each (``Costs.buffer_kinds``, :mod:`memfit.profile.buffers`); the runtime
             uses them from its first step. Empty: it finds them in its first training step.
+        solved_digest: :meth:`decision_digest` when the plan was solved (its predicted figures hold for those
+            decisions), or ``None``.
     """
 
     strategy: str
@@ -89,8 +93,19 @@ class Plan:
     input_dtypes: list[str] = field(default_factory=list)
     stats_recompute: list[str] = field(default_factory=list)
     buffer_kinds: dict[str, str] = field(default_factory=dict)
+    solved_digest: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.regions, list) or not all(
+                isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(n, str) for n in r) for r in self.regions):
+            raise ValueError('plan regions must be a list of [first, last] node-name pairs, e.g. [["conv1", "relu"]]')
+        if self.budget_bytes is not None and (not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool)):
+            raise ValueError(f"plan budget_bytes must be a number of bytes or null, not {self.budget_bytes!r}")
+        bad = {k: v for k, v in self.buffer_kinds.items() if v not in ("stateful", "scratch", "restore")}
+        if bad:
+            raise ValueError(f"plan buffer_kinds {bad} must each be 'stateful', 'scratch' or 'restore' (or remove "
+                             "buffer_kinds: the first training step then finds them)")
+        given = dict(self.decisions)
         self.decisions = {n: "keep" for n in self.nodes}
         for name in self.offloads:
             if name not in self.decisions:
@@ -109,6 +124,21 @@ class Plan:
             if self.decisions.get(name) != "recompute":
                 raise ValueError(f"plan recomputes node {name!r} from saved statistics, but it is not in a "
                                  "checkpoint region")
+        differ = [n for n, d in given.items() if self.decisions.get(n, d) != d or n not in self.decisions]
+        edited = self.solved_digest is not None and self.solved_digest != self.decision_digest()
+        if differ and not edited:  # (an edit of the regions changes them too: memfit.optimize warns of that)
+            warnings.warn(f"plan decisions for {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''} are ignored: "
+                          "decisions are derived from regions (recompute) and offloads (offload); edit those "
+                          "instead", stacklevel=3)
+
+    def decision_digest(self) -> str:
+        """A hash of what the runtime does (regions, offloads and their waits, variants, ``stats_recompute``):
+        :func:`memfit.optimize` compares it with ``solved_digest`` to tell an edited plan, whose predicted
+        figures no longer hold."""
+        what = {"regions": [list(r) for r in self.regions], "offloads": list(self.offloads),
+                "offload_waits": dict(self.offload_waits), "variants": dict(self.variants),
+                "stats_recompute": list(self.stats_recompute)}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def from_spans(cls, strategy: str, nodes: list[str], spans: list[tuple[int, int]], **kw) -> Plan:
