@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import time
+import weakref
 
 from memfit.budget import fmt_bytes
 from memfit.graph.ir import Graph
@@ -50,6 +52,9 @@ class InfeasibleBudgetError(ValueError):
 CUDA_MARGIN_BYTES = 4 << 20
 
 
+_LOWS: dict[int, dict[tuple, dict]] = {}  # id(costs) -> options -> _Problem._lows
+
+
 def _margin(activation_bytes: int, device: str = "cpu") -> int:
     """Headroom kept under the budget for what the replay leaves out (allocator rounding, small tensors of
     the loss and of checkpoint bookkeeping): 1% of plain PyTorch's activation peak plus 64 KiB, plus
@@ -63,6 +68,15 @@ class _Problem:
     def __init__(self, strategy: str, graph: Graph, costs: Costs, fixed: int, budget: int | None,
                  use_variants: bool, use_offload: bool = False):
         self.t0 = time.perf_counter()
+        # the lowest-memory plans, shared by every problem on this profile with the same options: the floor an
+        # InfeasibleBudgetError names is then the floor a later call at that budget reaches (solved again,
+        # HiGHS's time-limited search once ended one region's RNG state higher, and the named budget failed)
+        per_profile = _LOWS.get(id(costs))
+        if per_profile is None:
+            per_profile = _LOWS[id(costs)] = {}
+            weakref.finalize(costs, _LOWS.pop, id(costs), None)
+        key = (strategy, fixed, bool(use_variants), bool(use_offload), costs.step_bytes, costs.link is not None)
+        lows = per_profile.setdefault(key, {})
         if not use_variants:  # BatchNorm recomputed as PyTorch's checkpoint does (bn-saved-stats is memfit's)
             costs = costs.recomputing_from_stats(set())
         self.strategy, self.graph, self.costs, self.fixed, self.budget = strategy, graph, costs, fixed, budget
@@ -72,7 +86,7 @@ class _Problem:
         self.offload = use_offload and costs.link is not None
         self.plain = _replay(self.acc, [], fixed)
         self.margin = _margin(self.plain.peak_bytes - fixed, costs.device)
-        self._lows: dict[tuple[bool, bool], list[Plan]] = {}  # (recompute_only, fastest) -> plans
+        self._lows: dict[tuple[bool, bool], list[Plan]] = lows  # (recompute_only, fastest) -> plans
 
     def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
                offloads: list[int] | None = None) -> Plan:
@@ -125,9 +139,9 @@ class _Problem:
         known), so that ``budget="min"`` does not solve them again for the plan after the floor."""
         for key in ((recompute_only, fastest), (recompute_only, True)):
             if key in self._lows:
-                return list(self._lows[key])
+                return copy.deepcopy(self._lows[key])  # (callers set a plan's budget and solve time)
         plans = self._lows[recompute_only, fastest] = self._solve_lows(time_limit, recompute_only, fastest)
-        return list(plans)
+        return copy.deepcopy(plans)
 
     def _solve_lows(self, time_limit: float, recompute_only: bool, fastest: bool) -> list[Plan]:
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
