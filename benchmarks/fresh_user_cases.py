@@ -1,7 +1,7 @@
 """Measured against predicted total peak (bytes) for the cases fresh-user runs found on 2026-11-30, each
 beside plain PyTorch's gradients: tied embedding/output weights (with gradients set to None and kept
 allocated), a loss that builds a soft target from the model's output, ``relu-mask`` on channels-last
-activations, BatchNorms over 65536 channels and two values each, and a bfloat16 autocast CNN. Each case is
+activations, BatchNorms over 65536 channels and two values each, and bfloat16 autocast CNN and MLPs. Each case is
 also a regression test (``tests/test_traps.py``, ``tests/test_stateful.py``, ``tests/test_autocast.py``).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/fresh_user_cases.py
@@ -77,6 +77,18 @@ def main() -> None:
     for budget in ("min", "70%"):
         _bf16_cnn_case(budget)
 
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                        nn.ReLU(), nn.Linear(1024, 10)).train()
+    x = torch.randn(512, 256)
+    _bf16_case("bf16 autocast MLP 256-1024-1024-1024-10, batch 512, `none`", mlp, x,
+               torch.randint(0, 10, (512,)), F.cross_entropy, "100%", "none")
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(512, 2048), nn.BatchNorm1d(2048), nn.ReLU(), nn.Linear(2048, 2048),
+                         nn.BatchNorm1d(2048), nn.LeakyReLU(0.1), nn.Linear(2048, 10)).train()
+    _bf16_case("bf16 autocast BatchNorm1d head 512-2048-2048-10, batch 4, `none`", head, torch.randn(4, 512),
+               torch.randint(0, 10, (4,)), F.cross_entropy, "100%", "none")
+
 
 def _wide_batchnorm() -> nn.Module:
     """Six (scale, BatchNorm2d(65536), tanh) layers: the copies a recomputation makes of the running statistics
@@ -99,29 +111,33 @@ def _wide_batchnorm() -> nn.Module:
 
 def _bf16_cnn_case(budget) -> None:
     """Five Conv-BatchNorm-ReLU blocks under bfloat16 autocast, planned by ``memfit`` (1-bit-mask ReLUs offered)."""
-    import memfit
-    from memfit.bench.harness import fresh_copy, measure_training
-
     torch.manual_seed(0)
     layers = []
     for i in range(5):
         layers += [nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
     model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
 
     def loss(out, target):
         return F.cross_entropy(out.float(), target)
+
+    _bf16_case("bf16 autocast Conv-BN-ReLU CNN, `memfit` at " + budget, model, torch.randn(8, 3, 32, 32),
+               torch.randint(0, 10, (8,)), loss, budget, "memfit")
+
+
+def _bf16_case(case, model, x, y, loss, budget, strategy) -> None:
+    """``case`` planned by ``strategy`` at ``budget`` under bfloat16 autocast (backward outside it)."""
+    import memfit
+    from memfit.bench.harness import fresh_copy, measure_training
 
     plain = fresh_copy(model)
     base = measure_training(plain, plain, (x,), y, loss, steps=1, autocast=torch.bfloat16)
     m = fresh_copy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        planned = memfit.optimize(m, x, budget=budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                                  loss_fn=lambda out: loss(out, y))
+        planned = memfit.optimize(m, x, budget=budget, strategy=strategy, loss_fn=lambda out: loss(out, y),
+                                  optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
     fig = measure_training(planned, planned, (x,), y, loss, steps=1, autocast=torch.bfloat16)
     variants = ", ".join(f"{k} x{v}" for k, v in planned.plan.counts()["variants"].items()) or "none"
-    _row(f"bf16 autocast Conv-BN-ReLU CNN, `memfit` at {budget} (variants: {variants})", fig,
-         planned.plan.predicted_peak_bytes, planned.plan.budget_bytes, base)
+    _row(f"{case} (variants: {variants})", fig, planned.plan.predicted_peak_bytes, planned.plan.budget_bytes, base)
 
 
 if __name__ == "__main__":
