@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _models import ListOut, TiedLM, channel_mix_with_relu_mask, plain_and_planned
+from _models import ListOut, TiedLM, WideBN, channel_mix_with_relu_mask, plain_and_planned
 
 
 def _max_diff(base, fig) -> float:
@@ -69,7 +69,8 @@ def main() -> None:
     _row("channels-last conv + ReLU after a chunk/cat mix, every ReLU `relu-mask`, no regions", fig, predicted,
          predicted, base)
 
-    wide = _wide_batchnorm()
+    torch.manual_seed(0)
+    wide = WideBN(65536).train()  # (the copies of its running statistics: half an activation)
     for strategy in ("remat-ilp", "memfit"):
         _planned_case(f"65536-channel BatchNorms at batch 2, `{strategy}` at min", wide,
                       torch.randn(2, 65536, 1, 1), torch.randn(2, 65536, 1, 1), F.mse_loss, "min", strategy=strategy)
@@ -88,25 +89,6 @@ def main() -> None:
                          nn.BatchNorm1d(2048), nn.LeakyReLU(0.1), nn.Linear(2048, 10)).train()
     _bf16_case("bf16 autocast BatchNorm1d head 512-2048-2048-10, batch 4, `none`", head, torch.randn(4, 512),
                torch.randint(0, 10, (4,)), F.cross_entropy, "100%", "none")
-
-
-def _wide_batchnorm() -> nn.Module:
-    """Six (scale, BatchNorm2d(65536), tanh) layers: the copies a recomputation makes of the running statistics
-    are half an activation (2 x C values against 2 x C)."""
-    torch.manual_seed(0)
-
-    class Wide(nn.Module):
-        def __init__(self, c=65536, n=6):
-            super().__init__()
-            self.scale = nn.ParameterList([nn.Parameter(torch.rand(c, 1, 1) + 0.5) for _ in range(n)])
-            self.bns = nn.ModuleList([nn.BatchNorm2d(c) for _ in range(n)])
-
-        def forward(self, x):
-            for s, bn in zip(self.scale, self.bns):
-                x = torch.tanh(bn(x * s))
-            return x
-
-    return Wide().train()
 
 
 def _bf16_cnn_case(budget) -> None:

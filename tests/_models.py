@@ -55,6 +55,24 @@ class ChannelMix(nn.Module):
         return self.head(self.shared(x).mean((2, 3)))
 
 
+class WideBN(nn.Module):
+    """``n`` layers of (per-channel scale, BatchNorm2d(c), tanh) on ``[N, c, 1, 1]`` inputs: BatchNorms over many
+    channels and few values each, where per-channel tensors (running statistics and their copies, saved
+    statistics) are as large as activations. ``mean_out``: return the per-sample mean instead of the last
+    activation."""
+
+    def __init__(self, c=16384, n=6, mean_out=False):
+        super().__init__()
+        self.scale = nn.ParameterList([nn.Parameter(torch.rand(c, 1, 1) + 0.5) for _ in range(n)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(c) for _ in range(n)])
+        self.mean_out = mean_out
+
+    def forward(self, x):
+        for s, bn in zip(self.scale, self.bns):
+            x = torch.tanh(bn(x * s))
+        return x.mean((1, 2, 3)) if self.mean_out else x
+
+
 class ListOut(nn.Module):
     """Returns three ReLU outputs, which its own convolutions (and ReLUs) save for their backward as well."""
 

@@ -177,6 +177,21 @@ def test_casts_stay_alive_in_the_replay_and_in_the_program():
         assert res.objective >= low, (spans, res.objective, sim.activation_peak_bytes)
 
 
+def _bf16_cnn(bn: bool):
+    """Five Conv(-BatchNorm)-ReLU blocks, a pooled linear head, its batch, targets and a float32 loss."""
+    torch.manual_seed(0)
+    layers = []
+    for i in range(5):
+        layers += [nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1, bias=False)] + ([nn.BatchNorm2d(16)] if bn else [])
+        layers += [nn.ReLU()]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
+
+    def loss(out, target):
+        return F.cross_entropy(out.float(), target)
+
+    return model, torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)), loss
+
+
 def test_a_bf16_batchnorm_cnn_at_the_floor_stays_under_its_budget():
     """A fresh user's Conv-BN-ReLU CNN under bf16 autocast at budget="min" measured 2,255,264 B against a
     budget of 2,095,647 (prediction 1,997,456) with 1-bit-mask ReLUs at region ends: the replay did not count
@@ -184,16 +199,7 @@ def test_a_bf16_batchnorm_cnn_at_the_floor_stays_under_its_budget():
     import memfit
     from memfit.bench.harness import compare, fresh_copy, measure_training
 
-    torch.manual_seed(0)
-    layers = []
-    for i in range(5):
-        layers += [nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-
-    def loss(out, target):
-        return F.cross_entropy(out.float(), target)
-
+    model, x, y, loss = _bf16_cnn(bn=True)
     plain = fresh_copy(model)
     base = measure_training(plain, plain, (x,), y, loss, steps=1, autocast=torch.bfloat16)
     m = fresh_copy(model)
@@ -217,17 +223,7 @@ def test_bf16_one_bit_mask_relus_at_region_ends_are_predicted(bn):
     from memfit.bench.harness import compare, fresh_copy, measure_training
     from memfit.solve import simulate
 
-    torch.manual_seed(0)
-    layers = []
-    for i in range(5):
-        layers += [nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1, bias=False)] + ([nn.BatchNorm2d(16)] if bn else [])
-        layers += [nn.ReLU()]
-    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).train()
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-
-    def loss(out, target):
-        return F.cross_entropy(out.float(), target)
-
+    model, x, y, loss = _bf16_cnn(bn)
     plain = fresh_copy(model)
     base = measure_training(plain, plain, (x,), y, loss, steps=1, autocast=torch.bfloat16)
     m = fresh_copy(model)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
-from _models import plain_and_planned
+from _models import WideBN, plain_and_planned
 from memfit.bench.harness import compare
 from memfit.variants.bn_saved_stats import RecordStats, ReplayStats, applies, normalize
 
@@ -201,26 +201,11 @@ def test_recompute_only_strategies_recompute_batchnorm_as_pytorch_does():
         assert "bn-saved-stats" not in plan.counts()["variants"]
 
 
-class _Wide(nn.Module):
-    """BatchNorms over many channels and few values each: the statistics bn-saved-stats keeps (2 x C values per
-    BatchNorm) are a quarter of each activation here."""
-
-    def __init__(self, c=32768, n=6):
-        super().__init__()
-        self.scale = nn.ParameterList([nn.Parameter(torch.rand(c, 1, 1) + 0.5) for _ in range(n)])
-        self.bns = nn.ModuleList([nn.BatchNorm2d(c) for _ in range(n)])
-
-    def forward(self, x):
-        for s, bn in zip(self.scale, self.bns):
-            x = torch.tanh(bn(x * s))
-        return x.mean((1, 2, 3))
-
-
 def test_the_lowest_memory_plan_drops_the_statistics_where_they_cost_memory(stats_always_pay):
     """budget="min" with memfit measured 7% above remat-ilp's plan (a fresh user's 65536-channel BatchNorms):
     the kept statistics were at the peak. The plan now leaves them out where that lowers its peak."""
     torch.manual_seed(0)
-    model = _Wide().train()
+    model = WideBN(32768, mean_out=True).train()  # (the statistics: a quarter of each activation)
     x, y = torch.randn(8, 32768, 1, 1), torch.randn(8)
 
     def mse(out, target):

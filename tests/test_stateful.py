@@ -351,33 +351,17 @@ def test_capture_records_buffer_updates_and_leaves_the_model_unchanged():
     assert torch.equal(flagged.gm(x), flagged.model(x))
 
 
-class WideBN(nn.Module):
-    """BatchNorms over many channels and two values each: the copies a recomputation makes of their running
-    statistics (2 x C values per BatchNorm) are half an activation here, and each BatchNorm's output and
-    statistics are alive together through its workspace."""
-
-    def __init__(self, c=16384, n=6):
-        super().__init__()
-        self.scale = nn.ParameterList([nn.Parameter(torch.rand(c, 1, 1) + 0.5) for _ in range(n)])
-        self.bns = nn.ModuleList([nn.BatchNorm2d(c) for _ in range(n)])
-
-    def forward(self, x):
-        for s, bn in zip(self.scale, self.bns):
-            x = torch.tanh(bn(x * s))
-        return x
-
-
 @pytest.mark.parametrize("budget", ["min", "92%"])
 @pytest.mark.parametrize("strategy", ["remat-ilp", "memfit"])
 def test_the_plan_counts_what_a_recomputation_copies_of_written_buffers(strategy, budget):
     """A fresh user's 65536-channel BatchNorms at batch 2 measured 791 KB over the predicted peak and over the
     budget: the replay counted neither the copies of the running statistics a recomputation makes nor the
     output of the last recomputed BatchNorm, alive through its workspace. Now measured = predicted."""
-    from _models import plain_and_planned
+    from _models import WideBN, plain_and_planned
     from memfit.bench.harness import compare
 
     torch.manual_seed(0)
-    model = WideBN().train()
+    model = WideBN().train()  # (the copies of its running statistics: half an activation)
     x, y = torch.randn(2, 16384, 1, 1), torch.randn(2, 16384, 1, 1)
     base, planned, fig = plain_and_planned(model, x, y, budget, loss=F.mse_loss, strategy=strategy)
     check = compare(base, fig)
