@@ -304,6 +304,33 @@ def test_deepcopy_of_an_offloading_planned_module(where, tmp_path):
     assert twin.offload_store is not planned.offload_store
 
 
+def test_bf16_weight_copies_stay_on_the_device_as_the_plan_says(tmp_path):
+    """Found by a fresh-user run: under bfloat16 autocast the offloader also copied autocast's weight casts to the
+    store, which the plan keeps on the device: the store held 24 KiB per offloaded node of a transformer beyond
+    the plan's host bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).train()
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    ref = fresh_copy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = memfit.optimize(model, x, budget="min", strategy="vdnn-all", offload_dir=str(tmp_path),
+                                  loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y))
+    for m in (planned, ref):
+        for _ in range(2):
+            m.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+    planned.offload_store.reset_peak()
+    planned.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(planned(x), y)
+    loss.backward()
+    assert planned.plan.offloads
+    assert planned.offload_store.peak_bytes == planned.report["predicted_host_bytes"] > 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(planned.parameters(), ref.parameters()))
+
+
 def test_offload_dir_errors_say_what_to_change(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -71,6 +71,19 @@ class _Packed:
     stale: int | None = None  # the version it was modified to after being offloaded, if it was
 
 
+def _is_parameter_cast(t: torch.Tensor, fixed_ptrs: set[int]) -> bool:
+    """Whether ``t`` is (a view of) autocast's lower-precision copy of a parameter: its gradient function casts
+    back into a parameter's accumulator. The plan keeps those on the device (``memfit.solve.offload.offloadable``:
+    autocast's cache holds them until the forward pass ends); copying them out put a bfloat16 transformer's
+    weight copies in the store beyond the plan's host bytes."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    variable = getattr(fn.next_functions[0][0], "variable", None)
+    return variable is not None and variable.untyped_storage().data_ptr() in fixed_ptrs
+
+
 class OffloadStep:
     """The offloading state of one forward call (see the module docstring).
 
@@ -116,7 +129,7 @@ class OffloadStep:
             return _Kept(t, t._version, self._name())
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self.fixed_ptrs or storage.nbytes() < MIN_OFFLOAD_BYTES:
+        if ptr in self.fixed_ptrs or storage.nbytes() < MIN_OFFLOAD_BYTES or _is_parameter_cast(t, self.fixed_ptrs):
             return _Kept(t, t._version, self._name())
         node = self._producer_of(ptr)
         if node not in self.offload_nodes:
