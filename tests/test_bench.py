@@ -26,6 +26,7 @@ from memfit.bench.maxbatch import (
 )
 from memfit.bench.sweep import Workload, parse_fractions, sweep, write_results
 from memfit.cli import main
+from memfit.solve.plan import Plan
 
 REPORT_KEYS = {"model", "batch_size", "input_shape", "device", "strategy", "budget_bytes", "baseline",
                "planned", "overhead", "solve_seconds", "profile_and_solve_seconds", "mip_gap", "decisions",
@@ -332,6 +333,20 @@ def test_cli_plan_out_and_threads_errors_are_messages_before_solving(tmp_path, c
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err, err
+
+
+def test_cli_plan_and_run_agree_on_the_figures(tmp_path, capsys):
+    """Found by a fresh-user run: ``memfit plan`` left the labels out of the fixed bytes (and assumed a loss), so
+    the smallest feasible budget it named was 40 bytes under the one ``memfit run`` needed, which refused it."""
+    args = ["--model", "resnet18", "--batch", "2", "--image-size", "32", "--threads", "1"]
+    assert main(["plan", *args, "--budget", "100%", "--out", str(tmp_path / "p.json")]) == 0
+    plan = Plan.load(tmp_path / "p.json")
+    js = tmp_path / "run.json"
+    assert main(["run", *args, "--budget", "100%", "--steps", "1", "--json", str(js)]) == 0
+    report = json.loads(js.read_text())
+    capsys.readouterr()
+    assert plan.predicted_peak_bytes == report["planned"]["predicted_peak_bytes"], (plan, report["planned"])
+    assert plan.budget_bytes == report["budget_bytes"]
 
 
 def test_no_variants_help_says_what_it_turns_off(capsys, monkeypatch):

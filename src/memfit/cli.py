@@ -153,12 +153,15 @@ def cmd_plan(args) -> int:
 
     batch, size = _sizes(args)
     model = zoo.build_model(args.model, seed=args.seed).to(args.device).train()
-    images, _ = zoo.example_batch(args.model, batch, size, device=args.device, seed=args.seed)
+    images, target = zoo.example_batch(args.model, batch, size, device=args.device, seed=args.seed)
+    loss = zoo.loss_for(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     store = offload_store((images,), args.strategy, _offload(args), args.offload_dir)
+    # the loss `memfit run` trains with (its targets count as fixed bytes there too): the same figures and floor
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
                         time_limit=args.time_limit, variants=not args.no_variants, offload=_offload(args),
-                        offload_dir=args.offload_dir, grads_exist=args.grads_exist, _store=store)
+                        offload_dir=args.offload_dir, grads_exist=args.grads_exist, _store=store,
+                        loss_fn=lambda out: loss(out, target))
     result.save(args.out)
     c = result.counts()
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
