@@ -82,6 +82,8 @@ def test_an_edited_plan_is_flagged_and_an_inexact_variant_warned(tmp_path):
     edited = {**Plan.load(tmp_path / "p.json").to_dict(), "regions": []}
     with pytest.warns(UserWarning, match=r"edited after it was solved.*no longer hold"):
         memfit.optimize(model, x, plan_=Plan.from_dict(edited))
+    with pytest.warns(UserWarning, match="records no state_shapes: memfit cannot check"):
+        memfit.optimize(model, x, plan_=Plan.from_dict({**Plan.load(tmp_path / "p.json").to_dict(), "state_shapes": {}}))
     bn = {**edited, "variants": {**edited["variants"], "_1": "bn-from-output"}}
     with pytest.warns(UserWarning, match="bn-from-output, which memfit does not offer to its planner"):
         memfit.optimize(model, x, plan_=Plan.from_dict(bn))

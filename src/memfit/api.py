@@ -127,6 +127,11 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         diff = _first_difference(what, theirs, mine) if theirs else None
         if diff:
             raise ValueError(f"the plan was made for another model: {diff}; make a new plan for this model")
+    missing = [name for name, got in (("input_shapes", plan_.input_shapes), ("state_shapes", plan_.state_shapes),
+                                      ("state_dtypes", plan_.state_dtypes)) if not got]
+    if missing and state_shapes(model):
+        warnings.warn(f"the plan records no {', '.join(missing)}: memfit cannot check that it was made for this model "
+                      "and these inputs, and its figures hold only if it was", stacklevel=3)
     dtypes = _dtypes(_as_tuple(example_inputs))
     if plan_.input_dtypes and dtypes != plan_.input_dtypes:
         raise ValueError(f"the plan was made for inputs of dtype {plan_.input_dtypes}, not {dtypes}: its memory "
