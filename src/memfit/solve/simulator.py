@@ -15,8 +15,9 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   them before computing, so its outputs are not made). A storage an earlier node of the rerun makes that is
   read after that node, through any view (a region output, or a value of a later node of the region), is
   held by the rerun's frame until it stops, as are that node's own unsaved outputs (made before what it saves
-  last); one read only by rerun nodes is freed after its last reader. Then the node's backward allocates the gradients of its inputs, frees the gradient of its output, and frees every
-  storage whose last holder has now finished its backward;
+  last); one read only by rerun nodes is freed after its last reader. Then the node's backward allocates the
+  gradients of its inputs, frees the gradient of its output, and frees every storage whose last holder has
+  now finished its backward;
 * a region holds the CPU RNG state (``Costs.region_bytes``) from its forward pass until its last holder's
   backward, and a second copy while it is recomputed (``torch.random.fork_rng``); it holds a snapshot of each
   buffer it can reach whose value the forward pass reads and writes as long, and copies every written buffer it
