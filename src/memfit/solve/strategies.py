@@ -136,7 +136,8 @@ class _Problem:
         and offloading). With ``fastest``, each peak-minimizing solve is followed by the time-minimizing
         program at the peak it reached (:meth:`fastest_at`), whose plan is listed too. Solved once per
         problem: later calls return the same plans (a call without ``fastest`` gets those with it, when
-        known), so that ``budget="min"`` does not solve them again for the plan after the floor."""
+        known), so that ``budget="min"`` does not solve them again for the plan after the floor; and once per
+        profile and options (``_LOWS``), whatever the later calls' time limits."""
         for key in ((recompute_only, fastest), (recompute_only, True)):
             if key in self._lows:
                 return copy.deepcopy(self._lows[key])  # (callers set a plan's budget and solve time)
