@@ -846,3 +846,36 @@ def test_profiled_variants_are_never_faster_than_pytorch():
     for c in with_variants:
         for v in c.variants.values():
             assert v.fwd_seconds >= 1.01 * c.fwd_seconds and v.bwd_seconds >= 1.01 * c.bwd_seconds
+
+
+def test_bn_from_output_in_a_region_counts_its_batches_once():
+    """Found by a fresh-user run: a hand-edited plan with bn-from-output inside a checkpoint region counted
+    num_batches_tracked twice per step (the recomputation swapped the BatchNorm's buffers for copies, but the
+    variant held its own registry of them). With momentum=None the running statistics depend on that count."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    import memfit
+    from memfit.graph import capture
+    from memfit.graph.calls import compute_nodes
+    from memfit.solve.plan import Plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).train()
+    plain = copy.deepcopy(model)
+    captured = capture(model)
+    names = [n.name for n in compute_nodes(captured.gm)]
+    plan = Plan(strategy="test", nodes=names, regions=[[names[0], names[3]]],
+                variants={**dict.fromkeys(names, "default"), names[1]: "bn-from-output"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (bn-from-output is not offered: it warns)
+        planned = memfit.PlannedModule(captured, plan)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    for _ in range(3):
+        for m in (plain, planned):
+            F.cross_entropy(m(x), y).backward()
+    assert int(model[1].num_batches_tracked) == int(plain[1].num_batches_tracked) == 3
+    torch.testing.assert_close(model[1].running_var, plain[1].running_var)
+    torch.testing.assert_close(model[1].running_mean, plain[1].running_mean)

@@ -279,15 +279,16 @@ class _FromOutputMixin:
     @classmethod
     def from_module(cls, bn: nn.modules.batchnorm._BatchNorm, activation: str | None = None,
                     negative_slope: float = 0.01, inplace: bool = False):
-        """A variant sharing ``bn``'s Parameter and buffer objects (same state_dict keys, ``isinstance``
-        of ``bn``'s class); train/eval mode is copied."""
+        """A variant sharing ``bn``'s Parameter objects and its buffer registry itself (same state_dict keys,
+        ``isinstance`` of ``bn``'s class): a checkpoint region's recomputation, which swaps ``bn``'s buffers for
+        copies, swaps them here too (with copied entries, the recomputation counted ``num_batches_tracked`` a
+        second time); train/eval mode is copied."""
         new = cls(bn.num_features, eps=bn.eps, momentum=bn.momentum, affine=bn.affine,
                   track_running_stats=bn.track_running_stats, device="meta",
                   activation=activation, negative_slope=negative_slope, inplace=inplace)
         for name in list(new._parameters):
             new._parameters[name] = bn._parameters[name]
-        for name in list(new._buffers):
-            new._buffers[name] = bn._buffers[name]
+        new.__dict__["_buffers"] = bn._buffers
         new.train(bn.training)
         return new
 
