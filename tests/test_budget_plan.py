@@ -56,6 +56,11 @@ def test_hand_edited_plans_get_errors_and_warnings_that_say_what_to_change():
         Plan(strategy="x", nodes=nodes, budget_bytes="90%")
     with pytest.raises(ValueError, match=r"buffer_kinds \{'bn.running_mean': 'bogus'\}"):
         Plan(strategy="x", nodes=nodes, buffer_kinds={"bn.running_mean": "bogus"})
+    with pytest.raises(ValueError, match="stats_recompute names 'z', which is not in the graph"):
+        Plan(strategy="x", nodes=nodes, regions=[["a", "b"]], stats_recompute=["z"])
+    with pytest.warns(UserWarning, match="lists c in stats_recompute, but not in a checkpoint region: dropped"):
+        edited = Plan(strategy="x", nodes=nodes, regions=[["a", "b"]], stats_recompute=["b", "c"])
+    assert edited.stats_recompute == ["b"]  # (a region removed by hand: found by a fresh-user run, refused before)
     saved = Plan(strategy="x", nodes=nodes, regions=[["a", "b"]]).to_dict()
     with pytest.warns(UserWarning, match="decisions for c are ignored: .*edit those instead"):
         Plan.from_dict({**saved, "decisions": {**saved["decisions"], "c": "recomptue"}})

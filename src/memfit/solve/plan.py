@@ -120,10 +120,14 @@ class Plan:
             self.variants = {n: "default" for n in self.nodes}
         if not isinstance(self.stats_recompute, list) or not all(isinstance(n, str) for n in self.stats_recompute):
             raise ValueError("plan stats_recompute must be a list of node names")
-        for name in self.stats_recompute:
-            if self.decisions.get(name) != "recompute":
-                raise ValueError(f"plan recomputes node {name!r} from saved statistics, but it is not in a "
-                                 "checkpoint region")
+        unknown = [n for n in self.stats_recompute if n not in self.decisions]
+        if unknown:
+            raise ValueError(f"plan stats_recompute names {unknown[0]!r}, which is not in the graph: remove it")
+        outside = [n for n in self.stats_recompute if self.decisions[n] != "recompute"]
+        if outside:  # (a region removed by hand): nothing recomputes them, from statistics or otherwise
+            warnings.warn(f"plan lists {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''} in stats_recompute, "
+                          "but not in a checkpoint region: dropped from stats_recompute", stacklevel=3)
+            self.stats_recompute = [n for n in self.stats_recompute if n not in outside]
         differ = [n for n, d in given.items() if self.decisions.get(n, d) != d or n not in self.decisions]
         edited = self.solved_digest is not None and self.solved_digest != self.decision_digest()
         if differ and not edited:  # (an edit of the regions changes them too: memfit.optimize warns of that)
