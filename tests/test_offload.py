@@ -283,6 +283,13 @@ def test_optimize_with_offload_dir(tmp_path):
     torch.nn.functional.cross_entropy(ref(images), target).backward()
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=n)
+    # the saved plan applied without offload_dir: a temporary store, said out loud (found by a fresh-user run)
+    plan = planned.plan
+    assert plan.offloads
+    with pytest.warns(UserWarning, match="no offload_dir is given: .* tempfile.gettempdir"):
+        again = memfit.optimize(fresh_copy(ref), images, plan_=plan)
+    torch.nn.functional.cross_entropy(again(images), target).backward()
+    assert again.offload_store is not None and again.offload_store.kind == "disk"
 
 
 @pytest.mark.parametrize("where", ["offload_dir", "default store"])

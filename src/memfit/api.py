@@ -300,6 +300,11 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")
+        on_cpu = all(t.device.type == "cpu" for t in _as_tuple(example_inputs) if isinstance(t, torch.Tensor))
+        if plan_.offloads and offload_dir is None and offload is None and on_cpu:
+            warnings.warn(f"memfit.optimize: the plan offloads {len(plan_.offloads)} nodes and no offload_dir is given: "
+                          "their saved tensors go to a disk store in a fresh directory under tempfile.gettempdir() "
+                          "(name one with offload_dir=..., or make a plan with offload=False)", stacklevel=2)
         if plan_.solved_digest is not None and plan_.solved_digest != plan_.decision_digest():
             warnings.warn(f"memfit.optimize: the plan was edited after it was solved (regions, offloads, variants or "
                           f"stats_recompute differ): its predicted peak ({plan_.predicted_peak_bytes} bytes) and "
