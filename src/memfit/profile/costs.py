@@ -283,10 +283,7 @@ class Costs:
                     out.append(res(x))
             return out
 
-        readers: dict[int, int] = {}  # autocast cast -> how many nodes read it
-        for c in self.nodes:
-            for sid in c.casts:
-                readers[sid] = readers.get(sid, 0) + 1
+        readers = _cast_readers(self.nodes)
         nodes = []
         for c in self.nodes:
             v = picked.get(c.name)
@@ -688,6 +685,15 @@ def _written_buffers(gm: fx.GraphModule, finder: FindWrites, reach: list[set[tup
         c.buffers = sorted(names[k] for k in keys if k in names)
 
 
+def _cast_readers(nodes: list[NodeCost]) -> dict[int, int]:
+    """Autocast cast storage id -> how many nodes read it (``NodeCost.casts``)."""
+    readers: dict[int, int] = {}
+    for c in nodes:
+        for sid in c.casts:
+            readers[sid] = readers.get(sid, 0) + 1
+    return readers
+
+
 def _is_rrelu(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` is a randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``, ``torch.rrelu``), which a
     recomputation does not reproduce (see :class:`NodeCost`)."""
@@ -1050,10 +1056,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
     leaf_bytes: dict[str, int] = {}
     records: list[tuple[str, object]] = []
-    readers: dict[int, int] = {}  # autocast cast -> how many nodes read it
-    for c in costs.nodes:
-        for sid in c.casts:
-            readers[sid] = readers.get(sid, 0) + 1
+    readers = _cast_readers(costs.nodes)
     with outer as tracker:
         for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs, requires), costs.nodes):
             # under autocast, a cast of a parameter only this node reads is held by its saved tensors alone in a
