@@ -64,6 +64,9 @@ def main() -> None:
 
     _planned_case("three ReLU outputs, a loss that saves two of them, `none`", ListOut().train(),
                   torch.randn(4, 3, 32, 32), None, saves_outputs, "100%", strategy="none")
+    torch.manual_seed(3)
+    _planned_case("the same, `remat-ilp` at min (one region over everything)", ListOut().train(),
+                  torch.randn(4, 3, 32, 32), None, saves_outputs, "min", strategy="remat-ilp")
 
     base, fig, predicted, _ = channel_mix_with_relu_mask()
     _row("channels-last conv + ReLU after a chunk/cat mix, every ReLU `relu-mask`, no regions", fig, predicted,
