@@ -223,7 +223,11 @@ def plan_at_floor(strategy: str, graph: Graph, costs: Costs, fixed_bytes: int, t
         raise ValueError(f"plan_at_floor plans remat-ilp or memfit, not {strategy!r}")
     joint = strategy == "memfit"
     prob = _Problem(strategy, graph, costs, fixed_bytes, None, use_variants and joint, use_offload and joint)
-    floor = prob.smallest_feasible(time_limit, prob.low_memory_plans(time_limit, fastest=True))
+    lows = prob.low_memory_plans(time_limit, fastest=True)
+    floor = prob.smallest_feasible(time_limit, lows)
+    lowest = min(p.predicted_peak_bytes for p in lows)
+    if lowest < prob.plain.peak_bytes <= floor:  # the least memory is a plan below keeping everything, which
+        floor = lowest + prob.margin            # needs its headroom (more than keeping everything's budget)
     prob.budget = floor
     plan = _solve(prob, floor, time_limit)
     plan.budget_bytes = floor  # (a lowest-memory plan was made before the budget was known)
