@@ -10,6 +10,7 @@ from torch import nn
 
 from memfit.budget import Budget
 from memfit.graph.capture import Captured, capture
+from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
@@ -17,6 +18,7 @@ from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
+from memfit.solve.tiling import Option, best_plan, share_timings, tiling_candidates
 
 
 def _shapes(inputs: tuple) -> list[list[int]]:
@@ -161,10 +163,30 @@ def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_di
     return default_store(device, offload_dir) if offload and strategy in ("memfit", *OFFLOAD_STRATEGIES) else None
 
 
+def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Callable | None = None,
+                  grads_exist: bool = False) -> list[Option]:
+    """The graphs with blocks run in row stripes that :func:`plan` also solves
+    (:func:`memfit.solve.tiling.tiling_candidates`), each profiled, with the copy costs and optimizer step of
+    ``costs`` and its times for the nodes they share (:func:`memfit.solve.tiling.share_timings`). Empty
+    when the graph has no chain of convolutions, pooling and activations; a candidate whose profile raises
+    (an input that is not ``[N, C, H, W]``) is left out."""
+    out = []
+    for blocks in tiling_candidates(chain_blocks(captured.gm), costs):
+        tiled = apply_tiling(captured, blocks)
+        try:
+            tiled_costs = profile_graph(tiled, inputs, with_variants=True, loss_fn=loss_fn, grads_exist=grads_exist)
+        except ValueError:
+            continue
+        tiled_costs.link, tiled_costs.step_bytes = costs.link, costs.step_bytes
+        share_timings(costs, tiled_costs, blocks)
+        out.append(Option(tiled, tiled_costs, blocks))
+    return out
+
+
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0, variants: bool = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
-         grads_exist: bool = False, _captured: Captured | None = None,
+         grads_exist: bool = False, tiling: bool = True, _captured: Captured | None = None,
          _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
@@ -207,6 +229,12 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             (``optimizer.zero_grad(set_to_none=False)``, or accumulation over micro-batches). The default
             models PyTorch's ``optimizer.zero_grad()``, which sets them to ``None``: each gradient then
             appears when the backward completes it, and no temporary is added into an existing ``.grad``.
+        tiling: let ``memfit`` (with ``variants``) also run the blocks of convolutions, pooling and
+            activations with the largest activations in row stripes (``tiled-chain``,
+            :mod:`memfit.variants.tiled`: a block's full-resolution tensors never exist, forward or
+            backward; gradients equal PyTorch's to float32 rounding). Each candidate is profiled and solved
+            (a few more profiles, only for models with such blocks and budgets below plain PyTorch's peak,
+            outside ``torch.autocast``); the fastest plan that fits is kept.
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -239,13 +267,23 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         state = measured.state_bytes
     fixed = costs.fixed_bytes + state
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
-    if budget.minimum and strategy in ("memfit", "remat-ilp"):  # that strategy's own floor
-        _, result = plan_at_floor(strategy, captured.graph, costs, fixed, time_limit, use_variants=variants,
-                                  use_offload=store is not None)
-    else:
-        budget_bytes = budget.resolve(plain.predicted_peak_bytes, plain.predicted_peak_bytes)
-        result = make_plan(strategy, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
-                           time_limit=time_limit, use_variants=variants)
+    floor = budget.minimum and strategy in ("memfit", "remat-ilp")  # that strategy's own floor
+    budget_bytes = None if floor else budget.resolve(plain.predicted_peak_bytes, plain.predicted_peak_bytes)
+
+    def solve(option: Option) -> Plan:
+        if floor:
+            return plan_at_floor(strategy, option.captured.graph, option.costs, fixed, time_limit,
+                                 use_variants=variants, use_offload=store is not None)[1]
+        return make_plan(strategy, option.captured.graph, option.costs, budget_bytes, fixed_bytes=fixed,
+                         time_limit=time_limit, use_variants=variants)
+
+    options = [Option(captured, costs)]
+    if (tiling and strategy == "memfit" and variants and autocast_dtype(inputs) is None
+            and (floor or budget_bytes < plain.predicted_peak_bytes)):
+        options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
+    result, chosen = best_plan(options, solve, minimum=floor)
+    captured, costs = chosen.captured, chosen.costs
+    result.tiled = [b.to_dict() for b in chosen.tiled]
     result.input_shapes = _shapes(inputs)
     result.input_dtypes = _dtypes(inputs)
     result.state_shapes = state_shapes(model)
@@ -261,7 +299,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
              optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
              time_limit: float = 20.0, variants: bool = True, offload: bool | None = None,
-             offload_dir: str | None = None, grads_exist: bool = False, plan_: Plan | None = None) -> PlannedModule:
+             offload_dir: str | None = None, grads_exist: bool = False, plan_: Plan | None = None,
+             tiling: bool = True) -> PlannedModule:
     """Make ``model`` train under a memory budget.
 
     Example::
@@ -277,7 +316,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
 
     Args:
         model, example_inputs, budget, strategy, optimizer, time_limit, variants, loss_fn, offload,
-            offload_dir, grads_exist: as in :func:`plan`.
+            offload_dir, grads_exist, tiling: as in :func:`plan`.
         plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
             the same model and input shapes.
 
@@ -315,7 +354,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
                                variants=variants, loss_fn=loss_fn, time_limit=time_limit, grads_exist=grads_exist,
-                               _store=store)
+                               tiling=tiling, _store=store)
     return PlannedModule(captured, result, report=_report(result), offload_store=store)
 
 

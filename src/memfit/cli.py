@@ -38,6 +38,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         "recomputation stays, and so does offloading where "
         "a store exists (on CUDA, or with --offload-dir); with --no-offload as well it equals the remat-ilp "
         "strategy (recomputation only)"))
+    p.add_argument("--no-tiling", action="store_true", help=(
+        "memfit strategy: never run blocks of convolutions, pooling and activations in row stripes "
+        "(tiled-chain; on by default with variants, for models with such blocks)"))
     p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -124,6 +127,10 @@ def _report_table(r: dict) -> Table:
     t.add_row("solve", "", f"{r['solve_seconds']:.2f} s (gap {gap})", "")
     ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
     t.add_row("gradients", "", f"{ok} (max abs diff {r['max_abs_grad_diff']:.2e})", "")
+    if "rounding_check" in r:  # a plan with row stripes: float32 rounding, judged against a float64 step
+        one = r["rounding_check"]
+        t.add_row("  one step vs float64", "", f"{one['vs_float64']:.2e} (plain PyTorch's float32: "
+                  f"{one['float32_noise']:.2e})", "")
     t.add_row("BatchNorm statistics", "", "[green]match[/]" if r["bn_stats_match"] else "[red]DIFFER[/]", "")
     return t
 
@@ -136,7 +143,7 @@ def cmd_run(args) -> int:
     with console.status(f"measuring plain PyTorch, profiling and solving {args.model} ..."):
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
                          args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
-                         offload_dir=args.offload_dir, grads_exist=args.grads_exist)
+                         offload_dir=args.offload_dir, grads_exist=args.grads_exist, tiling=not args.no_tiling)
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -161,7 +168,7 @@ def cmd_plan(args) -> int:
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
                         time_limit=args.time_limit, variants=not args.no_variants, offload=_offload(args),
                         offload_dir=args.offload_dir, grads_exist=args.grads_exist, _store=store,
-                        loss_fn=lambda out: loss(out, target))
+                        loss_fn=lambda out: loss(out, target), tiling=not args.no_tiling)
     result.save(args.out)
     c = result.counts()
     Console().print(f"{args.model} batch {batch} {size}x{size}: predicted peak "
@@ -225,7 +232,8 @@ def cmd_bench(args) -> int:
         baseline, rows = sweep(work, budgets, strategies, steps=args.steps,
                                torch_budgets=torch_budgets, torch_backends=backends, time_limit=args.time_limit,
                                seed=args.seed, progress=progress, offload=_offload(args),
-                               offload_dir=args.offload_dir, grads_exist=args.grads_exist)
+                               offload_dir=args.offload_dir, grads_exist=args.grads_exist,
+                               tiling=not args.no_tiling)
     from memfit.bench.sweep import machine_line
 
     paths = write_results(rows, baseline, out, title=f"{args.model} batch {batch} {size}x{size} on {args.device}"
@@ -333,6 +341,8 @@ def _add_bench_commands(sub) -> None:
                    help="also run torch-budget with torch.compile's inductor backend (minutes of compiling)")
     p.add_argument("--out", default=None, help="output folder (default bench-MODEL-bBATCH-SIZEpx)")
     p.add_argument("--steps", type=_positive, default=3, help="timed rounds per row, interleaved with plain PyTorch")
+    p.add_argument("--no-tiling", action="store_true",
+                   help="memfit strategy: never run blocks of convolutions, pooling and activations in row stripes")
     _bench_run_flags(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("max-batch", help="the largest batch each strategy trains within a total-peak budget, "

@@ -37,7 +37,7 @@ def train_side_by_side(args) -> int:
     plan, captured, _ = make_plan(model, (images.to(device),), args.budget, strategy=args.strategy,
                                   optimizer=opt_plan, time_limit=args.time_limit, variants=not args.no_variants,
                                   grads_exist=args.grads_exist, offload=False if args.no_offload else None,
-                                  offload_dir=args.offload_dir)
+                                  offload_dir=args.offload_dir, tiling=not args.no_tiling)
     planned = PlannedModule(captured, plan, offload_dir=args.offload_dir)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = zoo.loss_for(args.model)

@@ -51,7 +51,7 @@ def activation_memory_budget(budget: float):
         torch._dynamo.reset()
 
 
-def _one_step_grads(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn,
+def one_step_grads(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn,
                     seed: int) -> dict[str, torch.Tensor]:
     """One forward and backward from the current weights (RNG seeded with ``seed``), then put the module back
     as it was (buffers restored, gradients ``None``). Returns the gradients by parameter name."""
@@ -81,11 +81,11 @@ def reference_grads(model: nn.Module, inputs: tuple, target, loss_fn, seed: int 
         ``(grads32, grads64)`` by parameter name.
     """
     m32 = fresh_copy(model)
-    g32 = _one_step_grads(m32, m32, inputs, target, loss_fn, seed)
+    g32 = one_step_grads(m32, m32, inputs, target, loss_fn, seed)
     m64 = fresh_copy(model).double()
     inputs64 = tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                      for t in inputs)
-    g64 = _one_step_grads(m64, m64, inputs64, target, loss_fn, seed)
+    g64 = one_step_grads(m64, m64, inputs64, target, loss_fn, seed)
     return g32, g64
 
 
@@ -161,7 +161,7 @@ def measure_torch_budget(model: nn.Module, inputs: tuple, target, loss_fn, budge
         m = fresh_copy(model)
         compiled = torch.compile(m, backend=backend, dynamic=False)
         t0 = time.perf_counter()
-        first = _one_step_grads(compiled, m, inputs, target, loss_fn, seed)
+        first = one_step_grads(compiled, m, inputs, target, loss_fn, seed)
         compile_s = time.perf_counter() - t0
         figures = measure_training(compiled, m, inputs, target, loss_fn, steps=1, seed=seed,
                                    grads_exist=grads_exist)

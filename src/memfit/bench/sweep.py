@@ -62,16 +62,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.api import offload_store, optimizer_state_bytes
+from memfit.api import autocast_dtype, offload_store, optimizer_state_bytes, tiled_options
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
-from memfit.bench.job import measure_plain
+from memfit.bench.job import measure_plain, rounding_check
 from memfit.budget import fmt_bytes
 from memfit.graph.capture import capture
 from memfit.profile.costs import profile_graph
 from memfit.profile.link import measure_link
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore
+from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, STRATEGIES, InfeasibleBudgetError, make_plan
+from memfit.solve.tiling import Option, best_plan
 
 from . import peers
 
@@ -260,7 +262,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
           torch_budgets=peers.TORCH_BUDGETS, torch_backends=(peers.AOT_EAGER,), time_limit: float = 20.0,
           seed: int = 0, progress: Progress | None = None, offload: bool | None = None,
           offload_dir: str | None = None, grads_exist: bool = False,
-          on_row: Callable[[dict], None] | None = None) -> tuple[StepFigures, list[dict]]:
+          on_row: Callable[[dict], None] | None = None, tiling: bool = True) -> tuple[StepFigures, list[dict]]:
     """Measure plain PyTorch once, profile once, then every strategy at every budget.
 
     Args:
@@ -283,6 +285,8 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
             row's measured and timed steps (peers included); default: PyTorch's ``zero_grad()``.
         on_row: called with each row as soon as it is measured (e.g. to save partial results of a long
             sweep; an exception it raises stops the sweep).
+        tiling: let ``memfit`` also solve the graphs with blocks run in row stripes, as
+            :func:`memfit.api.plan` does (profiled once, with the plain profile).
 
     Returns:
         ``(baseline, rows)``: plain PyTorch's :class:`StepFigures` and the rows (module docstring).
@@ -311,6 +315,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
 
     planners = [s for s in strategies if s in STRATEGIES]
     captured = costs = None
+    options: list[Option] = []  # tiled graphs memfit also solves
     profile_s = 0.0
     fixed = 0
     plain_predicted_s = None
@@ -335,6 +340,9 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         fixed = costs.fixed_bytes + optimizer_state_bytes(probe, list(profiled.parameters()))
         del probe
         plain_predicted_s = make_plan("none", captured.graph, costs, fixed_bytes=fixed).predicted_step_seconds
+        if "memfit" in planners and tiling and autocast_dtype(work.inputs) is None:  # graphs with blocks run in row stripes
+            tick(f"{work.name}: profiling tiled blocks")
+            options += tiled_options(captured, costs, work.inputs, grads_exist=grads_exist)
     for strategy in strategies:
         if strategy in STRATEGIES:
             cases = [None] if strategy in BUDGET_FREE else budgets
@@ -348,9 +356,15 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                              else joint_store if strategy == "memfit" else None)
                 row["offload_store"] = None if row_store is None else row_store.describe()
                 t0 = time.perf_counter()
-                try:
-                    plan = make_plan(strategy, captured.graph, costs, budget, fixed_bytes=fixed,
+                def solve(option: Option, strategy=strategy, budget=budget, row_store=row_store) -> Plan:
+                    return make_plan(strategy, option.captured.graph, option.costs, budget, fixed_bytes=fixed,
                                      time_limit=time_limit, use_offload=row_store is not None)
+                try:
+                    if strategy == "memfit":
+                        plan, chosen = best_plan([Option(captured, costs), *options], solve, minimum=False)
+                        plan.tiled = [b.to_dict() for b in chosen.tiled]
+                    else:
+                        plan = solve(Option(captured, costs))
                 except InfeasibleBudgetError as exc:
                     row["solve_seconds"] = time.perf_counter() - t0  # incl. finding the smallest feasible
                     row["error"] = str(exc)
@@ -366,6 +380,12 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                                                                        row_store, grads_exist)
                 _fill(row, figures, baseline, plain_s, planned_s, RUNTIME_GRAD_TOLERANCE,
                       plan.predicted_peak_bytes, plan.fixed_bytes, plan.predicted_step_seconds, host_peak)
+                if plan.tiled:  # gradients to float32 rounding: judged against float32's own noise
+                    if reference is None:
+                        reference = peers.reference_grads(work.model, work.inputs, work.target, work.loss_fn, seed)
+                    one = rounding_check(work.model, plan, work.inputs, work.target, work.loss_fn, seed, row_store,
+                                         reference)
+                    row.update(gradients_match=one["within_float32_noise"], rounding_check=one)
                 row.update(solve_seconds=plan.solve_seconds,
                            profile_and_solve_seconds=profile_s + plan.solve_seconds, mip_gap=plan.mip_gap,
                            decisions=plan.counts(), regions=len(plan.regions))

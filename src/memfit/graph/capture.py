@@ -251,6 +251,12 @@ def capture(model: nn.Module) -> Captured:
             "budget is of plain PyTorch's peak without your checkpoints, which can be well above your model's "
             "own peak. Give the budget in bytes (or 'min') to stay under what your checkpoints reached.",
             stacklevel=3)
+    _warn_opaque(gm)
+    return Captured(gm=gm, graph=graph_of(gm), model=model)
+
+
+def graph_of(gm: fx.GraphModule) -> Graph:
+    """The plain-data :class:`Graph` of a traced ``GraphModule``."""
     nodes: list[Node] = []
     inputs: list[str] = []
     outputs: list[str] = []
@@ -265,8 +271,7 @@ def capture(model: nn.Module) -> Captured:
                 mtype = type(gm.get_submodule(n.target)).__name__
             nodes.append(Node(name=n.name, op=n.op, target=_target_name(n),
                               inputs=[a.name for a in n.all_input_nodes], block=_block(n), module_type=mtype))
-    _warn_opaque(gm)
-    return Captured(gm=gm, graph=Graph(nodes=nodes, inputs=inputs, outputs=outputs), model=model)
+    return Graph(nodes=nodes, inputs=inputs, outputs=outputs)
 
 
 def _warn_opaque(gm: fx.GraphModule) -> None:

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
+from memfit.graph.tiling import TiledBlock, apply_tiling, is_tiled
 from memfit.profile.buffers import (
     RESTORE,
     SCRATCH,
@@ -236,6 +237,8 @@ class PlannedModule(nn.Module):
     def __init__(self, captured: Captured, plan: Plan, report: dict | None = None,
                  offload_dir: str | None = None, offload_store: HostStore | None = None):
         super().__init__()
+        if plan.tiled and not is_tiled(captured):
+            captured = apply_tiling(captured, [TiledBlock.from_dict(t) for t in plan.tiled])
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured

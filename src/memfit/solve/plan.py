@@ -67,6 +67,10 @@ class Plan:
             uses them from its first step. Empty: it finds them in its first training step.
         solved_digest: :meth:`decision_digest` when the plan was solved (its predicted figures hold for those
             decisions), or ``None``.
+        tiled: blocks of convolutions, pooling and activations run in row stripes (``tiled-chain``,
+            :mod:`memfit.variants.tiled`), each ``{"nodes": [names in the traced graph], "stripes": n}``.
+            ``nodes`` and everything else in the plan name the graph after that rewrite
+            (:func:`memfit.graph.tiling.apply_tiling`: a block becomes one node, named as its last node).
     """
 
     strategy: str
@@ -94,8 +98,18 @@ class Plan:
     stats_recompute: list[str] = field(default_factory=list)
     buffer_kinds: dict[str, str] = field(default_factory=dict)
     solved_digest: str | None = None
+    tiled: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tiled, list) or not all(
+                isinstance(t, dict) and set(t) == {"nodes", "stripes"} and isinstance(t["nodes"], list) and t["nodes"]
+                and all(isinstance(n, str) for n in t["nodes"]) and isinstance(t["stripes"], int)
+                and not isinstance(t["stripes"], bool) and t["stripes"] >= 1 for t in self.tiled):
+            raise ValueError('plan tiled must be a list of {"nodes": [node names], "stripes": int >= 1} (or remove it: '
+                             "no block then runs in row stripes)")
+        missing = [t["nodes"][-1] for t in self.tiled if t["nodes"][-1] not in self.nodes]
+        if missing:
+            raise ValueError(f"plan tiles a block ending at {missing[0]!r}, which is not in the plan's nodes")
         if not isinstance(self.regions, list) or not all(
                 isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(n, str) for n in r) for r in self.regions):
             raise ValueError('plan regions must be a list of [first, last] node-name pairs, e.g. [["conv1", "relu"]]')
@@ -142,6 +156,8 @@ class Plan:
         what = {"regions": [list(r) for r in self.regions], "offloads": list(self.offloads),
                 "offload_waits": dict(self.offload_waits), "variants": dict(self.variants),
                 "stats_recompute": list(self.stats_recompute)}
+        if self.tiled:  # (absent from plans made before tiling, whose digests then still hold)
+            what["tiled"] = [dict(t) for t in self.tiled]
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -182,6 +198,8 @@ class Plan:
                 variants[v] = variants.get(v, 0) + 1
         if self.stats_recompute:
             variants["bn-saved-stats"] = len(self.stats_recompute)
+        if self.tiled:
+            variants["tiled-chain"] = len(self.tiled)
         out["variants"] = variants
         return out
 

@@ -1,0 +1,119 @@
+"""Chains of spatially local layers in a traced graph, and the graph with some of them run in row stripes.
+
+A *block* is a run of ``call_module`` nodes, each reading only the one before it, whose modules pass
+:func:`memfit.variants.tiled.chain_layer_ok` (convolutions, max-pooling, pointwise activations), and whose
+values other than the last are read by no other node: VGG's ``conv -> relu -> conv -> relu -> pool``.
+Blocks end after each max-pooling, so one stripe's halo stays small. :func:`apply_tiling` replaces each
+chosen block by one node running :class:`~memfit.variants.tiled.TiledChain` over its modules; that node
+keeps the name of the block's last node, so the rest of the graph, and a plan's node names, are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx, nn
+
+from memfit.graph.capture import Captured, graph_of
+from memfit.variants.replaceable import replaceable
+from memfit.variants.tiled import TiledChain, chain_layer_ok
+
+__all__ = ["TiledBlock", "apply_tiling", "chain_blocks", "is_tiled"]
+
+#: attribute of the rewritten GraphModule holding the tiled chains
+TILED_ATTR = "memfit_tiled"
+
+
+@dataclass(frozen=True)
+class TiledBlock:
+    """A block run in row stripes: ``nodes`` (names, forward order) and the number of ``stripes``."""
+
+    nodes: tuple[str, ...]
+    stripes: int
+
+    def to_dict(self) -> dict:
+        return {"nodes": list(self.nodes), "stripes": self.stripes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TiledBlock:
+        """Raises ``ValueError`` unless ``d`` is ``{"nodes": [names], "stripes": int >= 1}``."""
+        if (not isinstance(d, dict) or set(d) != {"nodes", "stripes"} or not isinstance(d["nodes"], list)
+                or not d["nodes"] or not all(isinstance(n, str) for n in d["nodes"])
+                or not isinstance(d["stripes"], int) or d["stripes"] < 1):
+            raise ValueError(f'plan tiled entries must be {{"nodes": [node names], "stripes": int >= 1}}, not {d!r}')
+        return cls(tuple(d["nodes"]), d["stripes"])
+
+
+def _chain_node(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op != "call_module" or len(n.args) != 1 or n.kwargs or not isinstance(n.args[0], fx.Node):
+        return False
+    m = gm.get_submodule(n.target)
+    return chain_layer_ok(m) and replaceable(m)
+
+
+def chain_blocks(gm: fx.GraphModule) -> list[list[str]]:
+    """The blocks of ``gm`` (see the module docstring) that hold a convolution, in forward order: lists of
+    node names."""
+    blocks: list[list[str]] = []
+    run: list[fx.Node] = []
+
+    def close() -> None:
+        if any(isinstance(gm.get_submodule(n.target), nn.Conv2d) for n in run):
+            blocks.append([n.name for n in run])
+        run.clear()
+
+    outputs = {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        follows = bool(run) and n.args and n.args[0] is run[-1] and len(run[-1].users) == 1 \
+            and run[-1] not in outputs
+        if not (_chain_node(gm, n) and (follows or not run)):
+            close()
+            if not _chain_node(gm, n):
+                continue
+        run.append(n)
+        if isinstance(gm.get_submodule(n.target), nn.MaxPool2d):
+            close()
+    close()
+    return blocks
+
+
+def is_tiled(captured: Captured) -> bool:
+    """``captured`` is the output of :func:`apply_tiling` (with at least one tiled block)."""
+    return hasattr(captured.gm, TILED_ATTR)
+
+
+def apply_tiling(captured: Captured, tiled: list[TiledBlock]) -> Captured:
+    """A copy of ``captured`` whose graph runs each block of ``tiled`` as one node (named as the block's last
+    node) calling a :class:`~memfit.variants.tiled.TiledChain` over the block's modules. The original
+    ``captured`` is not changed; the copy shares the model's modules, parameters and buffers.
+
+    Raises:
+        ValueError: an entry of ``tiled`` is not a block of this graph (see :func:`chain_blocks`).
+    """
+    if not tiled:
+        return captured
+    gm = captured.gm
+    known = {tuple(b) for b in chain_blocks(gm)}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    new = fx.GraphModule(gm, graph, type(gm).__name__)
+    by_name = {n.name: n for n in graph.nodes}
+    holder = nn.Module()
+    for block in tiled:
+        if tuple(block.nodes) not in known:
+            raise ValueError(f"plan tiles {list(block.nodes)}, which is not a chain of convolutions, pooling and "
+                             "activations in this graph (memfit.graph.tiling.chain_blocks lists those)")
+        first, last = by_name[block.nodes[0]], by_name[block.nodes[-1]]
+        name = f"b{len(holder._modules)}"
+        holder.add_module(name, TiledChain([gm.get_submodule(by_name[n].target) for n in block.nodes],
+                                           block.stripes))
+        last.target = f"{TILED_ATTR}.{name}"
+        last.args = (first.args[0],)
+        for n in reversed(block.nodes[:-1]):
+            graph.erase_node(by_name[n])
+    new.add_module(TILED_ATTR, holder)
+    new.recompile()
+    return Captured(gm=new, graph=graph_of(new), model=captured.model)

@@ -1,0 +1,221 @@
+"""Blocks run in row stripes (``tiled-chain``): against plain PyTorch's layers, alone and in planned models."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.bench.harness import fresh_copy, measure_training
+from memfit.graph import capture
+from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks
+from memfit.profile.tracker import MemoryTracker
+from memfit.solve.plan import Plan
+from memfit.variants.tiled import TiledChain
+
+
+def _layers(in_ch: int = 3, bias: bool = True) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_ch, 8, 3, padding=1, bias=bias), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1),
+        nn.LeakyReLU(0.1), nn.MaxPool2d(2, 2), nn.Conv2d(8, 6, 5, stride=2, padding=2), nn.ReLU6(),
+        nn.MaxPool2d(3, 2, 1), nn.Conv2d(6, 4, 3, padding=2, dilation=2), nn.GELU(), nn.Conv2d(4, 4, 1))
+
+
+def _grads(layers: nn.Module, run, x: torch.Tensor, g_seed: int = 0):
+    for p in layers.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    y = run(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(g_seed), dtype=y.dtype)
+    y.backward(g)
+    return y.detach(), (None if x.grad is None else x.grad), [None if p.grad is None else p.grad.clone()
+                                                             for p in layers.parameters()]
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 32, 32), (1, 3, 37, 29), (3, 3, 64, 16), (2, 3, 13, 40)])
+@pytest.mark.parametrize("stripes", [1, 2, 3, 7, 100])
+def test_a_tiled_chain_gives_the_layers_values_and_gradients(shape, stripes):
+    torch.manual_seed(0)
+    layers = _layers()
+    x = torch.randn(shape, requires_grad=True)
+    y0, gx0, gp0 = _grads(layers, layers, x)
+    y1, gx1, gp1 = _grads(layers, TiledChain(list(layers), stripes), x)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gp1, gp0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_layers_an_input_without_grad_and_a_non_contiguous_input():
+    torch.manual_seed(1)
+    layers = _layers(bias=False)
+    layers[2].weight.requires_grad_(False)
+    base = torch.randn(2, 3, 40, 48)
+    for x in (base, base.transpose(2, 3), base.to(memory_format=torch.channels_last).requires_grad_()):
+        y0, gx0, gp0 = _grads(layers, layers, x)
+        y1, gx1, gp1 = _grads(layers, TiledChain(list(layers), 4), x)
+        torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+        assert (gx0 is None) == (gx1 is None)
+        if gx0 is not None:
+            torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+        for a, b in zip(gp1, gp0, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_chain():
+    torch.manual_seed(2)
+    layers = _layers().to(torch.bfloat16)
+    x = torch.randn(2, 3, 24, 24, dtype=torch.bfloat16, requires_grad=True)
+    y0, gx0, gp0 = _grads(layers, layers, x)
+    y1, gx1, gp1 = _grads(layers, TiledChain(list(layers), 3), x)
+    torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx1, gx0, rtol=2e-2, atol=2e-2)
+    for a, b in zip(gp1, gp0, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_refuses_what_cannot_run_in_stripes():
+    with pytest.raises(TypeError, match="row stripes"):
+        TiledChain([nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3)], 2)
+    with pytest.raises(TypeError, match="row stripes"):
+        TiledChain([nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect")], 2)
+    with pytest.raises(ValueError, match="stripes"):
+        TiledChain([nn.Conv2d(3, 3, 3)], 0)
+    with pytest.raises(ValueError, match=r"\[N, C, H, W\]"):
+        TiledChain([nn.Conv2d(3, 3, 3)], 2)(torch.randn(3, 8, 8))
+
+
+def test_the_backward_never_holds_a_full_resolution_intermediate():
+    """Plain PyTorch's backward of conv -> relu -> conv -> relu -> pool holds the convolutions' inputs and
+    their gradients at full resolution; the striped one, the block's input and output and one stripe."""
+    torch.manual_seed(3)
+    layers = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                           nn.MaxPool2d(2))
+    x = torch.randn(2, 3, 128, 128)
+    full = 2 * 32 * 128 * 128 * 4  # one full-resolution activation, bytes
+    peaks = []
+    for run in (layers, TiledChain(list(layers), 8)):
+        y = run(x)
+        g = torch.ones_like(y)
+        with MemoryTracker() as t:
+            y.backward(g)
+        peaks.append(t.peak_bytes)
+        del y, g
+    assert peaks[0] >= 2 * full, peaks
+    assert peaks[1] <= full, peaks
+
+
+class _VGGish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(16, 24, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(24, 24, 3, padding=1),
+            nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(24, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def test_blocks_are_convolution_chains_ending_at_pooling_and_at_anything_else():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.r, self.b, self.p = nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.MaxPool2d(2)
+
+        def forward(self, x):
+            h = self.r(self.a(x))
+            return self.p(self.b(h)) .sum() + h.sum()  # h is read twice: the chain ends at it
+
+    assert chain_blocks(capture(_VGGish()).gm) == [
+        ["features_0", "features_1", "features_2", "features_3", "features_4"],
+        ["features_5", "features_6", "features_7", "features_8", "features_9"],
+        ["features_10"]]
+    assert chain_blocks(capture(Branchy()).gm) == [["a", "r"], ["b", "p"]]
+
+
+def test_apply_tiling_leaves_the_capture_alone_and_names_the_node_after_the_block():
+    c = capture(_VGGish())
+    before = [n.name for n in c.graph.nodes]
+    t = apply_tiling(c, [TiledBlock(("features_0", "features_1", "features_2", "features_3", "features_4"), 2)])
+    assert [n.name for n in c.graph.nodes] == before
+    assert [n.name for n in t.graph.nodes] == before[4:]
+    assert t.graph.nodes[0].module_type == "TiledChain"
+    with pytest.raises(ValueError, match="not a chain"):
+        apply_tiling(c, [TiledBlock(("features_0", "features_1"), 2)])
+
+
+def _one_step(module, x, y):
+    out = module(x)
+    F.cross_entropy(out, y).backward()
+
+
+@pytest.fixture(scope="module")
+def vggish_plan():
+    torch.manual_seed(0)
+    model = _VGGish().train()
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    m = fresh_copy(model)
+    plan, _, _ = memfit.plan(m, x, budget="min", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                             loss_fn=lambda out: F.cross_entropy(out, y))
+    return model, x, y, plan
+
+
+def test_memfit_tiles_at_min_and_stays_under_its_budget_with_pytorchs_gradients(vggish_plan):
+    model, x, y, plan = vggish_plan
+    assert plan.tiled, plan.counts()
+    assert plan.counts()["variants"]["tiled-chain"] == len(plan.tiled)
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, plan_=plan)
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    assert fig.peak_bytes <= plan.budget_bytes, (fig.peak_bytes, plan.budget_bytes)
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes
+    assert fig.activation_peak_bytes < base.activation_peak_bytes
+    # one step from the same weights: float32 rounding of the weight-gradient sums only
+    ref, tiled = fresh_copy(model), memfit.optimize(fresh_copy(model), x, plan_=plan)
+    torch.manual_seed(1)
+    _one_step(ref, x, y)
+    torch.manual_seed(1)
+    _one_step(tiled, x, y)
+    for (name, a), b in zip(ref.named_parameters(), tiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(ref.named_buffers(), tiled.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_saved_tiled_plan_loads_and_copies(vggish_plan, tmp_path):
+    model, x, y, plan = vggish_plan
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.tiled == plan.tiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned = memfit.optimize(fresh_copy(model), x, plan_=loaded)
+    twin = copy.deepcopy(planned)
+    assert set(planned.state_dict()) == set(model.state_dict())
+    torch.manual_seed(1)
+    _one_step(planned, x, y)
+    torch.manual_seed(1)
+    _one_step(twin, x, y)
+    for a, b in zip(planned.parameters(), twin.parameters(), strict=True):
+        assert a is not b
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_tiling_off_and_bad_tiled_entries(vggish_plan):
+    model, x, _, _ = vggish_plan
+    plan, _, _ = memfit.plan(fresh_copy(model), x, budget="min", tiling=False)
+    assert not plan.tiled
+    with pytest.raises(ValueError, match="stripes"):
+        Plan(strategy="memfit", nodes=["a"], tiled=[{"nodes": ["a"], "stripes": 0}])
+    with pytest.raises(ValueError, match="not in the plan's nodes"):
+        Plan(strategy="memfit", nodes=["a"], tiled=[{"nodes": ["b"], "stripes": 2}])
