@@ -52,13 +52,17 @@ def _chain_node(gm: fx.GraphModule, n: fx.Node) -> bool:
 
 
 def chain_blocks(gm: fx.GraphModule) -> list[list[str]]:
-    """The blocks of ``gm`` (see the module docstring) that hold a convolution, in forward order: lists of
-    node names."""
+    """The blocks of ``gm`` (see the module docstring) with a convolution and another convolution or a
+    pooling, in forward order: lists of node names. (A lone convolution run in stripes still holds its input
+    and both gradients at full size: on UNet, whose BatchNorms leave only such blocks, striping them lowered
+    no floor.)"""
     blocks: list[list[str]] = []
     run: list[fx.Node] = []
 
-    def close() -> None:
-        if any(isinstance(gm.get_submodule(n.target), nn.Conv2d) for n in run):
+    def close() -> None:  # a block worth striping drops a full-size value: two windowed layers, one a convolution
+        mods = [gm.get_submodule(n.target) for n in run]
+        windowed = [m for m in mods if isinstance(m, nn.Conv2d | nn.MaxPool2d)]
+        if len(windowed) >= 2 and any(isinstance(m, nn.Conv2d) for m in windowed):
             blocks.append([n.name for n in run])
         run.clear()
 

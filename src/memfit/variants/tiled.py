@@ -203,8 +203,8 @@ class TiledChainFn(torch.autograd.Function):
 class TiledChain(nn.Module):
     """The layers of a chain (see :func:`chain_layer_ok`) run ``stripes`` row stripes at a time.
 
-    The layers are held in a plain tuple, not as submodules, so the chain shares their Parameter objects
-    without adding ``state_dict`` keys; ``stripes`` (int >= 1) is the number of output-row stripes.
+    The layers are the model's own module objects, registered here again (``layers``, an ``nn.ModuleList``),
+    so the chain's ``parameters()`` are theirs; ``stripes`` (int >= 1) is the number of output-row stripes.
 
     Raises:
         TypeError: a layer cannot run in stripes.
@@ -218,12 +218,13 @@ class TiledChain(nn.Module):
             raise TypeError(f"cannot run {bad[0]!r} in row stripes (see memfit.variants.tiled.chain_layer_ok)")
         if stripes < 1:
             raise ValueError(f"stripes must be >= 1, got {stripes}")
-        self.layers = tuple(layers)
+        self.layers = nn.ModuleList(layers)
         self.stripes = int(stripes)
 
     def forward(self, x: Tensor) -> Tensor:
-        params = [p for m in self.layers for p in m.parameters()]
-        return TiledChainFn.apply(self.layers, self.stripes, x, *params)
+        layers = tuple(self.layers)
+        params = [p for m in layers for p in m.parameters()]
+        return TiledChainFn.apply(layers, self.stripes, x, *params)
 
     def extra_repr(self) -> str:
         return f"{len(self.layers)} layers, stripes={self.stripes}"
