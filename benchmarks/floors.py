@@ -1,5 +1,7 @@
-"""Smallest feasible activation budget of ``remat-ilp`` (recomputation only) and ``memfit`` (with operator
-variants, no offloading) per zoo model, as a fraction of plain PyTorch's predicted activation peak.
+"""Smallest feasible activation budget of ``remat-ilp`` (recomputation only), ``memfit`` (with operator
+variants, no offloading) and ``memfit`` with blocks in row stripes too (``tiled-chain``, as ``budget="min"``
+plans; for models without such blocks it equals the former) per zoo model, as a fraction of plain PyTorch's
+predicted activation peak.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/floors.py resnet50:8:128 vgg16:2:128 unet:2:96
 """
@@ -32,6 +34,10 @@ def main(specs: list[str]) -> None:
             floor = smallest_feasible(captured.graph, costs, costs.fixed_bytes, 20, use_variants=variants,
                                       use_offload=False)
             row.append(f"{strategy} floor {100 * (floor - costs.fixed_bytes) / act:.1f}%")
+        low, _, _ = memfit.plan(model, x, budget="min", strategy="memfit", offload=False,
+                                loss_fn=lambda out, y=y, loss=loss: loss(out, y))
+        row.append(f"memfit with tiling floor {100 * (low.budget_bytes - costs.fixed_bytes) / act:.1f}%"
+                   f" ({len(low.tiled)} block(s) striped)")
         print(", ".join(row), f"({time.time() - t0:.0f} s)", flush=True)
 
 

@@ -257,5 +257,6 @@ def test_the_replay_predicts_a_tiled_block(pool, stripes, batch_grad):
     plan.tiled = [b.to_dict() for b in blocks]
     planned = memfit.optimize(m, x, plan_=plan)
     fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
-    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.01 * fig.peak_bytes, (plan.predicted_peak_bytes,
-                                                                                       fig.peak_bytes)
+    # never under; alone this is exact, and in a full test run oneDNN's temporaries once came 2.6% lower
+    assert fig.peak_bytes <= plan.predicted_peak_bytes <= 1.05 * fig.peak_bytes, (plan.predicted_peak_bytes,
+                                                                                 fig.peak_bytes)
