@@ -314,7 +314,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
             on_row(row)
 
     planners = [s for s in strategies if s in STRATEGIES]
-    captured = costs = None
+    captured = costs = plain_predicted = None
     options: list[Option] = []  # tiled graphs memfit also solves
     profile_s = 0.0
     fixed = 0
@@ -339,8 +339,9 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         probe = torch.optim.SGD(profiled.parameters(), lr=0.01, momentum=0.9)
         fixed = costs.fixed_bytes + optimizer_state_bytes(probe, list(profiled.parameters()))
         del probe
-        plain_predicted_s = make_plan("none", captured.graph, costs, fixed_bytes=fixed).predicted_step_seconds
-        if "memfit" in planners and tiling and autocast_dtype(work.inputs) is None:  # graphs with blocks run in row stripes
+        plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
+        plain_predicted_s = plain_predicted.predicted_step_seconds
+        if "memfit" in planners and tiling and autocast_dtype(work.inputs) is None:  # graphs with blocks in row stripes
             tick(f"{work.name}: profiling tiled blocks")
             options += tiled_options(captured, costs, work.inputs, grads_exist=grads_exist)
     for strategy in strategies:
@@ -360,7 +361,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                     return make_plan(strategy, option.captured.graph, option.costs, budget, fixed_bytes=fixed,
                                      time_limit=time_limit, use_offload=row_store is not None)
                 try:
-                    if strategy == "memfit":
+                    if strategy == "memfit" and budget < plain_predicted.predicted_peak_bytes:  # as memfit.plan
                         plan, chosen = best_plan([Option(captured, costs), *options], solve, minimum=False)
                         plan.tiled = [b.to_dict() for b in chosen.tiled]
                     else:

@@ -16,6 +16,9 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
   instead of computing them again (:mod:`memfit.variants.bn_saved_stats`; bit-exact on the CPU). It
   changes the recomputation only, so it is not a registry entry: the profile times it per node
   (``NodeCost.recompute_seconds``) and a plan lists where it runs (``Plan.stats_recompute``);
+* ``tiled-chain``: a block of convolutions, pooling and activations run in row stripes, forward and backward
+  (:mod:`memfit.variants.tiled`; float32 rounding). It rewrites the graph (several nodes become one), so it
+  is not a registry entry either: :mod:`memfit.solve.tiling` profiles and solves candidate graphs;
 * ``inplace`` / ``inplace-rhs`` / ``relu-mask-inplace``: ReLU-family activations and additions (modules,
   functions or methods) written into their operand (:mod:`memfit.variants.inplace`; bit-exact). These
   depend on the graph around the node, so they are not registry entries: the profile offers them where
@@ -73,6 +76,7 @@ from .relu_mask import (
     unpack_mask,
 )
 from .replaceable import replaceable
+from .tiled import TiledChain, TiledChainFn
 
 __all__ = [
     "INPLACE_VARIANTS",
@@ -94,6 +98,8 @@ __all__ = [
     "MaxPool2dCompactFn",
     "ReLU6Mask",
     "ReLUMask",
+    "TiledChain",
+    "TiledChainFn",
     "VariantSpec",
     "bn_from_module",
     "bn_from_output",

@@ -12,14 +12,14 @@ chain's input, its output, their gradients and one stripe's working set are ever
 
 This is spatial tiling of a checkpointed segment, the idea behind split-CNN (Jin et al., "Split-CNN:
 Splitting Window-based Operations in Convolutional Neural Networks for Memory System Optimization",
-ASPLOS 2019) and the row-tiled backward of "Tiled Convolutions" / patch-based training. The sums over
+ASPLOS 2019). Tensor shapes: the chain's input is ``[N, C, H, W]``; a stripe of output rows ``[lo, hi)``
+reads input rows ``[a, b)`` (:func:`stripe_rows`). The sums over
 stripes are exact in real arithmetic (the output gradient is the sum of its stripes, and the
 back-propagation is linear in it); in floating point, the weight gradients are summed in a different
 order than PyTorch's one-call kernel, so they equal PyTorch's to float rounding, not bit for bit.
 
 What a chain may hold (checked by :func:`chain_layer_ok`): ``Conv2d`` with ``padding_mode="zeros"`` and
-numeric padding, ``MaxPool2d`` / ``AvgPool2d``-free max-pooling without ``ceil_mode`` or
-``return_indices``, and row-local pointwise activations (``ReLU``, ``LeakyReLU``, ``ReLU6``,
+numeric padding, ``MaxPool2d`` without ``ceil_mode`` or ``return_indices``, and pointwise activations (``ReLU``, ``LeakyReLU``, ``ReLU6``,
 ``Hardtanh``, ``SiLU``, ``GELU``, ``Sigmoid``, ``Tanh``, ``Identity``). BatchNorm in training mode is
 not row-local (its statistics span the whole tensor), nor is dropout (its random mask would change with
 the stripes), so they end a chain.
