@@ -55,6 +55,8 @@ def main(paths: list[str]) -> None:
             pred = p.get("predicted_peak_bytes")
             err = f"{(pred - p['peak_bytes']) / p['peak_bytes']:+.2%}" if pred else "-"
             grads = "equal" if r.get("gradients_match") else f"differ ({r.get('max_abs_grad_diff', 0):.1e})"
+            if r.get("rounding_check") and r.get("gradients_match"):
+                grads = "float32 rounding (one step as close to float64 as plain PyTorch's)"
             one = r.get("one_step_grad_check")
             if one and not r.get("gradients_match"):
                 grads += f"; one step {one['max_abs_grad_diff']:.1e}"

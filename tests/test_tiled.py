@@ -260,3 +260,18 @@ def test_the_replay_predicts_a_tiled_block(pool, stripes, batch_grad):
     # never under; alone this is exact, and in a full test run oneDNN's temporaries once came 2.6% lower
     assert fig.peak_bytes <= plan.predicted_peak_bytes <= 1.05 * fig.peak_bytes, (plan.predicted_peak_bytes,
                                                                                  fig.peak_bytes)
+
+
+def test_the_report_of_a_striped_plan_judges_its_gradients_against_float64(vggish_plan):
+    from memfit.bench.job import measure_plain, measure_strategy
+
+    model, x, y, _ = vggish_plan
+    baseline = measure_plain(model, (x,), y, F.cross_entropy, 0)
+    report = measure_strategy(model, (x,), y, F.cross_entropy, baseline, "memfit", "min", steps=1)
+    assert report["decisions"]["variants"].get("tiled-chain"), report["decisions"]
+    one = report["rounding_check"]
+    assert one["within_float32_noise"] and report["gradients_match"], one
+    assert one["max_abs_grad_diff"] < 1e-4, one
+    assert report["planned"]["peak_bytes"] <= report["budget_bytes"]
+    off = measure_strategy(model, (x,), y, F.cross_entropy, baseline, "memfit", "min", steps=1, tiling=False)
+    assert "rounding_check" not in off and "tiled-chain" not in off["decisions"]["variants"]

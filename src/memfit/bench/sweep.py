@@ -44,6 +44,9 @@ Each row of the result is the ``memfit run --json`` report (README) with these k
   (within 2x). The 3-step comparison above (``gradients_match``) cannot hold to 1e-4 on deep models at
   random initialisation, where float32 rounding alone moves gradients by more than that (ResNet-50 at
   batch 8, 128 px: about 0.3 after one step) and 3 SGD steps amplify it further.
+* ``rounding_check`` (``memfit`` rows whose plan stripes blocks, ``tiled-chain``): the same one-step check
+  (:func:`memfit.bench.job.rounding_check`); ``gradients_match`` is its ``within_float32_noise`` there, and
+  ``max_abs_grad_diff`` stays the 3-step difference.
 """
 
 from __future__ import annotations
@@ -569,6 +572,8 @@ def results_table(rows: list[dict], baseline: StepFigures, title: str | None = N
         pred = "" if p.get("predicted_activation_peak_bytes") is None else fmt_bytes(
             p["predicted_activation_peak_bytes"])
         ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
+        if r.get("rounding_check"):
+            ok += " to float32 rounding"
         host = f"; host {fmt_bytes(p['host_peak_bytes'])}" if p.get("host_peak_bytes") else ""
         solve = "" if r["solve_seconds"] is None else f"{r['solve_seconds']:.2f} s"
         if r["strategy"] == "torch-budget":
