@@ -275,3 +275,17 @@ def test_the_report_of_a_striped_plan_judges_its_gradients_against_float64(vggis
     assert report["planned"]["peak_bytes"] <= report["budget_bytes"]
     off = measure_strategy(model, (x,), y, F.cross_entropy, baseline, "memfit", "min", steps=1, tiling=False)
     assert "rounding_check" not in off and "tiled-chain" not in off["decisions"]["variants"]
+
+
+def test_a_layer_used_twice_in_a_chain():
+    torch.manual_seed(4)
+    conv = nn.Conv2d(4, 4, 3, padding=1)
+    layers = [conv, nn.ReLU(), conv, nn.ReLU(), nn.MaxPool2d(2)]
+    x = torch.randn(2, 4, 20, 20, requires_grad=True)
+    seq = nn.Sequential(*layers)
+    y0, gx0, gp0 = _grads(seq, seq, x)
+    y1, gx1, gp1 = _grads(seq, TiledChain(layers, 3), x)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gp1, gp0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -139,6 +139,11 @@ def _stripe(layers: Sequence[nn.Module], x: Tensor, ranges: list[tuple[int, int]
     return x
 
 
+def _params(layers: Sequence[nn.Module]) -> list[Tensor]:
+    """The layers' parameters, each once (a layer may appear twice in a chain)."""
+    return list({id(p): p for m in layers for p in m.parameters()}.values())
+
+
 def _bounds(height: int, stripes: int) -> list[tuple[int, int]]:
     stripes = max(1, min(stripes, height))
     cuts = [round(i * height / stripes) for i in range(stripes + 1)]
@@ -176,7 +181,7 @@ class TiledChainFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         layers, heights = ctx.layers, ctx.heights
-        params = [p for m in layers for p in m.parameters()]
+        params = _params(layers)
         # each stripe back-propagates into leaf aliases of the parameters whose .grad is the running sum:
         # autograd adds each stripe's gradient into it in place as soon as it is made, so no parameter's
         # gradient is held twice (torch.autograd.grad would return all of a stripe's gradients at once)
@@ -223,7 +228,7 @@ class TiledChain(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         layers = tuple(self.layers)
-        params = [p for m in layers for p in m.parameters()]
+        params = _params(layers)
         return TiledChainFn.apply(layers, self.stripes, x, *params)
 
     def extra_repr(self) -> str:
