@@ -289,3 +289,32 @@ def test_a_layer_used_twice_in_a_chain():
     torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
     for a, b in zip(gp1, gp0, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_listed_twice_is_refused_with_a_value_error(vggish_plan):
+    model, x, _, plan = vggish_plan
+    edited = Plan.from_dict({**plan.to_dict(), "tiled": [plan.tiled[0], plan.tiled[0]], "solved_digest": None})
+    with pytest.raises(ValueError, match="twice"):
+        memfit.optimize(fresh_copy(model), x, plan_=edited)
+
+
+def test_a_striped_plan_keeps_the_models_own_headroom(vggish_plan):
+    # before: the headroom was 1% of the striped graph's smaller keep-everything peak, and keeping everything
+    # in the striped graph needed none (the fresh user's VGG-16 at min: budget == predicted peak)
+    from memfit.solve.strategies import _margin, make_plan
+
+    model, x, y, plan = vggish_plan
+    _, captured, costs = memfit.plan(fresh_copy(model), x, budget="min", tiling=False,
+                                     loss_fn=lambda out: F.cross_entropy(out, y))
+    plain = make_plan("none", captured.graph, costs)
+    assert plan.tiled
+    assert plan.budget_bytes - plan.predicted_peak_bytes >= _margin(plain.predicted_peak_bytes - costs.fixed_bytes)
+    assert plan.plain_step_seconds and plan.plain_step_seconds > 0
+
+
+def test_a_plan_made_outside_autocast_warns_when_called_under_it(vggish_plan):
+    model, x, y, plan = vggish_plan
+    planned = memfit.optimize(fresh_copy(model), x, plan_=plan)
+    with pytest.warns(UserWarning, match="made outside torch.autocast"), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = planned(x)
+    F.cross_entropy(out.float(), y).backward()

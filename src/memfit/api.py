@@ -14,7 +14,7 @@ from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
-from memfit.runtime.planned import PlannedModule
+from memfit.runtime.planned import PlannedModule, autocast_dtype
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
@@ -55,15 +55,6 @@ def state_roles(model: nn.Module) -> dict[str, str]:
         first[id(v)] = k
         roles[k] = ("trainable parameter" if v.requires_grad else "frozen parameter") if id(v) in params else "buffer"
     return roles
-
-
-def autocast_dtype(inputs: tuple) -> str | None:
-    """The dtype ``torch.autocast`` casts to on the inputs' device right now, or ``None`` outside autocast."""
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    device_type = tensors[0].device.type if tensors else "cpu"
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return str(torch.get_autocast_dtype(device_type))
 
 
 def _require_training(model: nn.Module) -> None:
@@ -171,13 +162,18 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
     when the graph has no chain of convolutions, pooling and activations; a candidate whose profile raises
     (an input that is not ``[N, C, H, W]``) is left out."""
     out = []
-    for blocks in tiling_candidates(chain_blocks(captured.gm), costs):
+    blocks_of = tiling_candidates(chain_blocks(captured.gm), costs)
+    if not blocks_of:
+        return out
+    plain_activation = make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes
+    for blocks in blocks_of:
         tiled = apply_tiling(captured, blocks)
         try:
             tiled_costs = profile_graph(tiled, inputs, with_variants=True, loss_fn=loss_fn, grads_exist=grads_exist)
         except ValueError:
             continue
         tiled_costs.link, tiled_costs.step_bytes = costs.link, costs.step_bytes
+        tiled_costs.headroom_of = plain_activation  # the model's own headroom (memfit.solve.strategies._Problem)
         share_timings(costs, tiled_costs, blocks)
         out.append(Option(tiled, tiled_costs, blocks))
     return out
@@ -284,6 +280,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result, chosen = best_plan(options, solve, minimum=floor)
     captured, costs = chosen.captured, chosen.costs
     result.tiled = [b.to_dict() for b in chosen.tiled]
+    result.plain_step_seconds = plain.predicted_step_seconds
     result.input_shapes = _shapes(inputs)
     result.input_dtypes = _dtypes(inputs)
     result.state_shapes = state_shapes(model)
@@ -345,8 +342,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                           "their saved tensors go to a disk store in a fresh directory under tempfile.gettempdir() "
                           "(name one with offload_dir=..., or make a plan with offload=False)", stacklevel=2)
         if plan_.solved_digest is not None and plan_.solved_digest != plan_.decision_digest():
-            warnings.warn(f"memfit.optimize: the plan was edited after it was solved (regions, offloads, variants or "
-                          f"stats_recompute differ): its predicted peak ({plan_.predicted_peak_bytes} bytes) and "
+            warnings.warn(f"memfit.optimize: the plan was edited after it was solved (regions, offloads, variants, "
+                          f"stats_recompute or tiled stripes differ): its predicted peak ({plan_.predicted_peak_bytes} bytes) and "
                           f"step time no longer hold, nor does its budget ({plan_.budget_bytes} bytes). Check it "
                           "by measuring a step, or solve again", stacklevel=2)
         captured = capture(model)

@@ -176,6 +176,7 @@ def cmd_plan(args) -> int:
                     f"step {result.predicted_step_seconds:.3f} s; keep {c['keep']}, recompute {c['recompute']},"
                     f" offload {c['offload']}{'' if store is None else ' (to ' + store.describe() + ')'};"
                     f" {len(result.regions)} checkpoint region(s)"
+                    f"{f'; {len(result.tiled)} block(s) in row stripes' if result.tiled else ''}"
                     f"{'; gradients kept allocated' if args.grads_exist else ''}; wrote {args.out}")
     return 0
 

@@ -82,7 +82,10 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
                                           loss_fn=lambda out: loss_fn(out, target), offload=offload,
                                           offload_dir=offload_dir, grads_exist=grads_exist, _captured=captured,
                                           _store=store, tiling=tiling)
-    plain_predicted = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes)
+    # plain PyTorch's prediction is of the model's own graph (``captured`` may have blocks in row stripes)
+    plain_predicted_s = plan.plain_step_seconds
+    if plain_predicted_s is None:
+        plain_predicted_s = make_plan("none", captured.graph, costs, fixed_bytes=plan.fixed_bytes).predicted_step_seconds
     solve_wall = time.perf_counter() - t0
     del opt_probe
     if plan_out:
@@ -109,7 +112,7 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
         "grads_exist": grads_exist,
         "baseline": {"peak_bytes": baseline.peak_bytes, "fixed_bytes": baseline.fixed_bytes,
                      "activation_peak_bytes": baseline.activation_peak_bytes, "step_seconds": plain_s,
-                     "predicted_step_seconds": plain_predicted.predicted_step_seconds},
+                     "predicted_step_seconds": plain_predicted_s},
         "planned": {"peak_bytes": figures.peak_bytes, "activation_peak_bytes": figures.activation_peak_bytes,
                     "predicted_peak_bytes": plan.predicted_peak_bytes, "step_seconds": planned_s,
                     "predicted_step_seconds": plan.predicted_step_seconds, "host_peak_bytes": host_peak},

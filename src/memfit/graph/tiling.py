@@ -106,7 +106,12 @@ def apply_tiling(captured: Captured, tiled: list[TiledBlock]) -> Captured:
     new = fx.GraphModule(gm, graph, type(gm).__name__)
     by_name = {n.name: n for n in graph.nodes}
     holder = nn.Module()
+    seen: set[str] = set()
     for block in tiled:
+        if seen & set(block.nodes):
+            raise ValueError(f"plan tiles {list(block.nodes)} twice, or overlapping another entry: list each block "
+                             "once")
+        seen |= set(block.nodes)
         if tuple(block.nodes) not in known:
             raise ValueError(f"plan tiles {list(block.nodes)}, which is not a chain of convolutions, pooling and "
                              "activations in this graph (memfit.graph.tiling.chain_blocks lists those)")

@@ -208,6 +208,10 @@ class Costs:
             recomputation does with it: ``"stateful"``, ``"scratch"`` or ``"restore"``
             (:mod:`memfit.profile.buffers`).
         buffer_bytes: the bytes of one copy of each of those buffers, by name.
+        headroom_of: for the profile of a graph with blocks in row stripes (:mod:`memfit.solve.tiling`): the
+            activation peak of plain PyTorch's graph, which the planner's headroom is a fraction of, and keeping
+            everything then needs that headroom too (it is not plain PyTorch); ``None``: this graph is the
+            model's own.
     """
 
     device: str
@@ -225,6 +229,7 @@ class Costs:
     loss_keeps: list[int] = field(default_factory=list)
     buffer_kinds: dict[str, str] = field(default_factory=dict)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
+    headroom_of: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -242,7 +247,8 @@ class Costs:
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
                    output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []),
-                   buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}))
+                   buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}),
+                   headroom_of=d.get("headroom_of"))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant

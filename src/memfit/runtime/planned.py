@@ -191,6 +191,16 @@ class _RegionCall:
         return tuple(env[o] for o in region.outputs)
 
 
+def autocast_dtype(inputs: tuple) -> str | None:
+    """The dtype ``torch.autocast`` casts to on the inputs' device right now (``"torch.bfloat16"``), or ``None``
+    outside autocast."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return str(torch.get_autocast_dtype(device_type))
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -443,6 +453,14 @@ class PlannedModule(nn.Module):
                 warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
                               f"called with {shapes}; results are correct but the planned memory figures do "
                               "not hold. Make a plan for these shapes.", stacklevel=2)
+        here = autocast_dtype(args)
+        if (self.plan.autocast or None) != here and f"autocast {here}" not in self._warned_shapes:
+            self._warned_shapes.add(f"autocast {here}")
+            made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"
+            warnings.warn(f"memfit: the plan was made {made} and is called "
+                          f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: results are "
+                          "correct but activations differ in size, so the planned memory figures do not hold. Make "
+                          "a plan in the autocast state you train in.", stacklevel=2)
         # only in the first few training calls (gradient accumulation allocates them from the second on), so that
         # the training step does not walk every parameter each time
         if self._grad_checks > 0 and not self.plan.grads_exist:

@@ -71,6 +71,8 @@ class Plan:
             :mod:`memfit.variants.tiled`), each ``{"nodes": [names in the traced graph], "stripes": n}``.
             ``nodes`` and everything else in the plan name the graph after that rewrite
             (:func:`memfit.graph.tiling.apply_tiling`: a block becomes one node, named as its last node).
+        plain_step_seconds: the simulated step time of plain PyTorch (keeping everything, in the model's own
+            graph, without striped blocks), or ``None`` (a plan not made by :func:`memfit.plan`).
     """
 
     strategy: str
@@ -99,14 +101,16 @@ class Plan:
     buffer_kinds: dict[str, str] = field(default_factory=dict)
     solved_digest: str | None = None
     tiled: list[dict] = field(default_factory=list)
+    plain_step_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
                 isinstance(t, dict) and set(t) == {"nodes", "stripes"} and isinstance(t["nodes"], list) and t["nodes"]
                 and all(isinstance(n, str) for n in t["nodes"]) and isinstance(t["stripes"], int)
                 and not isinstance(t["stripes"], bool) and t["stripes"] >= 1 for t in self.tiled):
-            raise ValueError('plan tiled must be a list of {"nodes": [node names], "stripes": int >= 1} (or remove it: '
-                             "no block then runs in row stripes)")
+            raise ValueError('plan tiled must be a list of {"nodes": [node names], "stripes": int >= 1}: fix the entry '
+                             "(the plan's other fields name the graph with those blocks striped, so removing one "
+                             "does not work: make a new plan with tiling=False for none)")
         missing = [t["nodes"][-1] for t in self.tiled if t["nodes"][-1] not in self.nodes]
         if missing:
             raise ValueError(f"plan tiles a block ending at {missing[0]!r}, which is not in the plan's nodes")

@@ -85,7 +85,11 @@ class _Problem:
         self.options = [c.variants for c in costs.nodes] if use_variants else None
         self.offload = use_offload and costs.link is not None
         self.plain = _replay(self.acc, [], fixed)
-        self.margin = _margin(self.plain.peak_bytes - fixed, costs.device)
+        # a graph with blocks in row stripes keeps the headroom of the model's own graph, and keeping
+        # everything in it is a plan like any other, not plain PyTorch (whose peak the replay predicts exactly)
+        self.exact_plain = costs.headroom_of is None
+        activation = self.plain.peak_bytes - fixed if self.exact_plain else costs.headroom_of
+        self.margin = _margin(activation, costs.device)
         self._lows: dict[tuple[bool, bool], list[Plan]] = lows  # (recompute_only, fastest) -> plans
 
     def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
@@ -206,6 +210,8 @@ class _Problem:
         lowest-memory plans, solved now) plus the headroom, or keeping everything (which needs no headroom:
         plain PyTorch's own peak is what the replay predicts exactly)."""
         low = min(p.predicted_peak_bytes for p in (lows or self.low_memory_plans(time_limit)))
+        if not self.exact_plain:
+            return min(low, self.plain.peak_bytes) + self.margin
         return min(low + self.margin, self.plain.peak_bytes)
 
 
@@ -226,7 +232,7 @@ def plan_at_floor(strategy: str, graph: Graph, costs: Costs, fixed_bytes: int, t
     lows = prob.low_memory_plans(time_limit, fastest=True)
     floor = prob.smallest_feasible(time_limit, lows)
     lowest = min(p.predicted_peak_bytes for p in lows)
-    if lowest < prob.plain.peak_bytes <= floor:  # the least memory is a plan below keeping everything, which
+    if prob.exact_plain and lowest < prob.plain.peak_bytes <= floor:  # the least memory is a plan below keeping everything, which
         floor = lowest + prob.margin            # needs its headroom (more than keeping everything's budget)
     prob.budget = floor
     plan = _solve(prob, floor, time_limit)
