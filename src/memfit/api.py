@@ -234,7 +234,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
-        and the profile.
+        and the profile, of the graph the plan was solved for (with its striped blocks, if ``plan.tiled``).
 
     Raises:
         memfit.TraceError: ``torch.fx`` cannot trace the model; the message names the line.
