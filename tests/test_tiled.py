@@ -318,3 +318,37 @@ def test_a_plan_made_outside_autocast_warns_when_called_under_it(vggish_plan):
     with pytest.warns(UserWarning, match="made outside torch.autocast"), torch.autocast("cpu", dtype=torch.bfloat16):
         out = planned(x)
     F.cross_entropy(out.float(), y).backward()
+
+
+class _Functional(nn.Module):
+    """A hand-written forward with functional activations and pooling, and a ``padding="same"`` convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding="same")
+        self.c2 = nn.Conv2d(8, 8, 5, padding=2)
+        self.c3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c4 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.leaky_relu(self.c2(F.relu(self.c1(x))), 0.2), 2)
+        x = torch.sigmoid(self.c4(self.c3(x).relu()))
+        return self.head(F.max_pool2d(x, kernel_size=3, stride=2, padding=1).mean((2, 3)))
+
+
+def test_functional_activations_and_pooling_are_striped_too():
+    torch.manual_seed(5)
+    model = _Functional().train()
+    c = capture(model)
+    blocks = chain_blocks(c.gm)
+    assert [len(b) for b in blocks] == [5, 5], blocks
+    x, y = torch.randn(4, 3, 40, 36), torch.randint(0, 10, (4,))
+    t = apply_tiling(c, [TiledBlock(tuple(b), 3) for b in blocks])
+    ref = fresh_copy(model)
+    _one_step(ref, x, y)
+    _one_step(t.gm, x, y)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    plan, _, _ = memfit.plan(fresh_copy(model), x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
+    assert plan.tiled, plan.counts()

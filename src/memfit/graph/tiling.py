@@ -1,6 +1,7 @@
 """Chains of spatially local layers in a traced graph, and the graph with some of them run in row stripes.
 
-A *block* is a run of ``call_module`` nodes, each reading only the one before it, whose modules pass
+A *block* is a run of nodes, each reading only the one before it, whose layers (:func:`layer_of`: modules,
+or functional forms such as ``F.relu(x)`` made into modules) pass
 :func:`memfit.variants.tiled.chain_layer_ok` (convolutions, max-pooling, pointwise activations), and whose
 values other than the last are read by no other node: VGG's ``conv -> relu -> conv -> relu -> pool``.
 Blocks end after each max-pooling, so one stripe's halo stays small. :func:`apply_tiling` replaces each
@@ -12,13 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from memfit.graph.capture import Captured, graph_of
 from memfit.variants.replaceable import replaceable
 from memfit.variants.tiled import TiledChain, chain_layer_ok
 
-__all__ = ["TiledBlock", "apply_tiling", "chain_blocks", "is_tiled"]
+__all__ = ["TiledBlock", "apply_tiling", "chain_blocks", "is_tiled", "layer_of"]
 
 #: attribute of the rewritten GraphModule holding the tiled chains
 TILED_ATTR = "memfit_tiled"
@@ -44,11 +47,46 @@ class TiledBlock:
         return cls(tuple(d["nodes"]), d["stripes"])
 
 
+# functional forms of the chain's layers: (function or method name) -> module class, with the call's other
+# arguments passed to the class (keyword names as the function's, normalized by fx)
+_FUNCTIONS: dict[object, type[nn.Module]] = {
+    F.relu: nn.ReLU, torch.relu: nn.ReLU, F.relu6: nn.ReLU6, F.leaky_relu: nn.LeakyReLU, F.hardtanh: nn.Hardtanh,
+    F.silu: nn.SiLU, F.gelu: nn.GELU, torch.sigmoid: nn.Sigmoid, torch.tanh: nn.Tanh, F.max_pool2d: nn.MaxPool2d,
+}
+_METHODS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
+_DROP = {"inplace", "input", "self"}  # (the chain decides where it writes in place)
+
+
+def layer_of(gm: fx.GraphModule, n: fx.Node) -> nn.Module | None:
+    """The module node ``n`` runs, if it can be part of a chain: its own submodule for ``call_module``; for
+    a functional form (``F.relu(x)``, ``x.relu()``, ``F.max_pool2d(x, 2)``, ...) a new module of the matching
+    class, made from the call's constant arguments. ``None`` otherwise (a value other than the first argument
+    comes from the graph, the module fails :func:`memfit.variants.tiled.chain_layer_ok`, has hooks, ...)."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if any(isinstance(a, fx.Node) for a in [*n.args[1:], *n.kwargs.values()]):
+        return None
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        return m if len(n.args) == 1 and not n.kwargs and chain_layer_ok(m) and replaceable(m) else None
+    if n.op == "call_method" and n.target in _METHODS and len(n.args) == 1 and not n.kwargs:
+        return _METHODS[n.target]()
+    cls = _FUNCTIONS.get(n.target) if n.op == "call_function" else None
+    if cls is None:
+        return None
+    normalized = n.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        return None
+    kwargs = {k: v for k, v in normalized.kwargs.items() if k not in _DROP}
+    try:
+        m = cls(**kwargs)
+    except TypeError:  # an argument the module does not take
+        return None
+    return m if chain_layer_ok(m) else None
+
+
 def _chain_node(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op != "call_module" or len(n.args) != 1 or n.kwargs or not isinstance(n.args[0], fx.Node):
-        return False
-    m = gm.get_submodule(n.target)
-    return chain_layer_ok(m) and replaceable(m)
+    return n.op in ("call_module", "call_function", "call_method") and layer_of(gm, n) is not None
 
 
 def chain_blocks(gm: fx.GraphModule) -> list[list[str]]:
@@ -60,7 +98,7 @@ def chain_blocks(gm: fx.GraphModule) -> list[list[str]]:
     run: list[fx.Node] = []
 
     def close() -> None:  # a block worth striping drops a full-size value: two windowed layers, one a convolution
-        mods = [gm.get_submodule(n.target) for n in run]
+        mods = [layer_of(gm, n) for n in run]
         windowed = [m for m in mods if isinstance(m, nn.Conv2d | nn.MaxPool2d)]
         if len(windowed) >= 2 and any(isinstance(m, nn.Conv2d) for m in windowed):
             blocks.append([n.name for n in run])
@@ -77,7 +115,7 @@ def chain_blocks(gm: fx.GraphModule) -> list[list[str]]:
             if not _chain_node(gm, n):
                 continue
         run.append(n)
-        if isinstance(gm.get_submodule(n.target), nn.MaxPool2d):
+        if isinstance(layer_of(gm, n), nn.MaxPool2d):
             close()
     close()
     return blocks
@@ -117,10 +155,10 @@ def apply_tiling(captured: Captured, tiled: list[TiledBlock]) -> Captured:
                              "activations in this graph (memfit.graph.tiling.chain_blocks lists those)")
         first, last = by_name[block.nodes[0]], by_name[block.nodes[-1]]
         name = f"b{len(holder._modules)}"
-        holder.add_module(name, TiledChain([gm.get_submodule(by_name[n].target) for n in block.nodes],
+        holder.add_module(name, TiledChain([layer_of(gm, by_name[n]) for n in block.nodes],
                                            block.stripes))
-        last.target = f"{TILED_ATTR}.{name}"
-        last.args = (first.args[0],)
+        last.op, last.target = "call_module", f"{TILED_ATTR}.{name}"
+        last.args, last.kwargs = (first.args[0],), {}
         for n in reversed(block.nodes[:-1]):
             graph.erase_node(by_name[n])
     new.add_module(TILED_ATTR, holder)

@@ -19,9 +19,11 @@ back-propagation is linear in it); in floating point, the weight gradients are s
 order than PyTorch's one-call kernel, so they equal PyTorch's to float rounding, not bit for bit.
 
 What a chain may hold (checked by :func:`chain_layer_ok`): ``Conv2d`` with ``padding_mode="zeros"`` and
-numeric padding, ``MaxPool2d`` without ``ceil_mode`` or ``return_indices``, and pointwise activations (``ReLU``, ``LeakyReLU``, ``ReLU6``,
-``Hardtanh``, ``SiLU``, ``GELU``, ``Sigmoid``, ``Tanh``, ``Identity``). BatchNorm in training mode is
-not row-local (its statistics span the whole tensor), nor is dropout (its random mask would change with
+numeric, ``"valid"`` or symmetric ``"same"`` padding, ``MaxPool2d`` without ``ceil_mode`` or
+``return_indices``, and pointwise activations (``ReLU``, ``LeakyReLU``, ``ReLU6``, ``Hardtanh``,
+``SiLU``, ``GELU``, ``Sigmoid``, ``Tanh``, ``Identity``; :mod:`memfit.graph.tiling` also turns their
+functional forms, ``F.relu(x)``, ``x.relu()``, ``F.max_pool2d(x, 2)``..., into such modules). BatchNorm in
+training mode is not row-local (its statistics span the whole tensor), nor is dropout (its random mask would change with
 the stripes), so they end a chain.
 """
 
@@ -42,11 +44,29 @@ _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.GELU, nn
               nn.Identity)
 
 
+def _same_padding(m: nn.Conv2d) -> tuple[int, int] | None:
+    """The zero padding ``padding="same"`` amounts to, per side, or ``None`` where it pads one side more than
+    the other (an odd ``dilation * (kernel - 1)``, as for even kernels)."""
+    pads = []
+    for k, d in zip(m.kernel_size, m.dilation, strict=True):
+        total = d * (k - 1)
+        if total % 2:
+            return None
+        pads.append(total // 2)
+    return pads[0], pads[1]
+
+
+def _padding(m: nn.Conv2d | nn.MaxPool2d) -> tuple[int, int]:
+    if isinstance(m, nn.Conv2d) and isinstance(m.padding, str):
+        return (0, 0) if m.padding == "valid" else _same_padding(m)  # (chain_layer_ok refused the rest)
+    return _pair(m.padding)
+
+
 def chain_layer_ok(m: nn.Module) -> bool:
     """``m`` computes each output row from a fixed window of input rows, with no state and no randomness,
     so a chain of such layers can run stripe by stripe: see the module docstring for the list."""
     if type(m) is nn.Conv2d:
-        return m.padding_mode == "zeros" and not isinstance(m.padding, str)
+        return m.padding_mode == "zeros" and (m.padding != "same" or _same_padding(m) is not None)
     if type(m) is nn.MaxPool2d:
         return not m.ceil_mode and not m.return_indices
     return type(m) in _POINTWISE
@@ -69,8 +89,8 @@ class _Window:
 
 def _window(m: nn.Module) -> _Window:
     if isinstance(m, nn.Conv2d | nn.MaxPool2d):
-        k, s, p, d = (_pair(getattr(m, a))[0] for a in ("kernel_size", "stride", "padding", "dilation"))
-        return _Window(k, s, p, d)
+        k, s, d = (_pair(getattr(m, a))[0] for a in ("kernel_size", "stride", "dilation"))
+        return _Window(k, s, _padding(m)[0], d)
     return _Window()
 
 
@@ -103,7 +123,7 @@ def _run_rows(m: nn.Module, x: Tensor, x_lo: int, height: int, lo: int, hi: int,
     x = x[:, :, max(a, 0) - x_lo: min(b, height) - x_lo]
     if top or bottom:
         x = F.pad(x, (0, 0, top, bottom), value=0.0 if isinstance(m, nn.Conv2d) else float("-inf"))
-    pw = _pair(m.padding)[1]
+    pw = _padding(m)[1]
     if isinstance(m, nn.Conv2d):
         bias = None if m.bias is None else swap.get(id(m.bias), m.bias)
         return F.conv2d(x, swap.get(id(m.weight), m.weight), bias, m.stride, (0, pw), m.dilation, m.groups)
