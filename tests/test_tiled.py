@@ -352,3 +352,47 @@ def test_functional_activations_and_pooling_are_striped_too():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     plan, _, _ = memfit.plan(fresh_copy(model), x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
     assert plan.tiled, plan.counts()
+
+
+def test_torch_tanh_anywhere_does_not_break_planning():
+    # before: fx's argument normalization raised on torch.tanh (ambiguous schema) in every model that called it
+    torch.manual_seed(6)
+    mlp = nn.Sequential(nn.Linear(8, 8))
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.c2, self.l = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), mlp
+
+        def forward(self, x):
+            h = torch.tanh(self.c2(torch.tanh(self.c1(x))))
+            return self.l(torch.tanh(F.max_pool2d(h, 2).mean((2, 3)).repeat(1, 2)))
+
+    model = M().train()
+    x = torch.randn(2, 3, 16, 16)
+    assert chain_blocks(capture(model).gm) == [["c1", "tanh", "c2", "tanh_1", "max_pool2d"]]
+    memfit.plan(model, x, budget="min")
+
+
+def test_explicit_budgets_keep_the_headroom_on_a_striped_plan():
+    # before: just above a striped keep-everything plan's peak, a budget got that plan without the headroom
+    # (the fresh user's CNN: 4,104 B of headroom at a 495,000 B budget, and an error naming a floor above it)
+    from memfit.solve.strategies import InfeasibleBudgetError, _margin, make_plan
+
+    torch.manual_seed(0)
+    model = _TwoConvs(pool=True).train()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def plan_at(budget, tiling=True):
+        return memfit.plan(fresh_copy(model), x, budget=budget, tiling=tiling,
+                           loss_fn=lambda out: F.cross_entropy(out, y))
+
+    low, _, _ = plan_at("min")
+    assert low.tiled and not low.regions, low.counts()  # the striped graph, keeping everything
+    _, captured, costs = plan_at("min", tiling=False)
+    margin = _margin(make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes)
+    assert low.budget_bytes - low.predicted_peak_bytes >= margin
+    for budget in (low.predicted_peak_bytes + 1000, low.predicted_peak_bytes + margin // 2):
+        with pytest.raises(InfeasibleBudgetError) as err:
+            plan_at(budget)
+        assert err.value.smallest_feasible_bytes == low.budget_bytes

@@ -74,7 +74,12 @@ def layer_of(gm: fx.GraphModule, n: fx.Node) -> nn.Module | None:
     cls = _FUNCTIONS.get(n.target) if n.op == "call_function" else None
     if cls is None:
         return None
-    normalized = n.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if len(n.args) == 1 and not n.kwargs:
+        return cls()
+    try:  # (fx cannot always tell an overload: torch.tanh's number schemas made it raise)
+        normalized = n.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    except Exception:  # noqa: BLE001 -- any failure means: not a layer we can rebuild
+        return None
     if normalized is None:
         return None
     kwargs = {k: v for k, v in normalized.kwargs.items() if k not in _DROP}

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
-from memfit.graph.tiling import TiledBlock, apply_tiling, is_tiled
+from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
 from memfit.profile.buffers import (
     RESTORE,
     SCRATCH,
@@ -312,7 +312,9 @@ class PlannedModule(nn.Module):
         gm, plan = self.gm, self.plan
         nodes = compute_nodes(gm)
         if [n.name for n in nodes] != plan.nodes:
-            raise ValueError("the plan was solved for a different graph (node names differ); "
+            hint = (" (striped blocks cannot be added to or removed from a plan's `tiled` by hand: the plan names "
+                    "the graph with its blocks striped)" if chain_blocks(self.__dict__["_captured"].gm) else "")
+            raise ValueError(f"the plan was solved for a different graph (node names differ){hint}; "
                              "solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -111,9 +111,10 @@ class Plan:
             raise ValueError('plan tiled must be a list of {"nodes": [node names], "stripes": int >= 1}: fix the entry '
                              "(the plan's other fields name the graph with those blocks striped, so removing one "
                              "does not work: make a new plan with tiling=False for none)")
-        missing = [t["nodes"][-1] for t in self.tiled if t["nodes"][-1] not in self.nodes]
+        missing = [t["nodes"] for t in self.tiled if t["nodes"][-1] not in self.nodes]
         if missing:
-            raise ValueError(f"plan tiles a block ending at {missing[0]!r}, which is not in the plan's nodes")
+            raise ValueError(f"plan tiles {missing[0]}, whose last node {missing[0][-1]!r} is not in the plan's nodes "
+                             "(a striped block is one node, named as its last): list whole blocks, as solved")
         if not isinstance(self.regions, list) or not all(
                 isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(n, str) for n in r) for r in self.regions):
             raise ValueError('plan regions must be a list of [first, last] node-name pairs, e.g. [["conv1", "relu"]]')

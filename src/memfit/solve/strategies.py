@@ -394,6 +394,6 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     if best is not None:
         best.solve_seconds = time.perf_counter() - prob.t0
         return best
-    if prob.plain.peak_bytes <= budget_bytes:  # nothing beats keeping everything, which fits without headroom
+    if prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # keeping everything fits without headroom
         return prob.finish([], gap=0.0)
     raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit, lows), fixed, acc.step_bytes)
