@@ -162,7 +162,13 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
     when the graph has no chain of convolutions, pooling and activations; a candidate whose profile raises
     (an input that is not ``[N, C, H, W]``) is left out."""
     out = []
-    blocks_of = tiling_candidates(chain_blocks(captured.gm), costs)
+    try:
+        blocks = chain_blocks(captured.gm)
+    except Exception as exc:  # noqa: BLE001 -- striping is an option: it must not stop the plan
+        warnings.warn(f"memfit: looking for blocks to run in row stripes failed ({type(exc).__name__}: {exc}); "
+                      "planning without them (tiling=False silences this; please report it)", stacklevel=3)
+        return out
+    blocks_of = tiling_candidates(blocks, costs)
     if not blocks_of:
         return out
     plain_activation = make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes
