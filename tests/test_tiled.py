@@ -396,3 +396,33 @@ def test_explicit_budgets_keep_the_headroom_on_a_striped_plan():
         with pytest.raises(InfeasibleBudgetError) as err:
             plan_at(budget)
         assert err.value.smallest_feasible_bytes == low.budget_bytes
+
+
+def test_a_striped_plan_under_bf16_autocast():
+    """The chain runs its stripes' recomputation in the forward pass's autocast state; the replay predicts the
+    step (32 B high on a small CNN), and the gradients are plain bf16 autocast's to bf16 rounding."""
+    torch.manual_seed(0)
+    model = _VGGish().train()
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+
+    def loss(out, t):
+        return F.cross_entropy(out.float(), t)
+
+    m = fresh_copy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = memfit.optimize(m, x, budget="min", loss_fn=lambda out: loss(out, y),
+                                  optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+    plan = planned.plan
+    assert plan.tiled and plan.autocast == "torch.bfloat16", plan.counts()
+    fig = measure_training(planned, planned, (x,), y, loss, steps=1, autocast=torch.bfloat16)
+    assert fig.peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes
+    ref, tiled = fresh_copy(model), fresh_copy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        twin = memfit.optimize(tiled, x, plan_=plan)
+        outs = [ref(x), twin(x)]
+    for out in outs:  # the backward outside autocast, as PyTorch's recipe runs it
+        loss(out, y).backward()
+    for (name, a), b in zip(ref.named_parameters(), tiled.parameters(), strict=True):
+        scale = a.grad.abs().max()
+        assert (b.grad - a.grad).abs().max() <= 0.02 * scale + 1e-6, name

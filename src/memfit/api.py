@@ -235,8 +235,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             activations with the largest activations in row stripes (``tiled-chain``,
             :mod:`memfit.variants.tiled`: a block's full-resolution tensors never exist, forward or
             backward; gradients equal PyTorch's to float32 rounding). Each candidate is profiled and solved
-            (a few more profiles, only for models with such blocks and budgets below plain PyTorch's peak,
-            outside ``torch.autocast``); the fastest plan that fits is kept.
+            (a few more profiles, only for models with such blocks and budgets below plain PyTorch's peak);
+            the fastest plan that fits is kept. Under ``torch.autocast`` the stripes' recomputation runs in
+            the forward pass's autocast state.
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -280,8 +281,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                          time_limit=time_limit, use_variants=variants)
 
     options = [Option(captured, costs)]
-    if (tiling and strategy == "memfit" and variants and autocast_dtype(inputs) is None
-            and (floor or budget_bytes < plain.predicted_peak_bytes)):
+    if tiling and strategy == "memfit" and variants and (floor or budget_bytes < plain.predicted_peak_bytes):
         options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
     result, chosen = best_plan(options, solve, minimum=floor)
     captured, costs = chosen.captured, chosen.costs
