@@ -7,7 +7,8 @@ BatchNorm needs more than one value per channel). A budget not above the model's
 gradients, buffers, optimizer state: :func:`model_fixed_bytes`) is refused before any probe
 (:class:`BudgetBelowFixedError`).
 Each probe builds the batch, plans (memfit strategies profile the model at that batch; for ``memfit`` the
-plan must fit the budget, and :class:`~memfit.InfeasibleBudgetError` means the batch is too big), runs one
+plan must fit the budget, and :class:`~memfit.InfeasibleBudgetError` means the batch is too big; ``memfit``
+also solves the graphs with blocks in row stripes, as :func:`memfit.api.plan` does), runs one
 training step under :func:`~memfit.bench.harness.measure_training` (the same harness as ``memfit run`` and
 ``memfit bench``: 3 SGD steps, the second tracked) and checks that the measured total peak is within the
 budget. The search assumes that a batch that does not fit is followed by no batch that does.
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from memfit.api import offload_store, optimizer_state_bytes
+from memfit.api import offload_store, optimizer_state_bytes, tiled_options
 from memfit.bench import peers
 from memfit.bench.harness import fresh_copy, measure_training
 from memfit.bench.sweep import Workload, zoo_workload
@@ -47,7 +48,9 @@ from memfit.profile.link import measure_link
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore
+from memfit.solve.plan import Plan
 from memfit.solve.strategies import STRATEGIES, InfeasibleBudgetError, make_plan
+from memfit.solve.tiling import Option, best_plan
 
 #: strategies measured by default (``plain`` is always measured first, as the reference).
 MAXBATCH_STRATEGIES = ("chen", "checkpoint-all", "memfit")
@@ -224,9 +227,17 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
             fixed = costs.fixed_bytes + optimizer_state_bytes(opt, list(m.parameters()))
             del opt
-            try:
-                plan = make_plan(base, captured.graph, costs, budget_bytes, fixed_bytes=fixed,
+            def solve(option: Option) -> Plan:
+                return make_plan(base, option.captured.graph, option.costs, budget_bytes, fixed_bytes=fixed,
                                  time_limit=time_limit, use_offload=store is not None)
+
+            options = [Option(captured, costs)]
+            if base == "memfit" and budget_bytes < make_plan("none", captured.graph, costs,
+                                                             fixed_bytes=fixed).predicted_peak_bytes:
+                options += tiled_options(captured, costs, work.inputs, grads_exist=grads_exist)  # as memfit.plan
+            try:
+                plan, chosen = best_plan(options, solve, minimum=False)
+                plan.tiled = [b.to_dict() for b in chosen.tiled]
             except InfeasibleBudgetError as exc:
                 return Probe(b, False, fixed_bytes=exc.fixed_bytes, reason=f"infeasible: smallest feasible "
                              f"budget {fmt_bytes(exc.smallest_feasible_bytes)}", seconds=time.perf_counter() - t0)
