@@ -426,3 +426,14 @@ def test_a_striped_plan_under_bf16_autocast():
     for (name, a), b in zip(ref.named_parameters(), tiled.parameters(), strict=True):
         scale = a.grad.abs().max()
         assert (b.grad - a.grad).abs().max() <= 0.02 * scale + 1e-6, name
+
+
+def test_an_identity_first_does_not_let_an_in_place_activation_write_the_input():
+    torch.manual_seed(7)
+    layers = [nn.Identity(), nn.ReLU(inplace=True), nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True),
+              nn.MaxPool2d(2)]
+    x = torch.randn(2, 3, 16, 16)
+    before = x.clone()
+    y = TiledChain(layers, 2)(x)
+    assert torch.equal(x, before)
+    torch.testing.assert_close(y, nn.Sequential(*layers)(x.clone()), rtol=1e-5, atol=1e-6)

@@ -153,9 +153,12 @@ def stripe_rows(layers: Sequence[nn.Module], height: int, lo: int, hi: int) -> l
 def _stripe(layers: Sequence[nn.Module], x: Tensor, ranges: list[tuple[int, int]], heights: list[int],
             inplace: bool, swap: dict[int, Tensor] | None = None) -> Tensor:
     """The chain's output rows ``ranges[-1]`` from ``x`` (input rows ``ranges[0]``). Pointwise layers
-    overwrite their input if ``inplace`` and it is not ``x``, the caller's tensor."""
+    overwrite their input if ``inplace`` and it is not ``x``, the caller's tensor (which an ``Identity``
+    passes on)."""
+    given = x
     for i, m in enumerate(layers):
-        x = _run_rows(m, x, ranges[i][0], heights[i], *ranges[i + 1], inplace=inplace and i > 0, swap=swap or {})
+        x = _run_rows(m, x, ranges[i][0], heights[i], *ranges[i + 1], inplace=inplace and x is not given,
+                      swap=swap or {})
     return x
 
 
