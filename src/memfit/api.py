@@ -285,7 +285,6 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
     result, chosen = best_plan(options, solve, minimum=floor)
     captured, costs = chosen.captured, chosen.costs
-    result.tiled = [b.to_dict() for b in chosen.tiled]
     result.plain_step_seconds = plain.predicted_step_seconds
     result.input_shapes = _shapes(inputs)
     result.input_dtypes = _dtypes(inputs)

@@ -236,8 +236,7 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
                                                              fixed_bytes=fixed).predicted_peak_bytes:
                 options += tiled_options(captured, costs, work.inputs, grads_exist=grads_exist)  # as memfit.plan
             try:
-                plan, chosen = best_plan(options, solve, minimum=False)
-                plan.tiled = [b.to_dict() for b in chosen.tiled]
+                plan, _ = best_plan(options, solve, minimum=False)
             except InfeasibleBudgetError as exc:
                 return Probe(b, False, fixed_bytes=exc.fixed_bytes, reason=f"infeasible: smallest feasible "
                              f"budget {fmt_bytes(exc.smallest_feasible_bytes)}", seconds=time.perf_counter() - t0)

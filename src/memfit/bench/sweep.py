@@ -365,8 +365,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                                      time_limit=time_limit, use_offload=row_store is not None)
                 try:
                     if strategy == "memfit" and budget < plain_predicted.predicted_peak_bytes:  # as memfit.plan
-                        plan, chosen = best_plan([Option(captured, costs), *options], solve, minimum=False)
-                        plan.tiled = [b.to_dict() for b in chosen.tiled]
+                        plan, _ = best_plan([Option(captured, costs), *options], solve, minimum=False)
                     else:
                         plan = solve(Option(captured, costs))
                 except InfeasibleBudgetError as exc:

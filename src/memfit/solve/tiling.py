@@ -67,7 +67,8 @@ def share_timings(base: Costs, other: Costs, tiled: list[TiledBlock]) -> None:
 
 def best_plan(options: list[Option], solve: Callable[[Option], Plan], minimum: bool) -> tuple[Plan, Option]:
     """Solve every option and keep the fastest plan (``minimum``: the one with the smallest budget, then the
-    fastest). ``solve(option)`` returns a plan or raises :class:`InfeasibleBudgetError`.
+    fastest), with ``plan.tiled`` set to its option's striped blocks. ``solve(option)`` returns a plan or
+    raises :class:`InfeasibleBudgetError`.
 
     Raises:
         InfeasibleBudgetError: no option has a plan; it names the smallest feasible budget of them all.
@@ -83,5 +84,8 @@ def best_plan(options: list[Option], solve: Callable[[Option], Plan], minimum: b
         low = min(errors, key=lambda e: e.smallest_feasible_bytes)
         raise InfeasibleBudgetError(low.budget_bytes, low.smallest_feasible_bytes, low.fixed_bytes, low.step_bytes)
     if minimum:
-        return min(found, key=lambda f: (f[0].budget_bytes, f[0].predicted_step_seconds))
-    return min(found, key=lambda f: f[0].predicted_step_seconds)
+        plan, option = min(found, key=lambda f: (f[0].budget_bytes, f[0].predicted_step_seconds))
+    else:
+        plan, option = min(found, key=lambda f: f[0].predicted_step_seconds)
+    plan.tiled = [b.to_dict() for b in option.tiled]
+    return plan, option
