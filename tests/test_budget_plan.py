@@ -28,6 +28,16 @@ def test_budget_parse():
     for zero in (0, "0", "0GiB", 0.5, "0.1B"):  # the same error whether written as text or as a number
         with pytest.raises(ValueError, match="at least one byte"):
             Budget.parse(zero)
+    with pytest.raises(ValueError, match="must be positive"):
+        Budget.parse("-5MiB")
+
+
+def test_a_negative_budget_on_the_command_line_gets_the_budgets_own_error(capsys):
+    from memfit.cli import main
+
+    # argparse alone would take "-5MiB" for a flag and say only "expected one argument"
+    assert main(["plan", "--model", "resnet18", "--budget", "-5MiB"]) != 0
+    assert "must be positive" in capsys.readouterr().err
 
 
 def test_plan_json_round_trip(tmp_path):

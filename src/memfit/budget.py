@@ -64,6 +64,9 @@ class Budget:
                 raise ValueError(f"budget {spec!r}: a percentage must be in (0, 100]")
             return cls(fraction=pct / 100)
         match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", text)
+        if re.fullmatch(r"-\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", text):
+            raise ValueError(f"budget {spec!r}: must be positive; write e.g. '2GiB', a percentage of plain "
+                             "PyTorch's peak such as '40%', or 'min' for the least memory memfit can reach")
         if not match or match.group(2).upper() not in _UNITS:
             raise ValueError(f"budget {spec!r}: expected bytes such as '2GiB', '512MB', 1000000 or a "
                              "percentage such as '40%', or 'min'")

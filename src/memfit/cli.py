@@ -365,6 +365,24 @@ def _add_bench_commands(sub) -> None:
     p.set_defaults(func=cmd_max_batch)
 
 
+_BUDGET_FLAGS = ("--budget", "--budgets")
+
+
+def _glue_negative_budgets(argv: list[str]) -> list[str]:
+    """``--budget -5MiB`` as ``--budget=-5MiB``: argparse takes a value that starts with ``-`` for a flag and
+    would say only "expected one argument"; glued, the budget's own check says what is wrong with it."""
+    out: list[str] = []
+    k = 0
+    while k < len(argv):
+        if argv[k] in _BUDGET_FLAGS and k + 1 < len(argv) and argv[k + 1][:1] == "-" and argv[k + 1][1:2].isdigit():
+            out.append(f"{argv[k]}={argv[k + 1]}")
+            k += 2
+            continue
+        out.append(argv[k])
+        k += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``memfit`` command."""
     parser = argparse.ArgumentParser(prog="memfit", description="Fit deep-network training into a memory "
@@ -394,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     _grads_flag(p)
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_glue_negative_budgets(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "device", "cpu") == "cuda":
         import torch
 
