@@ -7,7 +7,8 @@ Issue 3 compares the two at equal measured overhead. ``memfit bench`` times each
 PyTorch run, and on the shared development machine plain PyTorch's median moved by up to 10% between rows,
 as much as the difference being measured. Here every plan comes from one profile (with the operator
 variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch and every plan of
-``--setups`` (``strategy@activation budget in percent``) take one training step each in turn (SGD with
+``--setups`` (``strategy@activation budget in percent``; ``strategy-unpriced@...`` solves with the checkpoint
+regions' own cost left out, as before :mod:`memfit.runtime.overhead`) take one training step each in turn (SGD with
 momentum, gradients set to ``None``) for ``--rounds`` rounds after a warm-up
 (:func:`memfit.bench.harness.interleaved_step_seconds`): the overheads are ratios of medians taken in the
 same minutes, so plans can be compared with each other directly. Memory (exact tracker), gradients and
@@ -21,6 +22,7 @@ overhead, the operator variants, and whether gradients and BatchNorm statistics 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
@@ -58,8 +60,11 @@ def main() -> None:
     rows, setups = [], [(plain := fresh_copy(model), plain)]
     for setup in args.setups.split(","):
         strategy, pct = setup.split("@")
+        priced = costs
+        if strategy.endswith("-unpriced"):
+            priced = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
         try:
-            plan = make_plan(strategy, graph, costs, budget_bytes=int(fixed + float(pct) / 100 * act),
+            plan = make_plan(strategy.removesuffix("-unpriced"), graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
                              time_limit=args.time_limit, use_offload=False)
         except InfeasibleBudgetError as exc:
             print(f"{setup}: infeasible (smallest feasible {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
@@ -70,14 +75,17 @@ def main() -> None:
         setups.append((timed, timed))
         rows.append((strategy, pct, plan, fig))
     seconds = interleaved_step_seconds(setups, (x,), y, loss, rounds=args.rounds)
-    print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds})")
-    print("| strategy | budget | activation peak | predicted overhead | measured overhead | variants | gradients |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds}); a region costs "
+          f"{costs.region_seconds * 1e3:.2f} ms + {costs.region_node_seconds * 1e3:.3f} ms per node")
+    print("| strategy | budget | activation peak | predicted overhead | measured overhead | regions (nodes) | variants "
+          "| gradients |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, (strategy, pct, plan, fig) in enumerate(rows, start=1):
         check = compare(base, fig)
         print(f"| {strategy} | {pct}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
               f"| {plan.predicted_step_seconds / plain_plan.predicted_step_seconds:.3f}x "
-              f"| {seconds[k] / seconds[0]:.3f}x | {plan.counts()['variants'] or '-'} "
+              f"| {seconds[k] / seconds[0]:.3f}x | {len(plan.regions)} ({sum(hi - lo + 1 for lo, hi in plan.region_spans())}) "
+              f"| {plan.counts()['variants'] or '-'} "
               f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'} "
               f"({check['max_abs_grad_diff']:.1e}) |", flush=True)
 

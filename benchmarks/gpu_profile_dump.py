@@ -28,6 +28,7 @@ from memfit.bench.sweep import zoo_workload
 from memfit.graph.capture import capture
 from memfit.profile.costs import profile_graph
 from memfit.profile.link import measure_link
+from memfit.runtime.overhead import price_regions
 from memfit.runtime.stores import CopyEngine
 from memfit.solve.strategies import make_plan
 
@@ -39,6 +40,7 @@ def dump(name: str, batch: int, size: int, out: Path, device: str, cudnn: str = 
     profiled = fresh_copy(work.model)
     captured = capture(profiled)
     costs = profile_graph(captured, work.inputs, with_variants=True)
+    price_regions(costs)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, work.device))
     probe = torch.optim.SGD(profiled.parameters(), lr=0.01, momentum=0.9)

@@ -14,6 +14,7 @@ from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
+from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import PlannedModule, autocast_dtype
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
@@ -179,6 +180,7 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
         except ValueError:
             continue
         tiled_costs.link, tiled_costs.step_bytes = costs.link, costs.step_bytes
+        tiled_costs.region_seconds, tiled_costs.region_node_seconds = costs.region_seconds, costs.region_node_seconds
         tiled_costs.headroom_of = plain_activation  # the model's own headroom (memfit.solve.strategies._Problem)
         share_timings(costs, tiled_costs, blocks)
         out.append(Option(tiled, tiled_costs, blocks))
@@ -259,6 +261,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     captured = _captured or capture(model)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist)
+    price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))

@@ -46,6 +46,7 @@ from memfit.graph.capture import TraceError, capture
 from memfit.profile.costs import profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.tracker import live_bytes
+from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore
 from memfit.solve.plan import Plan
@@ -222,6 +223,7 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
             captured = capture(m)
             costs = profile_graph(captured, work.inputs, repeats=profile_repeats,
                                   with_variants=base == "memfit", grads_exist=grads_exist)
+            price_regions(costs)
             if store is not None:
                 costs.link = measure_link(CopyEngine(store, work.device))
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)

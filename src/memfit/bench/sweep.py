@@ -72,6 +72,7 @@ from memfit.budget import fmt_bytes
 from memfit.graph.capture import capture
 from memfit.profile.costs import profile_graph
 from memfit.profile.link import measure_link
+from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore
 from memfit.solve.plan import Plan
@@ -336,6 +337,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         captured = capture(profiled)
         # operator variants are profiled only for the strategy that can choose them (as memfit.api.plan does)
         costs = profile_graph(captured, work.inputs, with_variants="memfit" in planners, grads_exist=grads_exist)
+        price_regions(costs)
         if store is not None:
             costs.link = measure_link(CopyEngine(store, work.device))
         profile_s = time.perf_counter() - t0

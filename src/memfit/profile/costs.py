@@ -212,6 +212,10 @@ class Costs:
             activation peak of plain PyTorch's graph, which the planner's headroom is a fraction of, and keeping
             everything then needs that headroom too (it is not plain PyTorch); ``None``: this graph is the
             model's own.
+        region_seconds: time each checkpoint region adds to a step beyond the nodes it recomputes, seconds
+            (:mod:`memfit.runtime.overhead`; 0 when not measured).
+        region_node_seconds: time each node inside a checkpoint region adds beyond its own recomputation
+            (saved-tensor hooks, the recomputation's interpreter), seconds; 0 when not measured.
     """
 
     device: str
@@ -230,6 +234,8 @@ class Costs:
     buffer_kinds: dict[str, str] = field(default_factory=dict)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     headroom_of: int | None = None
+    region_seconds: float = 0.0
+    region_node_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,7 +254,8 @@ class Costs:
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
                    output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []),
                    buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}),
-                   headroom_of=d.get("headroom_of"))
+                   headroom_of=d.get("headroom_of"), region_seconds=d.get("region_seconds", 0.0),
+                   region_node_seconds=d.get("region_node_seconds", 0.0))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant

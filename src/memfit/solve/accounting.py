@@ -61,6 +61,9 @@ class Accounting:
         buffer_bytes: written buffer name -> bytes of one copy (``Costs.buffer_bytes``).
         stateful: names of the written buffers whose values the forward pass reads (``Costs.buffer_kinds``
             ``"stateful"``): a region also holds a snapshot of each from its forward pass to its backward pass.
+        region_seconds: time each checkpoint region adds beyond what it recomputes (``Costs.region_seconds``).
+        region_node_seconds: time each node inside a region adds beyond its recomputation
+            (``Costs.region_node_seconds``).
     """
 
     n: int
@@ -103,6 +106,8 @@ class Accounting:
     buffers: list[list[str]] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     stateful: set[str] = field(default_factory=set)
+    region_seconds: float = 0.0
+    region_node_seconds: float = 0.0
 
     def region_buffer_bytes(self, lo: int, hi: int) -> tuple[int, int]:
         """``(copies, snapshots)``: bytes a region over nodes ``lo..hi`` copies of the written buffers while it
@@ -175,6 +180,7 @@ class Accounting:
             stats_bytes=[c.stats_bytes for c in costs.nodes],
             buffers=[list(c.buffers) for c in costs.nodes], buffer_bytes=dict(costs.buffer_bytes),
             stateful={b for b, kind in costs.buffer_kinds.items() if kind == "stateful"},
+            region_seconds=costs.region_seconds, region_node_seconds=costs.region_node_seconds,
         )
         return _with_gradients(acc, costs)
 

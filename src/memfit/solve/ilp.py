@@ -19,7 +19,9 @@ Variables (``i`` node index in forward order, ``s`` storage):
   o_j in {0,1}   node j's saved tensors are offloaded to the host store (vDNN), only where r_j = 0;
   S_i, B_i >= 0  cumulative time the compute waits for offload copies up to forward node i / for prefetches
                  down to backward node i (the copy stream is serial).
-  v_i^k in {0,1} node i uses operator variant k (at most one per node; none is PyTorch's own).
+  v_i^k in {0,1} node i uses operator variant k (at most one per node; none is PyTorch's own);
+  g_i in [0,1]   a region starts at node i (g_i >= r_i - r_{i-1}, g_i >= c_i), priced at the measured cost of a
+                 region (``Accounting.region_seconds``; each node in a region adds ``region_node_seconds``).
 Constraints: h_s >= 1 - r_n - o_p for every node n that saves s (made by p); h_s >= r_n - z_pn for every
 consumer n of s made by p (a region keeps its inputs); forward peak after each node and backward peak at
 each node <= budget - fixed bytes, where an offloaded storage counts until its wait point in the forward pass
@@ -132,8 +134,15 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     t0 = time.perf_counter()
     n = acc.n
     m = _Model()
-    r = [m.var(integer=True, cost=acc.recompute_seconds[i] + 1e-9) for i in range(n)]
+    r = [m.var(integer=True, cost=acc.recompute_seconds[i] + acc.region_node_seconds + 1e-9) for i in range(n)]
     c = [m.var(integer=True, cost=1e-7) for i in range(n)]
+    if acc.region_seconds > 0 and not minimize_peak:
+        # a region's own cost (memfit.runtime.overhead): start_i >= r_i - r_{i-1} and start_i >= c_i count the
+        # regions, which the objective then prices
+        for i in range(n):
+            start = m.var(cost=acc.region_seconds)
+            m.row({start: 1.0, r[i]: -1.0} if i == 0 else {start: 1.0, r[i]: -1.0, r[i - 1]: 1.0}, lo=0.0)
+            m.row({start: 1.0, c[i]: -1.0}, lo=0.0)
     if fix_spans is not None:
         inside = {i for lo, hi in fix_spans for i in range(lo, hi + 1)}
         starts = {lo for lo, _ in fix_spans}

@@ -18,6 +18,8 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   last); one read only by rerun nodes is freed after its last reader. Then the node's backward allocates the
   gradients of its inputs, frees the gradient of its output, and frees every storage whose last holder has
   now finished its backward;
+* a region costs ``Accounting.region_seconds`` plus ``Accounting.region_node_seconds`` per node it spans
+  beyond the nodes it recomputes (checkpoint frames and saved-tensor hooks, :mod:`memfit.runtime.overhead`);
 * a region holds the CPU RNG state (``Costs.region_bytes``) from its forward pass until its last holder's
   backward, and a second copy while it is recomputed (``torch.random.fork_rng``); it holds a snapshot of each
   buffer it can reach whose value the forward pass reads and writes as long, and copies every written buffer it
@@ -308,6 +310,10 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             free(unsaved_casts + to_end + acc.region_bytes + buffer_copies[r], f"recompute {i} end")
             recomputed[r] = copies
             clock += sum(acc.recompute_seconds[lo:i + 1])
+        if r >= 0 and i == spans[r][0]:  # the region's own cost (checkpoint frames, hooks), paid once per step
+            extra = acc.region_seconds + acc.region_node_seconds * (spans[r][1] - spans[r][0] + 1)
+            clock += extra
+            recompute_seconds += extra
         for s, o in off.items():
             if i in o.kept:
                 if s in fetched:
