@@ -187,6 +187,53 @@ def test_left_out_arguments_get_a_clear_error():
     planned(x, torch.ones(8, 16)).sum().backward()
 
 
+def test_the_planned_module_takes_keyword_arguments():
+    # a fresh user's transformer loop: planned(input_ids=..., attention_mask=...) raised "unexpected keyword"
+    torch.manual_seed(0)
+    x, extra, y = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = TwoInputs().train()
+    plain = fresh_copy(model)
+    _ce(plain(x, y=extra), y).backward()
+    for call in ({"x": x, "y": extra}, {"y": extra, "x": x}):
+        m = fresh_copy(model)
+        planned = memfit.optimize(m, (x, extra), "min", loss_fn=lambda out: _ce(out, y))
+        _ce(planned(**call), y).backward()
+        for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    planned(x, y=extra)  # mixed
+    with pytest.raises(TypeError, match="takes no argument 'mask'"):
+        planned(x, mask=extra)
+    with pytest.raises(TypeError, match="'x' given by position and by keyword"):
+        planned(x, x=x)
+    planned.eval()
+    assert torch.equal(planned(x=x, y=extra), m(x, extra))  # eval mode calls the model, keywords and all
+
+
+def test_leaving_out_an_argument_the_plan_was_made_with_says_which():
+    # a fresh user's nanoGPT loop: planned with (idx, targets), called planned(idx): AttributeError from inside
+    x, mask = torch.randn(8, 16), torch.ones(8, 16)
+    planned = memfit.optimize(Masked().train(), (x, mask))
+    with pytest.raises(TypeError, match=r"called without 'mask', so it takes its default"):
+        planned(x)
+    planned(x, mask).sum().backward()  # and it still works as planned
+
+
+def test_a_submodule_replaced_after_planning_is_refused_in_training():
+    # a fresh user's case: after model[1] = nn.Tanh() the planned module silently kept computing GELU
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).train()
+    x = torch.randn(8, 16)
+    planned = memfit.optimize(model, x, "min")
+    model[1] = nn.Tanh()
+    with pytest.raises(RuntimeError, match=r"submodule '1' was replaced \(GELU -> Tanh\) after planning"):
+        planned(x)
+    planned.eval()
+    assert torch.equal(planned(x), model(x))  # eval mode runs the model as it is now
+    planned.train()
+    replanned = memfit.optimize(model, x, "min")
+    assert torch.equal(replanned(x), model(x))
+
+
 class TwoOutputs(nn.Module):
     def __init__(self, mode):
         super().__init__()

@@ -35,13 +35,52 @@ def test_measure_optimizer_leaves_the_optimizer_alone_and_sees_adams_temporaries
     assert measure_optimizer(None) is None
 
 
-def test_an_optimizer_that_cannot_be_rebuilt_warns():
-    class Odd(torch.optim.SGD):
+class Lion(torch.optim.Optimizer):
+    """A fresh user's optimizer: its constructor needs an argument of its own, and it keeps one state tensor
+    per parameter (memfit estimated 0 bytes for it, and the step went 2.1x over its budget)."""
+
+    def __init__(self, params, schedule, lr=1e-4, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+        self.schedule = schedule
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.add_((m * g["beta"] + p.grad * (1 - g["beta"])).sign(), alpha=-g["lr"])
+                m.lerp_(p.grad, 1 - g["beta"])
+
+
+def test_an_optimizer_with_constructor_arguments_of_its_own_is_measured_on_a_copy():
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    lion = Lion(model.parameters(), schedule=lambda step: 1.0)
+    cost = measure_optimizer(lion)
+    assert not lion.state and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    real = copy.deepcopy(model)  # what the optimizer really keeps after a step
+    twin = Lion(real.parameters(), schedule=None)
+    for p in real.parameters():
+        p.grad = torch.ones_like(p)
+    twin.step()
+    assert cost.state_bytes == live_bytes([t for s in twin.state.values() for t in s.values()])
+
+
+def test_an_optimizer_that_cannot_be_measured_warns_with_its_estimate_and_the_way_out():
+    class Fussy(torch.optim.SGD):
         def __init__(self, params, secret):
             super().__init__(params, lr=0.1)
+            self.secret = secret
 
-    with pytest.warns(UserWarning, match="could not measure Odd"):
-        assert measure_optimizer(Odd(_mlp().parameters(), object())) is None
+        def step(self):
+            if any(float(p.detach().abs().sum()) == 0 for g in self.param_groups for p in g["params"]):
+                raise RuntimeError("all-zero parameters")
+            return super().step()
+
+    with pytest.warns(UserWarning, match=r"could not measure Fussy.*estimated at 0 bytes.*run one optimizer step"):
+        assert measure_optimizer(Fussy(_mlp().parameters(), object())) is None
 
 
 @pytest.mark.parametrize("foreach", [False, True])

@@ -165,6 +165,14 @@ def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
     assert len(msgs) == 2 and "[2, 3, 32, 32]" in msgs[0] and "[4, 3, 48, 48]" in msgs[1], msgs
 
 
+def test_a_torch_nn_model_that_fx_cannot_trace_is_told_to_wrap_it():
+    # a fresh user's case: the advice was to rewrite a line of torch's own functional.py
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2,
+                                enable_nested_tensor=False).train()
+    with pytest.raises(memfit.TraceError, match=r"PyTorch's own TransformerEncoder.*holds it as a child"):
+        memfit.optimize(enc, torch.randn(4, 8, 32), budget="min")
+
+
 def test_opaque_torch_nn_blocks_are_named():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
     model = nn.Sequential(nn.Linear(16, 32), enc, nn.Linear(32, 4)).train()

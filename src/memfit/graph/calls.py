@@ -66,6 +66,37 @@ def tensors_in(value) -> list:
     return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def positional_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``args`` and ``kwargs`` of a call of the traced forward as one tuple of positional inputs: a keyword
+    argument takes its parameter's place, and a parameter left out before it takes its default.
+
+    Raises:
+        TypeError: an unknown keyword, one given by position too, or a parameter left out (before one given by
+            keyword) that has no default; the message names them.
+    """
+    if not kwargs:
+        return tuple(args)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [str(p.target).lstrip("*") for p in placeholders]
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        raise TypeError(f"the model's forward takes no argument {', '.join(repr(k) for k in unknown)} (it takes "
+                        f"{', '.join(names)})")
+    twice = [k for k in kwargs if names.index(k) < len(args)]
+    if twice:
+        raise TypeError(f"argument {', '.join(repr(k) for k in twice)} given by position and by keyword")
+    last = max(names.index(k) for k in kwargs)
+    out = list(args)
+    for k in range(len(args), last + 1):
+        if names[k] in kwargs:
+            out.append(kwargs[names[k]])
+        elif placeholders[k].args:
+            out.append(placeholders[k].args[0])
+        else:
+            raise TypeError(f"the model's forward needs {names[k]!r} (no default value)")
+    return tuple(out)
+
+
 def bind_inputs(gm: fx.GraphModule, inputs: tuple) -> dict[str, Any]:
     """The values of ``gm``'s placeholders (the forward's arguments) for the positional ``inputs``: an argument
     that ``inputs`` leaves out takes its default (``def forward(self, x, mask=None)``; fx keeps it in the

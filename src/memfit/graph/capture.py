@@ -157,6 +157,11 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "subclass like any module of yours, so the parent's checks run on traced values. Hold the torch.nn "
                 "module as a child instead (self.bn = nn.BatchNorm2d(...); self.bn(x) * 1.5) or call its "
                 "functional form (torch.nn.functional).")
+    if user.startswith("inside torch") and type(model).__module__.startswith("torch."):
+        return (f"  the model is PyTorch's own {type(model).__name__}, whose forward torch.fx cannot trace (its "
+                "checks read tensor values). Plan a module of your own that holds it as a child instead, e.g. "
+                "`class Net(nn.Module): __init__: self.body = encoder; forward(x): return self.body(x)`: memfit then "
+                "keeps it whole (it runs as one step, which memfit cannot recompute or offload in part).")
     if "Proxy" in str(exc):
         return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
                 "number, which torch.fx cannot pass: use an operation that takes the tensor itself (e.g. "

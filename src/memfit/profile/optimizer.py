@@ -10,6 +10,7 @@ user's optimizer class, with the user's hyperparameters, on scratch copies of th
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -58,7 +59,9 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
 
     A new instance of ``type(optimizer)`` with the same parameter groups and hyperparameters runs two steps
     on zero-valued copies of the trainable parameters (same shapes, dtypes and device) with constant
-    gradients; the second step runs under :class:`~memfit.profile.MemoryTracker`. The user's optimizer and
+    gradients; the second step runs under :class:`~memfit.profile.MemoryTracker`. An optimizer whose constructor
+    takes arguments of its own is deep-copied instead, with the scratch copies in its parameters' place and its
+    state cleared. The user's optimizer and
     parameters are not touched. Needs, for a moment, the parameters' size again for the copies, their
     gradients and their state (4x the parameters for Adam).
 
@@ -74,6 +77,7 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
         return None
     try:
         groups, device = [], None
+        scratch_of: dict[int, torch.Tensor] = {}
         for g in optimizer.param_groups:
             scratch = []
             for p in g["params"]:
@@ -82,6 +86,7 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
                 s = torch.zeros_like(p, memory_format=torch.preserve_format).requires_grad_()
                 s.grad = torch.full_like(s, 1e-3)
                 scratch.append(s)
+                scratch_of[id(p)] = s
                 device = p.device
             if scratch:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": scratch})
@@ -90,7 +95,11 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
         try:
             twin = type(optimizer)(groups, **optimizer.defaults)
         except TypeError:
-            twin = type(optimizer)(groups)
+            try:
+                twin = type(optimizer)(groups)
+            except TypeError:  # a constructor with arguments of its own: a copy holding the scratch parameters
+                twin = copy.deepcopy(optimizer, memo=dict(scratch_of))
+                twin.state.clear()
         twin.step()  # creates the state
         state = live_bytes(_state_tensors(twin))
         with MemoryTracker(device) as tracker:
@@ -99,7 +108,14 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
         del twin, groups, scratch
         return OptimizerCost(state_bytes=state, step_bytes=step)
     except Exception as exc:  # noqa: BLE001 -- a custom optimizer can fail in many ways; planning must not
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        stepped = bool(_state_tensors(optimizer))
+        guess = optimizer_state_bytes(optimizer, params)
+        what = (f"its state is counted as it is now ({guess} bytes)" if stepped else
+                f"its state is estimated at {guess} bytes (2x the trainable parameters for Adam-style optimizers, "
+                "1x with momentum, else 0), which can be too low: run one optimizer step before planning so that "
+                "memfit counts the state it really keeps")
         warnings.warn(f"memfit could not measure {type(optimizer).__name__}.step()'s memory on scratch "
-                      f"parameters ({type(exc).__name__}: {exc}); its state is estimated and the temporaries "
-                      "of its step are not counted in the budget", stacklevel=3)
+                      f"parameters ({type(exc).__name__}: {exc}); {what}, and the temporaries of its step are not "
+                      "counted in the budget", stacklevel=3)
         return None

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
+from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, positional_inputs, tensors_in
 from memfit.graph.capture import Captured
 from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
 from memfit.profile.buffers import (
@@ -317,6 +317,7 @@ class PlannedModule(nn.Module):
             raise ValueError(f"the plan was solved for a different graph (node names differ){hint}; "
                              "solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self._modules_at_build = list(self.model.named_modules()) if self.model is not gm else []
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
@@ -439,14 +440,53 @@ class PlannedModule(nn.Module):
             raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply "
                              f"({e})") from None
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         model = self.model
         if not (self.training and model.training and torch.is_grad_enabled()):
-            return model(*args)  # no training step, no plan: exactly what the model computes in this mode
+            return model(*args, **kwargs)  # no training step, no plan: what the model computes in this mode
+        self._check_modules()
+        args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
             env: dict[str, Any] = bind_inputs(self.gm, args)
         except ValueError as exc:
             raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")) from None
+        # fewer tensors than at planning time: some argument takes its default, which the trace may not run with
+        defaulted = self._placeholders[len(args):]
+        if defaulted and sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
+            out = self._run_checked(env, args, defaulted)
+            self._warn_inputs(args)  # after it ran: if it fails, the error says why
+            return out
+        self._warn_inputs(args)
+        return self._run(env, args)
+
+    def _run_checked(self, env: dict[str, Any], args: tuple, defaulted: list[str]):
+        """:meth:`_run`, with a failure explained when arguments were left out (their defaults, e.g. ``None``, may
+        take a path the traced forward does not have)."""
+        try:
+            return self._run(env, args)
+        except Exception as exc:
+            raise TypeError(
+                f"the planned module was called without {', '.join(repr(d) for d in defaulted)}, so "
+                f"{'they take their defaults' if len(defaulted) > 1 else 'it takes its default'}, but the forward "
+                f"traced at planning time fails with that ({type(exc).__name__}: {exc}): torch.fx recorded the path "
+                "the example inputs took. Pass the same arguments as at planning time, or plan for the call you "
+                "make") from exc
+
+    def _check_modules(self) -> None:
+        """Refuse to run when a submodule of the model was replaced or removed after planning: the traced graph
+        still calls the old one, so training would silently compute something else than the model."""
+        now = dict(self.model.named_modules())
+        for name, module in self._modules_at_build:
+            if now.get(name) is not module:
+                what = (f"replaced ({type(module).__name__} -> {type(now[name]).__name__})" if name in now
+                        else "removed")
+                raise RuntimeError(f"the model's submodule {name!r} was {what} after planning; the planned module "
+                                   "runs the graph traced then, which still calls the old one. Plan the model again "
+                                   "(memfit.optimize(model, ...))")
+
+    def _warn_inputs(self, args: tuple) -> None:
+        """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another
+        autocast state."""
         if self.plan.input_shapes:  # the figures are a training step's
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
             key = repr(shapes)
@@ -454,7 +494,7 @@ class PlannedModule(nn.Module):
                 self._warned_shapes.add(key)  # once per shape: a last short batch each epoch warns once
                 warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
                               f"called with {shapes}; results are correct but the planned memory figures do "
-                              "not hold. Make a plan for these shapes.", stacklevel=2)
+                              "not hold. Make a plan for these shapes.", stacklevel=4)
         here = autocast_dtype(args)
         if (self.plan.autocast or None) != here and f"autocast {here}" not in self._warned_shapes:
             self._warned_shapes.add(f"autocast {here}")
@@ -462,7 +502,9 @@ class PlannedModule(nn.Module):
             warnings.warn(f"memfit: the plan was made {made} and is called "
                           f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: results are "
                           "correct but activations differ in size, so the planned memory figures do not hold. Make "
-                          "a plan in the autocast state you train in.", stacklevel=2)
+                          "a plan in the autocast state you train in.", stacklevel=4)
+
+    def _run(self, env: dict[str, Any], args: tuple):
         # only in the first few training calls (gradient accumulation allocates them from the second on), so that
         # the training step does not walk every parameter each time
         if self._grad_checks > 0 and not self.plan.grads_exist:
@@ -473,7 +515,7 @@ class PlannedModule(nn.Module):
                               "False), or gradients accumulated over several backward passes), but the plan was made "
                               "for gradients set to None (PyTorch's zero_grad()): each backward pass then adds into "
                               "them through temporaries the plan did not count, and the step can exceed its budget. "
-                              "Make the plan with grads_exist=True (--grads-exist).", stacklevel=2)
+                              "Make the plan with grads_exist=True (--grads-exist).", stacklevel=3)
         off = self._offload_step(args) if self._offloads else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
                  else contextlib.nullcontext())
