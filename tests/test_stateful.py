@@ -279,6 +279,20 @@ def test_deepcopy_is_an_independent_planned_module():
     assert planned(x).detach().abs().max() > 0
 
 
+def test_deepcopy_keeps_each_submodules_mode():
+    """A fresh user's student/teacher loop: a BatchNorm frozen in eval mode inside a model in training mode came back
+    in training mode in ``copy.deepcopy(planned)``, so the teacher's statistics drifted (0.052 in its output)."""
+    x, y = _data()
+    model = _build(MODELS["batch_norm"])
+    planned = _plan_for(model, "halves")
+    frozen = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d)).eval()
+    teacher = copy.deepcopy(planned)
+    plain = copy.deepcopy(model)
+    assert [m.training for m in teacher.model.modules()] == [m.training for m in model.modules()]
+    assert not frozen.training and teacher.training
+    _assert_same(*_train_side_by_side(plain, teacher, x, y))
+
+
 class FunctionalDropout(nn.Module):
     def __init__(self):
         super().__init__()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -305,7 +306,10 @@ class PlannedModule(nn.Module):
             if "hooks" in key and isinstance(value, dict):
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._warned_shapes = set(self._warned_shapes)
-        new.train(self.training)
+        # the copies of the model and of its submodules kept their own modes (a frozen BatchNorm in eval mode
+        # inside a model in training mode stays so); train() would set them all
+        new.training = self.training
+        new.__dict__["gm"].training = self.__dict__["gm"].training
         return new
 
     def _build(self) -> None:
@@ -318,6 +322,7 @@ class PlannedModule(nn.Module):
                              "solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._modules_at_build = list(self.model.named_modules()) if self.model is not gm else []
+        self._state_at_build = self._state_now()
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
@@ -472,9 +477,19 @@ class PlannedModule(nn.Module):
                 "the example inputs took. Pass the same arguments as at planning time, or plan for the call you "
                 "make") from exc
 
+    def _state_now(self) -> list[tuple[str, int]]:
+        """``(name, id)`` of the model's parameters and buffers, as the planned module's operator variants hold them."""
+        model = self.model
+        return [(n, id(t)) for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                                      model.named_buffers(remove_duplicate=False))]
+
     def _check_modules(self) -> None:
         """Refuse to run when a submodule of the model was replaced or removed after planning: the traced graph
-        still calls the old one, so training would silently compute something else than the model."""
+        still calls the old one, so training would silently compute something else than the model. A parameter or
+        buffer replaced by a new tensor (``model.fc.weight = nn.Parameter(...)``) rebuilds the operator variants,
+        which hold the tensors they were built with."""
+        if not self._modules_at_build:
+            return
         now = dict(self.model.named_modules())
         for name, module in self._modules_at_build:
             if now.get(name) is not module:
@@ -483,6 +498,18 @@ class PlannedModule(nn.Module):
                 raise RuntimeError(f"the model's submodule {name!r} was {what} after planning; the planned module "
                                    "runs the graph traced then, which still calls the old one. Plan the model again "
                                    "(memfit.optimize(model, ...))")
+        if self._state_now() != self._state_at_build:
+            root = self.model
+            for name, p in root.named_parameters(recurse=False):
+                self.register_parameter(name, p)
+            for name, b in root.named_buffers(recurse=False):
+                self.register_buffer(name, b)
+            self._build()
+            shapes = {k: list(v.shape) for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
+            if self.plan.state_shapes and shapes != self.plan.state_shapes:
+                warnings.warn("memfit: a parameter or buffer of the model was replaced by one of another shape after "
+                              "planning; results are correct but the planned memory figures do not hold. Make a "
+                              "plan for the model as it is now.", stacklevel=4)
 
     def _warn_inputs(self, args: tuple) -> None:
         """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another
