@@ -241,8 +241,11 @@ class PlannedModule(nn.Module):
     Raises:
         ValueError: (at construction) the plan was solved for another graph, or it asks for an operator
             variant or an in-place form that cannot apply here.
-        TypeError: (when called in training mode with gradients) the number of positional inputs differs
-            from the traced forward's.
+        TypeError: (when called in training mode with gradients) more inputs than the traced forward takes, an
+            unknown keyword, or a left-out argument whose default the traced forward cannot run with (keyword
+            arguments take their parameter's place, as in the model's own forward).
+        RuntimeError: (likewise) a submodule of the model was replaced or removed after planning (plan again; a
+            replaced parameter or buffer tensor is picked up instead).
     """
 
     def __init__(self, captured: Captured, plan: Plan, report: dict | None = None,
