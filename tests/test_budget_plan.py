@@ -205,3 +205,28 @@ def test_the_budget_an_infeasible_error_names_works_on_the_same_profile(monkeypa
     assert plan.budget_bytes == floor and plan.predicted_peak_bytes <= floor
     keys = [args[1:] for args in solved]  # (recompute_only, fastest): each solved once for both calls
     assert keys and len(keys) == len(set(keys)), solved
+
+
+def test_an_infeasible_error_says_when_the_floor_search_stopped_at_its_time_limit(monkeypatch):
+    # under heavy CPU contention ResNet-50's floor search stopped at its time limit and the error named 41.7% of the
+    # activation peak as the smallest feasible budget, where a quiet run reaches 30%
+    import dataclasses
+
+    from memfit.solve import strategies
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10)).train()
+    x = torch.randn(256, 64)
+    with pytest.raises(memfit.InfeasibleBudgetError) as exc:
+        memfit.plan(model, x, budget=1000, tiling=False)
+    assert exc.value.stopped_at is None and "time limit" not in str(exc.value)
+    solve = strategies.solve_regions
+
+    def slow(*args, **kw):  # as a busy machine makes it: the peak-minimizing search runs out of time
+        res = solve(*args, **kw)
+        return dataclasses.replace(res, status="Time limit reached") if kw.get("minimize_peak") else res
+
+    monkeypatch.setattr(strategies, "solve_regions", slow)
+    with pytest.raises(memfit.InfeasibleBudgetError, match=r"stopped at its time limit, so a longer time_limit") as exc:
+        memfit.plan(model, x, budget=1000, time_limit=3, tiling=False)
+    assert 0 < exc.value.stopped_at <= 3

@@ -24,10 +24,13 @@ Spans = list[tuple[int, int]]
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the budget. ``smallest_feasible_bytes`` is the lowest peak memfit found a plan for."""
+    """No plan fits the budget. ``smallest_feasible_bytes`` is the lowest peak memfit found a plan for; ``stopped_at``
+    the time limit (seconds) that its search for it had and reached, or ``None`` (it ran to its node limit)."""
 
-    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0):
+    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0,
+                 stopped_at: float | None = None):
         self.budget_bytes = budget_bytes
+        self.stopped_at = stopped_at
         self.smallest_feasible_bytes = smallest_feasible_bytes
         self.fixed_bytes = fixed_bytes
         self.step_bytes = step_bytes
@@ -38,9 +41,12 @@ class InfeasibleBudgetError(ValueError):
                 "which set this floor: no plan and hardly any batch size changes them (a smaller model, or "
                 "an optimizer with less state, such as SGD, does)" if by_step else
                 ". Raise the budget, or lower the batch size")
+        stopped = ("" if stopped_at is None else
+                   " (the search for the lowest-memory plan stopped at its time limit, so a longer time_limit / "
+                   "--time-limit may find a lower one; a busy machine slows that search)")
         super().__init__(
             f"no plan fits a budget of {budget_bytes} bytes ({fmt_bytes(budget_bytes)}); the smallest "
-            f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}), "
+            f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}){stopped}, "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
             f"buffers, optimizer state, inputs){hint}.")
 
@@ -90,7 +96,7 @@ class _Problem:
         self.exact_plain = costs.headroom_of is None
         activation = self.plain.peak_bytes - fixed if self.exact_plain else costs.headroom_of
         self.margin = _margin(activation, costs.device)
-        self._lows: dict[tuple[bool, bool], list[Plan]] = lows  # (recompute_only, fastest) -> plans
+        self._lows: dict[tuple, list[Plan] | float] = lows  # (recompute_only, fastest) -> plans; ("stopped_at",)
 
     def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
                offloads: list[int] | None = None) -> Plan:
@@ -153,6 +159,7 @@ class _Problem:
                  self.finish([(0, self.acc.n - 1)])]
         if recompute_only:
             res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True)
+            self._note_time_limit(res, time_limit)
             if res.spans is None:
                 return plans
             lows = [self.finish(res.spans)]
@@ -181,12 +188,23 @@ class _Problem:
                                         offload=offload, start_spans=begin and begin.spans,
                                         start_variants=begin and begin.variants,
                                         start_offloads=begin and begin.offloads)
+                    self._note_time_limit(res, time_limit)
                     if res.spans is not None:
                         plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
                         if fastest:
                             plans[1:1] = self.fastest_at(res, options, offload, time_limit)
                         start = res
         return plans
+
+    def _note_time_limit(self, res: IlpResult, time_limit: float) -> None:
+        """Remember that a peak-minimizing program stopped at its time limit (before its node limit): the floor
+        found may then be above the one a longer search would find."""
+        if "time limit" in res.status.lower():
+            self._lows[("stopped_at",)] = time_limit
+
+    def stopped_at(self) -> float | None:
+        """The time limit (seconds) at which a lowest-memory search stopped, or ``None``."""
+        return self._lows.get(("stopped_at",))
 
     def fastest_at(self, low: IlpResult, options, offload: bool, time_limit: float) -> list[Plan]:
         """The time-minimizing program at the modelled peak of the peak-minimizing solution ``low``, started
@@ -396,4 +414,5 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
         return best
     if prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # keeping everything fits without headroom
         return prob.finish([], gap=0.0)
-    raise InfeasibleBudgetError(budget_bytes, prob.smallest_feasible(time_limit, lows), fixed, acc.step_bytes)
+    floor = prob.smallest_feasible(time_limit, lows)
+    raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at())
