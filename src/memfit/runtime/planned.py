@@ -202,6 +202,26 @@ def autocast_dtype(inputs: tuple) -> str | None:
     return str(torch.get_autocast_dtype(device_type))
 
 
+_TREE_VERSION = [0]  # bumped whenever any module anywhere registers a submodule, parameter or buffer
+_WATCHING: list[bool] = []
+
+
+def _bump(*_args) -> None:
+    _TREE_VERSION[0] += 1  # (returns None: a registration hook's return value would replace what is registered)
+
+
+def _watch_tree() -> None:
+    """Install, once per process, PyTorch's global registration hooks that count changes to any module tree, so
+    that a planned module looks at its model's tree only after one (instead of walking it every training call)."""
+    if not _WATCHING:
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_module_registration_hook(_bump)
+        torch_module.register_module_parameter_registration_hook(_bump)
+        torch_module.register_module_buffer_registration_hook(_bump)
+        _WATCHING.append(True)
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -324,6 +344,8 @@ class PlannedModule(nn.Module):
             raise ValueError(f"the plan was solved for a different graph (node names differ){hint}; "
                              "solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        _watch_tree()
+        self._tree_version = _TREE_VERSION[0]
         self._modules_at_build = list(self.model.named_modules()) if self.model is not gm else []
         self._state_at_build = self._state_now()
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -487,12 +509,14 @@ class PlannedModule(nn.Module):
                                                       model.named_buffers(remove_duplicate=False))]
 
     def _check_modules(self) -> None:
-        """Refuse to run when a submodule of the model was replaced or removed after planning: the traced graph
+        """Refuse to run when a submodule of the model was replaced or removed after planning (seen after any
+        module registered a submodule, parameter or buffer: ``del model.fc`` alone is not seen): the traced graph
         still calls the old one, so training would silently compute something else than the model. A parameter or
         buffer replaced by a new tensor (``model.fc.weight = nn.Parameter(...)``) rebuilds the operator variants,
         which hold the tensors they were built with."""
-        if not self._modules_at_build:
-            return
+        if not self._modules_at_build or _TREE_VERSION[0] == self._tree_version:
+            return  # no module anywhere registered anything since the last look
+        version = _TREE_VERSION[0]
         now = dict(self.model.named_modules())
         for name, module in self._modules_at_build:
             if now.get(name) is not module:
@@ -513,6 +537,7 @@ class PlannedModule(nn.Module):
                 warnings.warn("memfit: a parameter or buffer of the model was replaced by one of another shape after "
                               "planning; results are correct but the planned memory figures do not hold. Make a "
                               "plan for the model as it is now.", stacklevel=4)
+        self._tree_version = version  # (after the checks: a refused tree is refused again at the next call)
 
     def _warn_inputs(self, args: tuple) -> None:
         """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another
