@@ -230,3 +230,14 @@ def test_an_infeasible_error_says_when_the_floor_search_stopped_at_its_time_limi
     with pytest.raises(memfit.InfeasibleBudgetError, match=r"stopped at its time limit, so a longer time_limit") as exc:
         memfit.plan(model, x, budget=1000, time_limit=3, tiling=False)
     assert 0 < exc.value.stopped_at <= 3
+
+
+def test_budget_100_percent_keeps_everything():
+    # a fresh user's 100% plan recomputed two BatchNorms (8% slower) though keeping everything fits it exactly
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                          nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 16 * 16, 10)).train()
+    x = torch.randn(8, 3, 16, 16)
+    plan, _, _ = memfit.plan(model, x, budget="100%")
+    assert plan.regions == [] and not plan.stats_recompute and not plan.offloads
+    assert plan.predicted_peak_bytes == plan.budget_bytes

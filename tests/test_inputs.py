@@ -213,7 +213,7 @@ def test_leaving_out_an_argument_the_plan_was_made_with_says_which():
     # a fresh user's nanoGPT loop: planned with (idx, targets), called planned(idx): AttributeError from inside
     x, mask = torch.randn(8, 16), torch.ones(8, 16)
     planned = memfit.optimize(Masked().train(), (x, mask))
-    with pytest.raises(TypeError, match=r"called without 'mask', so it takes its default"):
+    with pytest.raises(TypeError, match=r"fewer inputs than the plan was made with, so 'mask' takes its default"):
         planned(x)
     planned(x, mask).sum().backward()  # and it still works as planned
 
@@ -253,6 +253,25 @@ def test_a_parameter_replaced_after_planning_is_trained_by_the_operator_variants
     _ce(plain(x), y).backward()
     _ce(planned(x), y).backward()
     assert new.grad is not None
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_unfreezing_after_planning_warns_that_the_budget_does_not_hold():
+    # a fresh user planned a fine-tuning run with a frozen backbone, then unfroze it: 3.2x the budget, no warning
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    model[0].requires_grad_(False)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: _ce(out, y))
+    _ce(planned(x), y).backward()  # as planned: no warning
+    model[0].requires_grad_(True)
+    plain = fresh_copy(model)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"2 parameter\(s\) frozen when the plan was made now require grad \(0.weight"):
+        out = planned(x)
+    _ce(out, y).backward()
+    _ce(plain(x), y).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), name
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -66,6 +67,37 @@ def test_an_optimizer_with_constructor_arguments_of_its_own_is_measured_on_a_cop
         p.grad = torch.ones_like(p)
     twin.step()
     assert cost.state_bytes == live_bytes([t for s in twin.state.values() for t in s.values()])
+
+
+class Trusting(torch.optim.Optimizer):
+    """Keeps a constructor argument on ``self`` and three state tensors per parameter (a fresh user's case:
+    ``copy.deepcopy`` of an optimizer goes through ``Optimizer.__getstate__`` and lost ``self.trust``)."""
+
+    def __init__(self, params, lr, trust):
+        super().__init__(params, {"lr": lr})
+        self.trust = trust
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st["m"], st["v"], st["w"] = (torch.zeros_like(p) for _ in range(3))
+                st["m"].mul_(0.9).add_(p.grad)
+                st["v"].mul_(0.9).addcmul_(p.grad, p.grad)
+                st["w"].copy_(st["m"])
+                p.add_(st["m"] / (st["v"].sqrt() + 1e-8), alpha=-g["lr"] * self.trust)
+
+
+def test_an_optimizer_with_attributes_of_its_own_is_measured_on_a_faithful_copy():
+    model = _mlp()
+    opt = Trusting(model.parameters(), 0.01, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "could not measure" fallback
+        cost = measure_optimizer(opt)
+    assert not opt.state and opt.trust == 0.5
+    assert cost.state_bytes == 3 * live_bytes(list(model.parameters()))
 
 
 def test_an_optimizer_that_cannot_be_measured_warns_with_its_estimate_and_the_way_out():

@@ -98,7 +98,10 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
             try:
                 twin = type(optimizer)(groups)
             except TypeError:  # a constructor with arguments of its own: a copy holding the scratch parameters
-                twin = copy.deepcopy(optimizer, memo=dict(scratch_of))
+                # (of the whole __dict__: copy.deepcopy(optimizer) goes through Optimizer.__getstate__, which keeps
+                # only defaults, state and param_groups, and loses what the constructor set on self)
+                twin = type(optimizer).__new__(type(optimizer))
+                twin.__dict__.update(copy.deepcopy(optimizer.__dict__, memo=dict(scratch_of)))
                 twin.state.clear()
         twin.step()  # creates the state
         state = live_bytes(_state_tensors(twin))

@@ -348,6 +348,8 @@ class PlannedModule(nn.Module):
         self._tree_version = _TREE_VERSION[0]
         self._modules_at_build = list(self.model.named_modules()) if self.model is not gm else []
         self._state_at_build = self._state_now()
+        self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
+        self._unfrozen_warned = False
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
@@ -484,10 +486,10 @@ class PlannedModule(nn.Module):
         defaulted = self._placeholders[len(args):]
         if defaulted and sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
             out = self._run_checked(env, args, defaulted)
-            self._warn_inputs(args)  # after it ran: if it fails, the error says why
-            return out
-        self._warn_inputs(args)
-        return self._run(env, args)
+        else:
+            out = self._run(env, args)
+        self._warn_inputs(args)  # after it ran: if it failed, its error says why
+        return out
 
     def _run_checked(self, env: dict[str, Any], args: tuple, defaulted: list[str]):
         """:meth:`_run`, with a failure explained when arguments were left out (their defaults, e.g. ``None``, may
@@ -496,11 +498,11 @@ class PlannedModule(nn.Module):
             return self._run(env, args)
         except Exception as exc:
             raise TypeError(
-                f"the planned module was called without {', '.join(repr(d) for d in defaulted)}, so "
-                f"{'they take their defaults' if len(defaulted) > 1 else 'it takes its default'}, but the forward "
-                f"traced at planning time fails with that ({type(exc).__name__}: {exc}): torch.fx recorded the path "
-                "the example inputs took. Pass the same arguments as at planning time, or plan for the call you "
-                "make") from exc
+                f"the planned module was called with fewer inputs than the plan was made with, so "
+                f"{', '.join(repr(d) for d in defaulted)} {'take their defaults' if len(defaulted) > 1 else 'takes its default'}, "
+                f"but the forward traced at planning time fails with that ({type(exc).__name__}: {exc}): torch.fx "
+                "recorded the path the example inputs took. Pass the same arguments as at planning time, or plan for "
+                "the call you make") from exc
 
     def _state_now(self) -> list[tuple[str, int]]:
         """``(name, id)`` of the model's parameters and buffers, as the planned module's operator variants hold them."""
@@ -539,6 +541,19 @@ class PlannedModule(nn.Module):
                               "plan for the model as it is now.", stacklevel=4)
         self._tree_version = version  # (after the checks: a refused tree is refused again at the next call)
 
+    def _check_unfrozen(self) -> None:
+        """Warn once when a parameter that was frozen at planning time now requires grad: its gradient (and the
+        backward work to make it) is in no account of the plan (a fresh user's unfrozen backbone: 3.2x the budget)."""
+        if self._unfrozen_warned:
+            return
+        names = [n for n, p in self._frozen_at_build if p.requires_grad]
+        if names:
+            self._unfrozen_warned = True
+            warnings.warn(f"memfit: {len(names)} parameter(s) frozen when the plan was made now require grad "
+                          f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): results are correct, but "
+                          "their gradients are not in the plan, so the step can exceed its budget. Make a plan for "
+                          "the model as it is now.", stacklevel=4)
+
     def _warn_inputs(self, args: tuple) -> None:
         """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another
         autocast state."""
@@ -562,6 +577,7 @@ class PlannedModule(nn.Module):
     def _run(self, env: dict[str, Any], args: tuple):
         # only in the first few training calls (gradient accumulation allocates them from the second on), so that
         # the training step does not walk every parameter each time
+        self._check_unfrozen()
         if self._grad_checks > 0 and not self.plan.grads_exist:
             self._grad_checks -= 1
             if any(p.grad is not None for p in self.parameters() if p.requires_grad):
