@@ -70,6 +70,11 @@ def test_parse_fractions():
     assert parse_fractions("100%,70%,0.5") == [1.0, 0.7, 0.5]
     with pytest.raises(ValueError):
         parse_fractions("half")
+    assert parse_fractions("50%,30%,") == [0.5, 0.3]  # a trailing comma is fine
+    with pytest.raises(ValueError, match="empty entry"):  # a fresh user's typo was silently dropped
+        parse_fractions("50%,,30%")
+    with pytest.raises(ValueError, match="no budgets"):
+        parse_fractions("")
 
 
 def test_sweep_writes_documented_files_and_keys(swept):

@@ -150,9 +150,17 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
     above 1 (``"50"``) is refused, since it is almost surely a percentage without its ``%``.
 
     Raises:
-        ValueError: an entry is neither, the list is empty, or (``percent_only``) an entry lacks ``%``.
+        ValueError: an entry is neither, or empty between commas, the list is empty, or (``percent_only``) an
+            entry lacks ``%``.
     """
-    items = text if isinstance(text, (list, tuple)) else [t for t in str(text).split(",") if t.strip()]
+    if isinstance(text, (list, tuple)):
+        items = list(text)
+    else:
+        items = str(text).split(",")
+        if items and not items[-1].strip():  # a trailing comma
+            items.pop()
+        if any(not t.strip() for t in items):  # "50%,,30%": a budget left out by mistake, most likely
+            raise ValueError(f"budgets {text!r}: an empty entry between commas; write e.g. 50%,40%,30%")
     out = []
     for item in items:
         s = str(item).strip()
