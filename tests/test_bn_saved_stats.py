@@ -176,14 +176,20 @@ def test_planned_models_recompute_batchnorm_from_statistics_and_match_pytorch(ch
     assert count.calls == 0
 
 
-def test_the_profile_times_the_recomputation_from_statistics():
-    """A BatchNorm large enough that the statistics pass dominates (about 4x the normalization alone on the
-    CPU) is priced below its forward time; without variants nothing is."""
+def test_the_profile_times_the_recomputation_from_statistics(monkeypatch):
+    """A BatchNorm whose replay from saved statistics times below its forward pass is priced at that time; without
+    variants nothing is. The clock is a stand-in (every run 1 s, the replay 0.25 s): this was a timing assertion,
+    which failed once on a busy machine; what the variant saves on the machine is a benchmark
+    (``benchmarks/bn_saved_stats_check.py``)."""
+    from memfit.profile import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "median_seconds",
+                        lambda fn, device, repeats, setup=None: 0.25 if fn.__name__ == "replay" else 1.0)
     model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU()).train()
     x = torch.randn(8, 3, 32, 32)
     _, _, costs = memfit.plan(model, x, budget="100%")
     bn = next(c for c in costs.nodes if c.name == "_1")
-    assert bn.recompute_seconds is not None and 0 < bn.recompute_seconds < bn.fwd_seconds
+    assert bn.fwd_seconds == 1.0 and bn.recompute_seconds == 0.25
     assert bn.stats_bytes == 2 * 64 * 4
     assert all(c.recompute_seconds is None for c in costs.nodes if c.name != "_1")
     _, _, plain = memfit.plan(model, x, budget="100%", variants=False)
