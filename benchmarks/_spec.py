@@ -26,3 +26,15 @@ def profile_once(model, x, y, loss):
     _, captured, costs = memfit.plan(fresh_copy(model), x, budget="100%", strategy="memfit",
                                      loss_fn=lambda out: loss(out, y))
     return captured, costs
+
+
+def profiled_spec(spec: str):
+    """:func:`zoo_setup` and :func:`profile_once` of ``spec``, with plain PyTorch's plan: ``(captured, costs, plain,
+    activation)``, ``activation`` being plain PyTorch's predicted activation peak (bytes) that budgets in percent
+    are fractions of."""
+    from memfit.solve.strategies import make_plan
+
+    model, x, y, loss = zoo_setup(spec)
+    captured, costs = profile_once(model, x, y, loss)
+    plain = make_plan("none", captured.graph, costs)
+    return captured, costs, plain, plain.predicted_peak_bytes - costs.fixed_bytes

@@ -11,7 +11,7 @@ pass's statistics at its recomputation time).
 import argparse
 import collections
 
-from _spec import profile_once, zoo_setup
+from _spec import profiled_spec
 
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
 
@@ -22,11 +22,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="90,80,70,60,50,45,40,35", help="activation budgets, percent")
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
-    model, x, y, loss = zoo_setup(args.spec)
-    captured, costs = profile_once(model, x, y, loss)
+    captured, costs, plain, act = profiled_spec(args.spec)
     graph, fixed = captured.graph, costs.fixed_bytes
-    plain = make_plan("none", graph, costs)
-    act = plain.predicted_peak_bytes - fixed
     kind = [n.module_type or n.target for n in graph.nodes]
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     print(f"{args.spec}: plain activation peak {act / 2**20:.1f} MiB, predicted step {plain.predicted_step_seconds:.3f} s")

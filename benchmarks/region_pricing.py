@@ -18,7 +18,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _spec import profile_once, zoo_setup
+from _spec import profiled_spec
 
 from memfit.solve.simulator import simulate
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
@@ -31,11 +31,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
-    model, x, y, loss = zoo_setup(args.spec)
-    captured, costs = profile_once(model, x, y, loss)
+    captured, costs, plain, act = profiled_spec(args.spec)
     graph, fixed = captured.graph, costs.fixed_bytes
-    plain = make_plan("none", graph, costs)
-    act = plain.predicted_peak_bytes - fixed
     print(f"{args.spec}: a region costs {costs.region_seconds * 1e3:.2f} ms + {costs.region_node_seconds * 1e3:.3f} ms "
           "per node", flush=True)
     setups = {"unpriced": dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0), "priced": costs}
