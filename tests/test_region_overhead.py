@@ -80,7 +80,13 @@ def test_a_priced_plan_uses_fewer_regions_and_still_trains_as_pytorch_does(deep)
     unpriced = make_plan("remat-ilp", captured.graph, free, budget, fixed_bytes=fixed)
     priced = make_plan("remat-ilp", captured.graph, dear, budget, fixed_bytes=fixed)
     assert len(priced.regions) <= len(unpriced.regions)
-    assert simulate(captured.graph, dear, priced).step_seconds <= simulate(captured.graph, dear, unpriced).step_seconds
+    # priced at the true region cost, its step is no slower, up to the 1% gap at which HiGHS stops on the
+    # recomputation time (CI once saw 0.25 us in 18.6 ms: two equally good plans, the unpriced one a hair ahead)
+    plain_step = simulate(captured.graph, dear, plain).step_seconds
+    extra_priced = simulate(captured.graph, dear, priced).step_seconds - plain_step
+    extra_unpriced = simulate(captured.graph, dear, unpriced).step_seconds - plain_step
+    gap = max(priced.mip_gap or 0.0, 0.01)  # solve_regions stops at mip_gap=0.01 unless told otherwise
+    assert extra_priced <= extra_unpriced * (1 + gap) + 1e-9, (extra_priced, extra_unpriced, priced.mip_gap)
     m.load_state_dict(initial)
     planned = memfit.PlannedModule(captured, priced)
     fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
