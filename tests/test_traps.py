@@ -9,6 +9,8 @@ import memfit
 from _models import ListOut, TiedLM, channel_mix_with_relu_mask, plain_and_planned
 from memfit import zoo
 from memfit.bench.harness import fresh_copy
+from memfit.variants import BatchNorm2dFromOutput, Conv2dSplitBackward, MaxPool2dCompact, ReLUMask
+from memfit.variants.tiled import TiledChain
 
 
 def _grads(module):
@@ -658,3 +660,33 @@ def test_outputs_the_loss_and_the_model_both_save_are_counted_once():
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig, planned.plan.fixed_bytes, planned.plan.to_dict())
     assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.02 * fig.peak_bytes, (
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
+
+
+@pytest.mark.parametrize("name, module", [
+    ("relu-mask", lambda: ReLUMask()),
+    ("bn-from-output", lambda: BatchNorm2dFromOutput(3)),
+    ("conv-split-backward", lambda: Conv2dSplitBackward(3, 3, 3, padding=1)),
+    ("maxpool-compact", lambda: MaxPool2dCompact(2)),
+    ("tiled-chain", lambda: TiledChain([nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()], stripes=2)),
+])
+def test_double_backward_through_a_variant_is_refused_with_the_way_out(name, module):
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    out = module()(x)
+    with pytest.raises(RuntimeError, match=rf"double backward.*{name}.*variants=False"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+def test_a_gradient_penalty_planned_without_variants_gets_pytorchs_gradients(setup):
+    model, images = setup[0], setup[1][:4]
+
+    def penalized(m):
+        x = images.clone().requires_grad_(True)
+        g, = torch.autograd.grad(m(x).logsumexp(1).sum(), x, create_graph=True)
+        g.square().sum().backward()
+
+    ref = fresh_copy(model)
+    penalized(ref)
+    planned = memfit.optimize(fresh_copy(model), images, "min", variants=False)
+    penalized(planned)
+    _same(_grads(ref), _grads(planned))
+    _same(dict(ref.named_buffers()), {k.removeprefix("gm."): b for k, b in planned.named_buffers()})

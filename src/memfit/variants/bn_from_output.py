@@ -68,7 +68,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
+
+from memfit.variants.single_backward import single_backward
 
 __all__ = [
     "BNFromOutputFn",
@@ -146,7 +147,7 @@ class BNFromOutputFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @single_backward("bn-from-output")
     def backward(ctx, grad):
         out, weight, bias, stat = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

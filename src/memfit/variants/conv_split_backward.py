@@ -41,7 +41,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
+
+from memfit.variants.single_backward import single_backward
 
 __all__ = [
     "Conv1dSplitBackward",
@@ -92,7 +93,7 @@ class ConvSplitBackwardFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @single_backward("conv-split-backward")
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.args

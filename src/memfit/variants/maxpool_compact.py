@@ -31,10 +31,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
 from memfit.variants.relu_mask import CHUNK_ELEMENTS
+from memfit.variants.single_backward import single_backward
 
 __all__ = ["MaxPool2dCompact", "MaxPool2dCompactFn", "max_pool2d_compact", "window_bases"]
 
@@ -76,7 +76,7 @@ class MaxPool2dCompactFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @single_backward("maxpool-compact")
     def backward(ctx, grad: Tensor):
         (offset,) = ctx.saved_tensors
         n = ctx.in_shape[0] * ctx.in_shape[1]

@@ -46,7 +46,8 @@ import sys
 import torch
 import torch.fx
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
+
+from memfit.variants.single_backward import single_backward
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -194,7 +195,7 @@ class MaskedActivationFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @single_backward("relu-mask")
     def backward(ctx, grad: Tensor):
         (packed,) = ctx.saved_tensors
         n, chunk = ctx.numel, _chunk(grad)

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from memfit.variants.single_backward import single_backward
+
 __all__ = ["TiledChain", "TiledChainFn", "chain_layer_ok", "stripe_rows"]
 
 _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.GELU, nn.Sigmoid, nn.Tanh,
@@ -201,6 +203,7 @@ class TiledChainFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @single_backward("tiled-chain")
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         layers, heights = ctx.layers, ctx.heights
