@@ -326,3 +326,15 @@ def test_no_gradient_is_counted_for_the_batch(strategy):
         opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
         plan, _, _ = memfit.plan(m, x, 1_000_000, optimizer=opt, loss_fn=lambda out: _ce(out, y))
         assert plan.predicted_peak_bytes <= 1_000_000
+
+
+def test_example_inputs_the_model_cannot_run_are_refused_naming_the_module_and_the_shapes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"fails on example_inputs \(float32\[4, 1, 16, 16\]\) at module '0' "
+                                         r"\(Conv2d\).*expected input.*to have 3 channels") as err:
+        memfit.optimize(model, torch.randn(4, 1, 16, 16), "50%")
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing is lost
+    assert all(p.grad is None for p in model.parameters())

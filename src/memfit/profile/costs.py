@@ -521,6 +521,32 @@ def _attr(gm: fx.GraphModule, target: str):
     return obj
 
 
+def _describe(value) -> str:
+    """``value`` in a line: a tensor as ``float32[4, 1, 16, 16]``, containers element by element."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exception) -> str:
+    """The message for a model whose forward pass fails on ``example_inputs``: where (module path and type,
+    or function) and what it was given, PyTorch's own error, and what to change."""
+    if node.op == "call_module":
+        where = f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
+    elif node.op == "call_method":
+        where = f"method .{node.target}()"
+    else:
+        where = getattr(node.target, "__qualname__", None) or getattr(node.target, "__name__", repr(node.target))
+    return (f"the model's forward pass fails on example_inputs {_describe(inputs)} at {where} (fx node "
+            f"{node.name}): {type(exc).__name__}: {exc}. Give memfit a batch the model trains on (its shapes, "
+            "dtypes and device). If model(*example_inputs) runs without memfit, this is a memfit bug: please "
+            "report it.")
+
+
 def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True,
                cast_dtype: torch.dtype | None = None, requires: dict[str, list[bool]] | None = None,
                snapshot: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Costs:
@@ -588,7 +614,9 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         except Exception as exc:
             args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
             if not args:
-                raise
+                if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+                    raise
+                raise ValueError(_failed_on_inputs(gm, node, inputs, exc)) from exc
             # a default of None is the likelier culprit (`if mask is not None:` traced as true) than a number
             ph = defaulted[min(args, key=lambda d: defaulted[d].args[0] is not None)]
             raise ValueError(
