@@ -1,5 +1,8 @@
 """Correctness traps known from the field (DESIGN.md): each compared with plain PyTorch."""
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +12,7 @@ import memfit
 from _models import ListOut, TiedLM, channel_mix_with_relu_mask, plain_and_planned
 from memfit import zoo
 from memfit.bench.harness import fresh_copy
+from memfit.profile.tracker import MemoryTracker
 from memfit.variants import BatchNorm2dFromOutput, Conv2dSplitBackward, MaxPool2dCompact, ReLUMask
 from memfit.variants.tiled import TiledChain
 
@@ -690,3 +694,47 @@ def test_a_gradient_penalty_planned_without_variants_gets_pytorchs_gradients(set
     penalized(planned)
     _same(_grads(ref), _grads(planned))
     _same(dict(ref.named_buffers()), {k.removeprefix("gm."): b for k, b in planned.named_buffers()})
+
+
+class _Seg(nn.Module):
+    """A segmentation head: its 21-class output map is as large as an activation, and no layer saves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Conv2d(16, 21, 1)
+
+    def forward(self, x):
+        return self.head(F.relu(self.b(F.relu(self.a(x)))))
+
+
+def test_an_output_held_through_backward_is_warned_when_the_budget_has_no_room_for_it():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 21, (8, 64, 64))
+    planned = memfit.optimize(_Seg(), x, "min", loss_fn=lambda o: F.cross_entropy(o, y))
+    assert planned.plan.freed_outputs == [0]
+    peaks = {}
+    for hold in (False, True):
+        warned = pytest.warns(UserWarning, match="holds the model's output") if hold else _no_warning()
+        with warned, MemoryTracker() as tracker:
+            if hold:
+                out = planned(x)
+                F.cross_entropy(out, y).backward()
+                del out
+            else:
+                F.cross_entropy(planned(x), y).backward()
+        peaks[hold] = tracker.peak_bytes
+        for p in planned.parameters():
+            p.grad = None
+    # the warning is true: holding the output adds it to the measured peak, beyond the budget's room
+    output_bytes = 8 * 21 * 64 * 64 * 4
+    assert peaks[True] - peaks[False] >= 0.9 * output_bytes
+    assert output_bytes > planned.plan.budget_bytes - planned.plan.predicted_peak_bytes
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [w for w in caught if "holds the model's output" in str(w.message)]

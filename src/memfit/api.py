@@ -297,6 +297,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
+    saved = {s for node in costs.nodes for s in node.saves}
+    result.freed_outputs = [k for k, s in enumerate(costs.output_ids)
+                            if s is not None and s not in saved and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
 

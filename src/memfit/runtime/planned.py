@@ -18,6 +18,7 @@ import contextlib
 import copy
 import itertools
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,6 +294,7 @@ class PlannedModule(nn.Module):
         self.report = report
         self._warned_shapes: set[str] = set()
         self._grad_checks = 3  # training calls left to look at .grad in (see forward)
+        self._held_warned = False  # (see _watch_outputs)
         self._build()
 
     @property
@@ -489,7 +491,39 @@ class PlannedModule(nn.Module):
         else:
             out = self._run(env, args)
         self._warn_inputs(args)  # after it ran: if it failed, its error says why
+        self._watch_outputs(out)
         return out
+
+    def _watch_outputs(self, out) -> None:
+        """Warn once when the training loop still holds an output through the backward pass that the plan counts as
+        freed once the loss read it (``out = planned(x); loss = crit(out, y); loss.backward()``), and that output
+        does not fit in the budget's room above the predicted peak. Checked when the output's gradient arrives, after
+        the loss's backward released what the loss saved: what still holds the output then is the loop."""
+        budget, freed = self.plan.budget_bytes, self.plan.freed_outputs
+        if self._held_warned or not freed or budget is None:
+            return
+        tensors = tensors_in(out)
+        watched = [tensors[k] for k in freed if k < len(tensors)]
+        room = budget - self.plan.predicted_peak_bytes
+        anchor = next((t for t in watched if t.requires_grad and t.grad_fn is not None), None)
+        if anchor is None or sum(t.untyped_storage().nbytes() for t in watched) <= room:
+            return
+        refs = [weakref.ref(t) for t in watched]
+        del tensors, watched
+
+        def check(grad):
+            held = [t for t in (r() for r in refs) if t is not None]
+            nbytes = sum(t.untyped_storage().nbytes() for t in held)
+            del held
+            if nbytes > room and not self._held_warned:
+                self._held_warned = True
+                warnings.warn(f"memfit: the training loop holds the model's output ({nbytes / 2**20:.1f} MiB) through "
+                              "the backward pass, but the plan counts it as freed once the loss read it, and the "
+                              f"budget leaves {max(room, 0) / 2**20:.1f} MiB above the predicted peak: the step can "
+                              "exceed its budget by up to that output. Compute the loss from the call "
+                              "(loss = crit(planned(x), y)), or `del out` before loss.backward().", stacklevel=2)
+
+        anchor.register_hook(check)
 
     def _run_checked(self, env: dict[str, Any], args: tuple, defaulted: list[str]):
         """:meth:`_run`, with a failure explained when arguments were left out (their defaults, e.g. ``None``, may

@@ -73,6 +73,10 @@ class Plan:
             (:func:`memfit.graph.tiling.apply_tiling`: a block becomes one node, named as its last node).
         plain_step_seconds: the simulated step time of plain PyTorch (keeping everything, in the model's own
             graph, without striped blocks), or ``None`` (a plan not made by :func:`memfit.plan`).
+        freed_outputs: positions (in :func:`memfit.graph.calls.tensors_in` order) of the model's output tensors
+            that the plan counts as freed once the loss read them (no node of the model saves them): a training
+            loop that holds one through ``backward()`` adds it to the peak, and the planned module warns when
+            that does not fit in the budget.
     """
 
     strategy: str
@@ -102,6 +106,7 @@ class Plan:
     solved_digest: str | None = None
     tiled: list[dict] = field(default_factory=list)
     plain_step_seconds: float | None = None
+    freed_outputs: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
