@@ -235,6 +235,25 @@ def test_a_submodule_replaced_after_planning_is_refused_in_training():
     assert torch.equal(replanned(x), model(x))
 
 
+def test_a_submodule_deleted_after_planning_is_refused_in_training():
+    # `del model.head` calls no registration hook: the planned module kept calling the deleted head
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+
+    model = Net().train()
+    x = torch.randn(8, 16)
+    planned = memfit.optimize(model, x, "min")
+    planned(x).sum().backward()
+    del model.head
+    with pytest.raises(RuntimeError, match=r"submodule 'head' was removed after planning"):
+        planned(x)
+
+
 @pytest.mark.filterwarnings("ignore:memfit")
 def test_a_parameter_replaced_after_planning_is_trained_by_the_operator_variants_too():
     # a fresh user's fine-tuning: model.conv2.weight = nn.Parameter(...) after planning was ignored where the plan ran

@@ -349,6 +349,10 @@ class PlannedModule(nn.Module):
         _watch_tree()
         self._tree_version = _TREE_VERSION[0]
         self._modules_at_build = list(self.model.named_modules()) if self.model is not gm else []
+        # (each submodule's slot in its parent: a bare `del model.fc` calls no registration hook, so these are
+        # looked at every training call, a dictionary lookup per module)
+        self._slots = [(parent._modules, name, child) for parent in dict(self._modules_at_build).values()
+                       for name, child in parent._modules.items()]
         self._state_at_build = self._state_now()
         self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self._unfrozen_warned = False
@@ -546,12 +550,13 @@ class PlannedModule(nn.Module):
 
     def _check_modules(self) -> None:
         """Refuse to run when a submodule of the model was replaced or removed after planning (seen after any
-        module registered a submodule, parameter or buffer: ``del model.fc`` alone is not seen): the traced graph
+        module registered a submodule, parameter or buffer, or a submodule was deleted): the traced graph
         still calls the old one, so training would silently compute something else than the model. A parameter or
         buffer replaced by a new tensor (``model.fc.weight = nn.Parameter(...)``) rebuilds the operator variants,
         which hold the tensors they were built with."""
-        if not self._modules_at_build or _TREE_VERSION[0] == self._tree_version:
-            return  # no module anywhere registered anything since the last look
+        if not self._modules_at_build or (_TREE_VERSION[0] == self._tree_version
+                                          and all(d.get(name) is child for d, name, child in self._slots)):
+            return  # no module anywhere registered anything since the last look, and none was deleted
         version = _TREE_VERSION[0]
         now = dict(self.model.named_modules())
         for name, module in self._modules_at_build:
