@@ -52,6 +52,9 @@ from memfit.solve.offload import candidates, offloadable, trigger, wait_point
 
 INF = highspy.kHighsInf
 UNIT = 2.0**20  # bytes per MiB
+# HiGHS options set on every program after memfit's own (name -> value), for experiments with the search
+# (benchmarks/ilp_search.py); empty in normal use
+HIGHS_OPTIONS: dict[str, object] = {}
 
 
 @dataclass
@@ -362,6 +365,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     hs.setOptionValue("threads", 1)
     if minimize_peak:  # a node limit rather than the clock bounds the search, so the result is repeatable
         hs.setOptionValue("mip_max_nodes", 300)
+    for name, value in HIGHS_OPTIONS.items():
+        hs.setOptionValue(name, value)
     nv = len(m.lb)
     hs.addVars(nv, np.array(m.lb), np.array(m.ub))
     hs.changeColsCost(nv, np.arange(nv, dtype=np.int32), np.array(m.cost))
