@@ -297,9 +297,11 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
+    # outputs no node saves and no checkpoint region makes (a region's outputs stay referenced by its checkpoint)
     saved = {s for node in costs.nodes for s in node.saves}
-    result.freed_outputs = [k for k, s in enumerate(costs.output_ids)
-                            if s is not None and s not in saved and costs.storages[s].producer is not None]
+    in_region = {result.nodes[i] for lo, hi in result.region_spans() for i in range(lo, hi + 1)}
+    result.freed_outputs = [k for k, s in enumerate(costs.output_ids) if s is not None and s not in saved
+                            and costs.storages[s].producer not in (None, *in_region)]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 from memfit.graph.ir import Graph, Node
 
@@ -134,6 +136,47 @@ def _watch_user_checkpoints(seen: list[str]):
             del cp.CheckpointFunction.apply
 
 
+_LEAVES: dict[type, Callable] = {}  # autograd.Function subclass -> the graph's call of its apply
+
+
+def _leaf_apply(cls: type) -> Callable:
+    """The function a traced graph calls for ``cls.apply`` (one per class): PyTorch's own ``apply``, so that the
+    class's ``forward`` and ``backward`` run as written."""
+    if cls not in _LEAVES:
+        real = torch.autograd.Function.__dict__["apply"]
+
+        def apply(*args, **kwargs):
+            return real.__get__(None, cls)(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
+        apply.__module__ = cls.__module__
+        apply.autograd_function = cls
+        _LEAVES[cls] = apply
+    return _LEAVES[cls]
+
+
+@contextlib.contextmanager
+def _autograd_functions_as_leaves():
+    """While tracing, record each call of a ``torch.autograd.Function`` of the user's (not of torch's own) as one
+    graph node that calls its ``apply``. Otherwise fx traces into its ``forward`` and the graph differentiates that
+    with autograd's own formulas, never running the class's ``backward`` (seen: a straight-through rounding
+    estimator trained with all-zero gradients, a side-effecting forward that ran only while tracing)."""
+    Function = torch.autograd.Function
+    real = Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        proxies = [a for a in tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)]
+        if proxies and not cls.__module__.startswith("torch."):
+            return proxies[0].tracer.create_proxy("call_function", _leaf_apply(cls), args, kwargs)
+        return real.__get__(None, cls)(*args, **kwargs)
+
+    Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        Function.apply = real
+
+
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
     compiled = [name for name, m in model.named_modules() if hasattr(m, "_orig_mod")]
@@ -223,7 +266,7 @@ def capture(model: nn.Module) -> Captured:
     """
     checkpoints: list[str] = []
     try:
-        with _refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints):
+        with _refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves():
             gm = _trace(model)
     except _ReentrantCheckpoint:
         raise TraceError(

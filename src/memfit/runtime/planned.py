@@ -504,8 +504,8 @@ class PlannedModule(nn.Module):
         does not fit in the budget's room above the predicted peak. Checked when the output's gradient arrives, after
         the loss's backward released what the loss saved: what still holds the output then is the loop."""
         budget, freed = self.plan.budget_bytes, self.plan.freed_outputs
-        if self._held_warned or not freed or budget is None:
-            return
+        if self._held_warned or not freed or budget is None or self.plan.predicted_peak_bytes > budget:
+            return  # (a heuristic's plan over its budget: the budget does not hold anyway)
         tensors = tensors_in(out)
         watched = [tensors[k] for k in freed if k < len(tensors)]
         room = budget - self.plan.predicted_peak_bytes
