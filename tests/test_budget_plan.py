@@ -241,3 +241,17 @@ def test_budget_100_percent_keeps_everything():
     plan, _, _ = memfit.plan(model, x, budget="100%")
     assert plan.regions == [] and not plan.stats_recompute and not plan.offloads
     assert plan.predicted_peak_bytes == plan.budget_bytes
+
+
+def test_a_plan_is_refused_on_a_graph_whose_node_names_match_but_whose_operations_differ(tmp_path):
+    # a fresh user's ReLU MLP plan was accepted for the same MLP with Dropout in ReLU's place: 22% over its budget
+    def mlp(act):
+        return nn.Sequential(nn.Linear(32, 64), act(), nn.Linear(64, 64), act(), nn.Linear(64, 10)).train()
+
+    x = torch.randn(64, 32)
+    planned = memfit.optimize(mlp(nn.ReLU), x, "min", variants=False)
+    assert planned.plan.node_ops == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    planned.plan.save(tmp_path / "p.json")
+    with pytest.raises(ValueError, match=r"different graph: its node _1 runs ReLU, this model's runs Dropout"):
+        memfit.optimize(mlp(lambda: nn.Dropout(0.5)), x, plan_=Plan.load(tmp_path / "p.json"))
+    memfit.optimize(mlp(nn.ReLU), x, plan_=Plan.load(tmp_path / "p.json"))  # the same model is accepted

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from memfit.budget import Budget
+from memfit.graph.calls import node_ops
 from memfit.graph.capture import Captured, capture
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
@@ -297,6 +298,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
+    result.node_ops = node_ops(captured.gm)
     # outputs no node saves and no checkpoint region makes (a region's outputs stay referenced by its checkpoint)
     saved = {s for node in costs.nodes for s in node.saves}
     in_region = {result.nodes[i] for lo, hi in result.region_spans() for i in range(lo, hi + 1)}

@@ -58,6 +58,24 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
+def node_ops(gm: fx.GraphModule) -> list[str]:
+    """What each computing node of ``gm`` runs, in forward order: ``"ReLU"`` (a module's class), ``"torch.add"`` /
+    ``"add"`` (a function's qualified name), ``".view"`` (a method) or ``"@weight"`` (an attribute read). Two graphs
+    with the same node names can differ here (``nn.ReLU`` swapped for ``nn.Dropout`` keeps the name ``_1``)."""
+    ops = []
+    for node in compute_nodes(gm):
+        t = node.target
+        if node.op == "call_module":
+            ops.append(type(gm.get_submodule(t)).__name__)
+        elif node.op == "call_method":
+            ops.append(f".{t}")
+        elif node.op == "get_attr":
+            ops.append(f"@{t}")
+        else:
+            ops.append(getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t))
+    return ops
+
+
 def tensors_in(value) -> list:
     """All tensors inside a (possibly nested) value: tuples, lists, dicts and namedtuples are searched."""
     import torch

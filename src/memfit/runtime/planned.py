@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, positional_inputs, tensors_in
+from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, node_ops, positional_inputs, tensors_in
 from memfit.graph.capture import Captured
 from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
 from memfit.profile.buffers import (
@@ -345,6 +345,11 @@ class PlannedModule(nn.Module):
                     "the graph with its blocks striped)" if chain_blocks(self.__dict__["_captured"].gm) else "")
             raise ValueError(f"the plan was solved for a different graph (node names differ){hint}; "
                              "solve it again for this model")
+        ops = node_ops(gm)
+        if plan.node_ops and ops != plan.node_ops:
+            k = next(k for k, (a, b) in enumerate(zip(plan.node_ops, ops, strict=True)) if a != b)
+            raise ValueError(f"the plan was solved for a different graph: its node {plan.nodes[k]} runs {plan.node_ops[k]}, "
+                             f"this model's runs {ops[k]}; solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         _watch_tree()
         self._tree_version = _TREE_VERSION[0]

@@ -77,6 +77,9 @@ class Plan:
             that the plan counts as freed once the loss read them (no node of the model saves them): a training
             loop that holds one through ``backward()`` adds it to the peak, and the planned module warns when
             that does not fit in the budget.
+        node_ops: what each node of ``nodes`` runs (:func:`memfit.graph.calls.node_ops`: a module's class, a
+            function's name), so that a plan is refused on a graph whose node names match but whose operations
+            differ; empty in plans made before it was recorded.
     """
 
     strategy: str
@@ -107,6 +110,7 @@ class Plan:
     tiled: list[dict] = field(default_factory=list)
     plain_step_seconds: float | None = None
     freed_outputs: list[int] = field(default_factory=list)
+    node_ops: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
