@@ -255,3 +255,28 @@ def test_a_plan_is_refused_on_a_graph_whose_node_names_match_but_whose_operation
     with pytest.raises(ValueError, match=r"different graph: its node _1 runs ReLU, this model's runs Dropout"):
         memfit.optimize(mlp(lambda: nn.Dropout(0.5)), x, plan_=Plan.load(tmp_path / "p.json"))
     memfit.optimize(mlp(nn.ReLU), x, plan_=Plan.load(tmp_path / "p.json"))  # the same model is accepted
+
+
+def test_a_lowest_memory_plan_returned_for_a_generous_budget_is_warned_and_has_no_gap(monkeypatch):
+    # a fresh user's time_limit=1 at 85% got the lowest-memory plan (1.5-2x, where 1.2x was found in 5 s) with the
+    # floor program's MIP gap reported as if it were this budget's
+    import dataclasses
+
+    from memfit.solve import strategies
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10)).train()
+    x = torch.randn(256, 64)
+    solve = strategies.solve_regions
+
+    def out_of_time(*args, **kw):  # the budgeted programs find nothing in time; the floor's still do
+        res = solve(*args, **kw)
+        return res if kw.get("minimize_peak") else dataclasses.replace(res, spans=None, status="Time limit reached")
+
+    monkeypatch.setattr(strategies, "solve_regions", out_of_time)
+    monkeypatch.setattr(strategies, "chen_spans", lambda acc: [])  # no heuristic incumbent fits either
+    monkeypatch.setattr(strategies, "block_spans", lambda graph: [])
+    with pytest.warns(UserWarning, match=r"found no plan for this budget within time_limit=2 s.*longer time_limit"):
+        plan, _, _ = memfit.plan(model, x, budget="90%", time_limit=2, tiling=False)
+    assert plan.mip_gap is None
+    assert plan.predicted_peak_bytes <= plan.budget_bytes

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import time
+import warnings
 import weakref
 
 from memfit.budget import fmt_bytes
@@ -317,6 +320,15 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     return _solve(prob, budget_bytes, time_limit)
 
 
+def _caller_outside_memfit() -> int:
+    """The ``stacklevel`` of a warning raised here that names the first caller outside the memfit package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     """The integer program, checked by the replay.
 
@@ -339,6 +351,12 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
         return prob.finish([], gap=0.0)
     deadline = time.perf_counter() + time_limit
     best: Plan | None = None
+    fallbacks: set[int] = set()  # ids of lowest-memory plans taken as candidates (solved for another program)
+
+    def consider_low(plan: Plan) -> None:
+        plan.mip_gap = None  # its gap is the floor program's, not this budget's
+        fallbacks.add(id(plan))
+        consider(plan)
 
     def consider(plan: Plan) -> bool:
         nonlocal best
@@ -369,7 +387,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
                     lows_tried = True
                     for low in prob.low_memory_plans(max(1.0, (until - time.perf_counter()) / 2), recompute_only,
                                                       fastest=True):
-                        consider(low)
+                        consider_low(low)
                     continue
                 bad_target = target
             else:
@@ -391,7 +409,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
                 target = (ok_target + bad_target) // 2
         if best is start and not lows_tried:  # (seen on an H200: a poor incumbent at 6 GB, Chen's plan kept)
             for low in prob.low_memory_plans(max(1.0, until - time.perf_counter()), recompute_only, fastest=True):
-                consider(low)
+                consider_low(low)
 
     for spans in (chen_spans(acc), block_spans(prob.graph)):  # cheap incumbents to start the search from
         consider(prob.finish(spans))
@@ -410,9 +428,14 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
         # "no plan fits a budget of X; the smallest feasible budget is X" (EfficientNet-B0, 1 run in 5)
         lows = prob.low_memory_plans(time_limit)
         for low in lows:
-            consider(low)
+            consider_low(low)
     if best is not None:
         best.solve_seconds = time.perf_counter() - prob.t0
+        if id(best) in fallbacks and best.predicted_peak_bytes < fixed + 0.8 * (limit - fixed):
+            warnings.warn(f"memfit: the integer program found no plan for this budget within time_limit={time_limit:g} s, "
+                          f"so the plan is a lowest-memory one, which recomputes more than this budget needs (its "
+                          f"peak is {fmt_bytes(best.predicted_peak_bytes)} of {fmt_bytes(budget_bytes)}). Give a longer "
+                          "time_limit (--time-limit) for a faster plan.", stacklevel=_caller_outside_memfit())
         return best
     if prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # keeping everything fits without headroom
         return prob.finish([], gap=0.0)
