@@ -331,6 +331,7 @@ def test_cli_plan_out_and_threads_errors_are_messages_before_solving(tmp_path, c
     was taken."""
     for flags, words in [(["plan", "--out", str(tmp_path)], "names a folder"),
                          (["plan", "--out", str(tmp_path / "new") + "/"], "names a folder"),
+                         (["plan", "--out", "/proc/memfit-nope.json"], "cannot write there"),
                          (["plan", "--threads", "0"], ">= 1"),
                          (["run", "--threads", "0"], ">= 1")]:
         with pytest.raises(SystemExit) as exc:

@@ -368,6 +368,20 @@ def _add_bench_commands(sub) -> None:
 _BUDGET_FLAGS = ("--budget", "--budgets")
 
 
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (checked before a solve of minutes, not after), or ``None``: it is opened for
+    appending, and removed again if it did not exist."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        os.remove(path)
+    return None
+
+
 def _glue_negative_budgets(argv: list[str]) -> list[str]:
     """``--budget -5MiB`` as ``--budget=-5MiB``: argparse takes a value that starts with ``-`` for a flag and
     would say only "expected one argument"; glued, the budget's own check says what is wrong with it."""
@@ -430,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
         if path and (os.path.isdir(path) or path.endswith(("/", os.sep))):
             parser.error(f"--{flag} {path} names a folder: name a file in it, e.g. {os.path.join(path, 'plan.json')}")
+        if path:
+            why = _unwritable(path)
+            if why:
+                parser.error(f"--{flag} {path}: cannot write there ({why}); name a file in a folder you can write to")
     import torch
 
     if args.threads:
