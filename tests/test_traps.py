@@ -490,6 +490,9 @@ def test_trace_errors_give_advice_that_fits():
 
     with pytest.raises(memfit.TraceError, match=r"body is wrapped in torch.compile.*body._orig_mod"):
         memfit.optimize(Compiled().train(), torch.randn(4, 8))
+    with pytest.raises(memfit.TraceError, match=r"the model is wrapped in torch.compile.*model._orig_mod"):
+        memfit.optimize(torch.compile(nn.Sequential(nn.Linear(8, 8)), backend="eager").train(), torch.randn(4, 8))
+
     class SliceAssignment(nn.Module):
         def forward(self, x):
             h = x * 2

@@ -180,10 +180,14 @@ def _autograd_functions_as_leaves():
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
     compiled = [name for name, m in model.named_modules() if hasattr(m, "_orig_mod")]
+    if compiled == [""]:  # the model itself: memfit.optimize(torch.compile(model), ...)
+        return ("  the model is wrapped in torch.compile, which torch.fx cannot trace: plan the model itself "
+                "(model._orig_mod), and compile the planned module if you like; memfit runs PyTorch's eager "
+                "kernels.")
     if compiled:
-        return (f"  {', '.join(compiled[:3])} is wrapped in torch.compile, which torch.fx cannot trace: plan the "
-                f"model with the module itself ({compiled[0]}._orig_mod in its place); memfit runs PyTorch's "
-                "eager kernels.")
+        return (f"  {', '.join(name or 'the model' for name in compiled[:3])} is wrapped in torch.compile, which "
+                f"torch.fx cannot trace: plan the model with the module itself ({compiled[0] or 'model'}._orig_mod "
+                "in its place); memfit runs PyTorch's eager kernels.")
     if "does not support item assignment" in str(exc):
         return ("  an assignment into part of a tensor (x[:, :4] = 0), which torch.fx cannot record: write it as "
                 "an operation that returns a new tensor (x.masked_fill(mask, 0), x.index_fill(1, idx, 0), "
