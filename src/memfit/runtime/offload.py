@@ -164,6 +164,14 @@ class OffloadStep:
                 if source is not None and source._version != packed.version:
                     packed.stale = source._version
 
+    def check_dropped(self, tensors: list[torch.Tensor]) -> None:
+        """:meth:`check_versions` of the nodes that made ``tensors``, which the forward pass is about to drop: the last
+        reference to a storage can go before its node's wait point, and with it the way to see an in-place change."""
+        for t in tensors:
+            entry = self.producer.get(t.untyped_storage().data_ptr())
+            if entry is not None:
+                self.check_versions(entry[0])
+
     def release(self, node: int) -> None:
         """The wait point of ``node``: wait for its copies and drop the device references."""
         for saved in self.by_node.get(node, []):

@@ -664,6 +664,7 @@ class PlannedModule(nn.Module):
                 if off is not None:
                     for j in self._releases.get(k, []):
                         off.check_versions(j)
+                    off.check_dropped([t for f in frees for t in tensors_in(env[f]) if isinstance(t, torch.Tensor)])
                 for f in frees:
                     del env[f]
                 if off is not None:
