@@ -357,3 +357,28 @@ def test_example_inputs_the_model_cannot_run_are_refused_naming_the_module_and_t
     assert isinstance(err.value.__cause__, RuntimeError)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing is lost
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_planning_keeps_neither_the_example_batch_nor_the_profiled_activations_alive():
+    # a fresh user's loop re-planned per stage: every memfit.optimize call left its example batch (and the profiled
+    # forward pass's activations) alive to the end of the process, through a cycle in autograd's C++ graph
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).train()
+    x = torch.randn(8, 3, 16, 16)
+    batch = weakref.ref(x)
+
+    def graphs() -> set[int]:  # tensors with an autograd graph, in this process (other tests may leave some)
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None}
+
+    before = graphs()
+    planned = memfit.optimize(model, x, "min")
+    del x
+    gc.collect()
+    assert batch() is None
+    del planned
+    assert not graphs() - before

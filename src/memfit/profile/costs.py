@@ -560,10 +560,38 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
     With ``cast_dtype`` (under autocast, its cache on), autocast's cache is cleared before each node, so that
     every node's casts of parameters are seen (:class:`_CastRecorder`); all casts of one parameter are one
     storage of kind ``"cast"``, made by its first reader, as autocast's cache shares it in a real step."""
+    keep_alive: list = []
+    try:
+        return _structure_pass(gm, inputs, fixed_ptrs, with_variants, cast_dtype, requires, snapshot, keep_alive)
+    finally:
+        _break_cycles(keep_alive)
+
+
+def _recording(saved: list[torch.Tensor]):
+    """Saved-tensor hooks that append each tensor autograd saves to ``saved``. The hook hands autograd a detached
+    alias: handing it the tensor itself makes a cycle through autograd's C++ graph, which Python's garbage
+    collector cannot see, for every tensor its own node saves (a ReLU's output)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t.detach())[1], lambda t: t)
+
+
+def _break_cycles(keep_alive: list) -> None:
+    """Empty the lists of saved tensors in ``keep_alive``: each is held by the saved-tensor hook of the graph its
+    tensors belong to (through autograd's C++ graph), a cycle Python's garbage collector cannot see, which kept
+    every activation of the profiled forward pass, the example inputs and the model alive to the end of the
+    process (found by a fresh user: one batch per memfit.optimize call)."""
+    for item in keep_alive:
+        for part in item if isinstance(item, tuple) else (item,):
+            if isinstance(part, list):
+                part.clear()
+
+
+def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool,
+                    cast_dtype: torch.dtype | None, requires: dict[str, list[bool]] | None,
+                    snapshot: list[tuple[torch.Tensor, torch.Tensor]] | None, keep_alive: list) -> Costs:
+    """:func:`_structure`'s pass; what must stay alive to its end goes in ``keep_alive``."""
     storages: list[Storage] = []
     by_ptr: dict[int, int] = {}
     env: dict[str, object] = {}
-    keep_alive: list = []
     cast_of: dict[int, int] = {}  # storage address of a parameter -> storage id of its autocast cast
 
     def register(t: torch.Tensor, producer, kind) -> int | None:
@@ -608,8 +636,7 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         if recorder is not None:
             torch.clear_autocast_cache()
         try:
-            with recorder or contextlib.nullcontext(), finder, torch.autograd.graph.saved_tensors_hooks(
-                    lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
+            with recorder or contextlib.nullcontext(), finder, _recording(saved):
                 out = node_fn(gm, node)(env)
         except Exception as exc:
             args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
@@ -963,7 +990,7 @@ def _variant_cost(node, fn, env, cost: NodeCost, storages, register, keep_alive,
             alias[copy.untyped_storage().data_ptr()] = by_ptr.get(v.untyped_storage().data_ptr(), -1)
             local[a] = copy
     saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t):
+    with _recording(saved):
         out = fn(local)
     for t, sid in zip(tensors_in(out), cost.outputs):
         alias[t.untyped_storage().data_ptr()] = sid
