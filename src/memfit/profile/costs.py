@@ -939,7 +939,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         ptr = t.untyped_storage().data_ptr()
         if ptr in out_storages:
             kept[ptr] = out_storages[ptr]
-        return t
+        return t.detach()  # (not t itself: a saved output would hold its own graph, see _recording)
 
     with MemoryTracker(device) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_fn(out)
