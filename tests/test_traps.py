@@ -718,7 +718,7 @@ def test_an_output_held_through_backward_is_warned_when_the_budget_has_no_room_f
     assert planned.plan.freed_outputs == [0]
     peaks = {}
     for hold in (False, True):
-        warned = pytest.warns(UserWarning, match="holds the model's output") if hold else _no_warning()
+        warned = pytest.warns(UserWarning, match="holds _Seg's output") if hold else _no_warning()
         with warned, MemoryTracker() as tracker:
             if hold:
                 out = planned(x)
@@ -736,11 +736,11 @@ def test_an_output_held_through_backward_is_warned_when_the_budget_has_no_room_f
 
 
 @contextlib.contextmanager
-def _no_warning():
+def _no_warning(words: str = "holds _Seg's output"):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
-    assert not [w for w in caught if "holds the model's output" in str(w.message)]
+    assert not [w for w in caught if words in str(w.message)], [str(w.message) for w in caught]
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -798,3 +798,44 @@ def test_a_custom_autograd_function_runs_its_own_backward(strategy, budget):
     assert strategy != "memfit" or fig.peak_bytes <= planned.plan.budget_bytes
     ops = [n.target for n in planned.gm.graph.nodes if n.op == "call_function"]
     assert sum(getattr(t, "autograd_function", None) is _RoundSTE for t in ops) == 2
+
+
+def test_a_second_call_before_the_backward_of_the_first_is_warned(setup):
+    # a fresh user's discriminator on a real and a fake batch, then one backward: 36% over its budget, no word
+    model, images, target = setup
+    planned = memfit.optimize(fresh_copy(model), images, budget="min")
+    with _no_warning("was called again"):
+        for _ in range(2):  # backward after each call: fine
+            F.cross_entropy(planned(images), target).backward()
+        planned.eval()
+        planned(images)  # an evaluation call in between is no training call
+        planned.train()
+        out = planned(images)
+        del out  # a graph dropped without a backward pass holds nothing
+        F.cross_entropy(planned(images), target).backward()
+    with pytest.warns(UserWarning, match=r"ResNet was called again in training before the backward pass"):
+        real, fake = planned(images), planned(images.flip(0))
+    (F.cross_entropy(real, target) + F.cross_entropy(fake, target)).backward()
+
+
+def test_gradients_zeroed_between_the_forward_and_the_backward_pass_are_not_warned(setup):
+    # a DCGAN loop runs G's forward before its zero_grad(): G's gradients are None again when its backward runs
+    model, images, target = setup
+    planned = memfit.optimize(fresh_copy(model), images, budget="100%", strategy="chen")
+    F.cross_entropy(planned(images), target).backward()
+    with _no_warning("grads_exist=True"):
+        for _ in range(2):
+            loss = F.cross_entropy(planned(images), target)
+            planned.zero_grad()
+            loss.backward()
+
+
+def test_a_backward_pass_through_an_eval_mode_call_is_warned(setup):
+    # a fine-tuning loop froze BatchNorm with planned.eval() and trained on: plain PyTorch's peak, 1.9x the budget
+    model, images, target = setup
+    planned = memfit.optimize(fresh_copy(model), images, budget="min")
+    planned.eval()
+    with _no_warning("called in eval mode"):
+        planned(images)  # evaluation with gradients on but no backward pass: nothing to say
+    with pytest.warns(UserWarning, match=r"backward pass ran through ResNet called in eval mode.*without the plan"):
+        F.cross_entropy(planned(images), target).backward()

@@ -45,6 +45,7 @@ from memfit.runtime.offload import OffloadStep
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
+from memfit.warn import warn_user
 
 
 @dataclass
@@ -223,6 +224,15 @@ def _watch_tree() -> None:
         _WATCHING.append(True)
 
 
+class _Call:
+    """One training call of a planned module: ``done`` once its backward pass reached the output."""
+
+    __slots__ = ("__weakref__", "done")
+
+    def __init__(self):
+        self.done = False
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -293,8 +303,9 @@ class PlannedModule(nn.Module):
         self.plan = plan
         self.report = report
         self._warned_shapes: set[str] = set()
-        self._grad_checks = 3  # training calls left to look at .grad in (see forward)
-        self._held_warned = False  # (see _watch_outputs)
+        self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
+        self._warned: set[str] = set()  # the step warnings given (see _watch_step), each once
+        self._last_call: weakref.ref | None = None  # the previous training call's _Call, while its graph lives
         self._build()
 
     @property
@@ -491,7 +502,10 @@ class PlannedModule(nn.Module):
     def forward(self, *args, **kwargs):
         model = self.model
         if not (self.training and model.training and torch.is_grad_enabled()):
-            return model(*args, **kwargs)  # no training step, no plan: what the model computes in this mode
+            out = model(*args, **kwargs)  # no training step, no plan: what the model computes in this mode
+            if torch.is_grad_enabled() and "eval" not in self._warned:
+                self._watch_eval(out)
+            return out
         self._check_modules()
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
@@ -505,39 +519,89 @@ class PlannedModule(nn.Module):
         else:
             out = self._run(env, args)
         self._warn_inputs(args)  # after it ran: if it failed, its error says why
-        self._watch_outputs(out)
+        self._watch_step(out)
         return out
 
-    def _watch_outputs(self, out) -> None:
-        """Warn once when the training loop still holds an output through the backward pass that the plan counts as
-        freed once the loss read it (``out = planned(x); loss = crit(out, y); loss.backward()``), and that output
-        does not fit in the budget's room above the predicted peak. Checked when the output's gradient arrives, after
-        the loss's backward released what the loss saved: what still holds the output then is the loop."""
-        budget, freed = self.plan.budget_bytes, self.plan.freed_outputs
-        if self._held_warned or not freed or budget is None or self.plan.predicted_peak_bytes > budget:
-            return  # (a heuristic's plan over its budget: the budget does not hold anyway)
-        tensors = tensors_in(out)
-        watched = [tensors[k] for k in freed if k < len(tensors)]
-        room = budget - self.plan.predicted_peak_bytes
-        anchor = next((t for t in watched if t.requires_grad and t.grad_fn is not None), None)
-        if anchor is None or sum(t.untyped_storage().nbytes() for t in watched) <= room:
-            return
-        refs = [weakref.ref(t) for t in watched]
-        del tensors, watched
+    def _watch_step(self, out) -> None:
+        """Warn (once each) where the training loop runs a step the plan does not count, as each shows:
 
-        def check(grad):
-            held = [t for t in (r() for r in refs) if t is not None]
+        * the previous training call's graph is still waiting for its backward pass (``d(real)``, then ``d(fake)``,
+          then one backward): both calls' saved activations are held at once, the plan counts one call;
+        * parameter gradients exist as the backward pass reaches the output (``zero_grad(set_to_none=False)``, or
+          accumulation over several backward passes) in a plan made for gradients set to ``None``;
+        * the loop holds an output through the backward pass that the plan counts as freed once the loss read it
+          (``out = planned(x); loss = crit(out, y); loss.backward()``), and it does not fit in the budget's room.
+
+        The last two are looked at when the output's gradient arrives, by a hook on the output: after the loss's
+        backward released what the loss saved, and after the loop's ``zero_grad()`` wherever it calls it."""
+        anchors = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not anchors:
+            return
+        name = type(self.model).__name__
+        last = self._last_call() if self._last_call is not None else None
+        if last is not None and not last.done:
+            self._warn_once("twice", f"memfit: {name} was called again in training before the backward pass of its "
+                            "previous call (a discriminator on a real and a fake batch, two augmented views): both "
+                            "calls' saved activations are held at once, but the plan counts one call, so the step "
+                            "can exceed its budget by up to a whole call's activations. Run backward after each call "
+                            "(gradients add up), or pass the batches as one (torch.cat) to a module planned for that "
+                            "shape.")
+        call = _Call()
+        self._last_call = weakref.ref(call)  # alive while the hooks below are, that is while the graph is
+        plan, budget = self.plan, self.plan.budget_bytes
+        room = None if budget is None or plan.predicted_peak_bytes > budget else budget - plan.predicted_peak_bytes
+        tensors = tensors_in(out)
+        watched = [weakref.ref(tensors[k]) for k in plan.freed_outputs if k < len(tensors)] if room is not None else []
+        del tensors
+
+        def on_grad(grad, call=call):
+            if call.done:
+                return
+            call.done = True
+            if self._grad_checks > 0 and not plan.grads_exist:
+                self._grad_checks -= 1
+                if any(p.grad is not None for p in self.parameters() if p.requires_grad):
+                    self._grad_checks = 0
+                    self._warn_once("grads", f"memfit: {name}'s parameter gradients exist as its backward pass starts "
+                                    "(zero_grad(set_to_none=False), or gradients accumulated over several backward "
+                                    "passes), but the plan was made for gradients set to None (PyTorch's "
+                                    "zero_grad()): each backward pass then adds into them through temporaries the "
+                                    "plan did not count, and the step can exceed its budget. Make the plan with "
+                                    "grads_exist=True (--grads-exist).")
+            held = [t for t in (r() for r in watched) if t is not None]
             nbytes = sum(t.untyped_storage().nbytes() for t in held)
             del held
-            if nbytes > room and not self._held_warned:
-                self._held_warned = True
-                warnings.warn(f"memfit: the training loop holds the model's output ({nbytes / 2**20:.1f} MiB) through "
-                              "the backward pass, but the plan counts it as freed once the loss read it, and the "
-                              f"budget leaves {max(room, 0) / 2**20:.1f} MiB above the predicted peak: the step can "
-                              "exceed its budget by up to that output. Compute the loss from the call "
-                              "(loss = crit(planned(x), y)), or `del out` before loss.backward().", stacklevel=2)
+            if room is not None and nbytes > room:
+                self._warn_once("held", f"memfit: the training loop holds {name}'s output ({nbytes / 2**20:.1f} MiB) "
+                                "through the backward pass, but the plan counts it as freed once the loss read it, and "
+                                f"the budget leaves {room / 2**20:.1f} MiB above the predicted peak: the step can "
+                                "exceed its budget by up to that output. Compute the loss from the call (loss = "
+                                "crit(planned(x), y)), or `del out` before loss.backward().")
 
-        anchor.register_hook(check)
+        for t in anchors:
+            t.register_hook(on_grad)
+
+    def _watch_eval(self, out) -> None:
+        """Warn once if a backward pass runs through a call made in eval mode with gradients on: the planned module
+        ran the model without the plan (a fine-tuning loop that freezes BatchNorm with ``model.eval()`` measured
+        1.9x its budget, plain PyTorch's peak)."""
+        name = type(self.model).__name__
+
+        def on_grad(grad):
+            self._warn_once("eval", f"memfit: a backward pass ran through {name} called in eval mode, where the planned "
+                            "module runs the model as it is, without the plan: that step's memory is plain PyTorch's. "
+                            "To train with some modules frozen in eval mode (BatchNorm statistics), keep the planned "
+                            "module in train mode and set only those modules to eval mode (model.bn.eval()), before "
+                            "planning.")
+
+        for t in tensors_in(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.register_hook(on_grad)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_user(message)
 
     def _run_checked(self, env: dict[str, Any], args: tuple, defaulted: list[str]):
         """:meth:`_run`, with a failure explained when arguments were left out (their defaults, e.g. ``None``, may
@@ -624,18 +688,7 @@ class PlannedModule(nn.Module):
                           "a plan in the autocast state you train in.", stacklevel=4)
 
     def _run(self, env: dict[str, Any], args: tuple):
-        # only in the first few training calls (gradient accumulation allocates them from the second on), so that
-        # the training step does not walk every parameter each time
         self._check_unfrozen()
-        if self._grad_checks > 0 and not self.plan.grads_exist:
-            self._grad_checks -= 1
-            if any(p.grad is not None for p in self.parameters() if p.requires_grad):
-                self._grad_checks = 0  # once
-                warnings.warn("memfit: parameter gradients are allocated as this step starts (zero_grad(set_to_none="
-                              "False), or gradients accumulated over several backward passes), but the plan was made "
-                              "for gradients set to None (PyTorch's zero_grad()): each backward pass then adds into "
-                              "them through temporaries the plan did not count, and the step can exceed its budget. "
-                              "Make the plan with grads_exist=True (--grads-exist).", stacklevel=3)
         off = self._offload_step(args) if self._offloads else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
                  else contextlib.nullcontext())

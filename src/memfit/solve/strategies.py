@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import time
-import warnings
 import weakref
 
 from memfit.budget import fmt_bytes
@@ -19,6 +16,7 @@ from memfit.solve.legal import legalize
 from memfit.solve.offload import candidates, conv_input_producers, offload_waits
 from memfit.solve.plan import Plan
 from memfit.solve.simulator import _replay
+from memfit.warn import warn_user
 
 STRATEGIES = ("none", "chen", "checkpoint-all", "vdnn-all", "vdnn-conv", "remat-ilp", "memfit")
 OFFLOAD_STRATEGIES = ("vdnn-all", "vdnn-conv")
@@ -320,15 +318,6 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     return _solve(prob, budget_bytes, time_limit)
 
 
-def _caller_outside_memfit() -> int:
-    """The ``stacklevel`` of a warning raised here that names the first caller outside the memfit package."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     """The integer program, checked by the replay.
 
@@ -432,10 +421,10 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     if best is not None:
         best.solve_seconds = time.perf_counter() - prob.t0
         if id(best) in fallbacks and best.predicted_peak_bytes < fixed + 0.8 * (limit - fixed):
-            warnings.warn(f"memfit: the integer program found no plan for this budget within time_limit={time_limit:g} s, "
-                          f"so the plan is a lowest-memory one, which recomputes more than this budget needs (its "
-                          f"peak is {fmt_bytes(best.predicted_peak_bytes)} of {fmt_bytes(budget_bytes)}). Give a longer "
-                          "time_limit (--time-limit) for a faster plan.", stacklevel=_caller_outside_memfit())
+            warn_user(f"memfit: the integer program found no plan for this budget within time_limit={time_limit:g} s, "
+                      f"so the plan is a lowest-memory one, which recomputes more than this budget needs (its "
+                      f"peak is {fmt_bytes(best.predicted_peak_bytes)} of {fmt_bytes(budget_bytes)}). Give a longer "
+                      "time_limit (--time-limit) for a faster plan.")
         return best
     if prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # keeping everything fits without headroom
         return prob.finish([], gap=0.0)
