@@ -184,9 +184,11 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
     with pytest.raises(ValueError, match="probe.bias is in this model but not in the plan's"):
         memfit.optimize(extra, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
     frozen = fresh_copy(model)
-    frozen.fc.weight.requires_grad_(False)  # no gradient, no momentum: other fixed bytes
-    with pytest.raises(ValueError, match="fc.weight has role trainable parameter .* and frozen parameter"):
-        memfit.optimize(frozen, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    frozen.fc.weight.requires_grad_(False)  # fewer gradients than planned: as freezing after planning, accepted
+    memfit.optimize(frozen, images, plan_=memfit.Plan.load(tmp_path / "p.json"))  # (a fresh user's resumed run)
+    memfit.optimize(fresh_copy(frozen), images, "100%", strategy="chen").plan.save(tmp_path / "frozen.json")
+    with pytest.raises(ValueError, match="fc.weight has role frozen parameter .* and trainable parameter"):
+        memfit.optimize(fresh_copy(model), images, plan_=memfit.Plan.load(tmp_path / "frozen.json"))
     with pytest.raises(ValueError, match="bn1.bias has dtype torch.float32 .* and torch.float64"):
         memfit.optimize(fresh_copy(model).double(), images.double(), plan_=memfit.Plan.load(tmp_path / "p.json"))
     outside = r"made outside torch.autocast, and this call is under torch.autocast"

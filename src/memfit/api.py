@@ -116,9 +116,14 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                          "memory figures would not hold; make a new plan for these shapes")
+    # a parameter trainable in the plan and frozen now needs no gradient the plan counted: freezing after planning
+    # needs no new plan, nor does resuming such a run from a checkpoint (a fresh user's resume was refused)
+    roles = {key: ("trainable parameter" if role == "frozen parameter"
+                   and plan_.state_roles.get(key) == "trainable parameter" else role)
+             for key, role in state_roles(model).items()}
     for what, theirs, mine in (("shape", plan_.state_shapes, state_shapes(model)),
                                ("dtype", plan_.state_dtypes, state_dtypes(model)),
-                               ("role", plan_.state_roles, state_roles(model))):
+                               ("role", plan_.state_roles, roles)):
         diff = _first_difference(what, theirs, mine) if theirs else None
         if diff:
             raise ValueError(f"the plan was made for another model: {diff}; make a new plan for this model")
