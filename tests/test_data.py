@@ -52,3 +52,18 @@ def test_bad_spec_raises(tmp_path):
         load_dataset(str(tmp_path / "missing"), 32)
     with pytest.raises(ValueError):
         load_dataset("digits", 0)
+
+
+def test_memfit_train_on_a_folder_smaller_than_a_batch_is_a_message(tmp_path, capsys):
+    # a fresh user's 6-image folder at --batch 8 got a StopIteration traceback (exit status 1)
+    from PIL import Image
+
+    from memfit.cli import main
+
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / cls / f"{i}.png")
+    assert main(["train", "--model", "resnet18", "--data", str(tmp_path), "--batch", "8", "--threads", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "has 6 image(s), fewer than --batch 8" in err and "Traceback" not in err

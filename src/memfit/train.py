@@ -25,6 +25,9 @@ def train_side_by_side(args) -> int:
     batch = 32 if args.batch is None else args.batch
     size = 32 if args.image_size is None else args.image_size
     dataset = load_dataset(args.data, size)
+    if len(dataset) < batch:  # (every epoch drops its last partial batch: the plan is for one batch shape)
+        raise ValueError(f"--data {args.data} has {len(dataset)} image(s), fewer than --batch {batch}: lower --batch "
+                         "or add images")
     classes = num_classes(dataset)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
