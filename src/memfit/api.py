@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memfit.budget import Budget
 from memfit.graph.calls import node_ops
@@ -138,6 +139,12 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
                          "figures would not hold; make a new plan for these dtypes")
 
 
+def _private_copy(inputs: tuple) -> tuple:
+    """``inputs`` with every tensor (also inside lists and dicts) copied, with its ``requires_grad`` and layout."""
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+                    else t, inputs)
+
+
 def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
@@ -262,7 +269,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     budget = Budget.parse(budget)
     if not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
-    inputs = _as_tuple(example_inputs)
+    # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
+    # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
+    inputs = _private_copy(_as_tuple(example_inputs))
     _require_training(model)
     captured = _captured or capture(model)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,

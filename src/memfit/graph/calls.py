@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import fx
 
 
@@ -59,21 +60,43 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def node_ops(gm: fx.GraphModule) -> list[str]:
-    """What each computing node of ``gm`` runs, in forward order: ``"ReLU"`` (a module's class), ``"torch.add"`` /
-    ``"add"`` (a function's qualified name), ``".view"`` (a method) or ``"@weight"`` (an attribute read). Two graphs
-    with the same node names can differ here (``nn.ReLU`` swapped for ``nn.Dropout`` keeps the name ``_1``)."""
+    """What each computing node of ``gm`` runs, in forward order, as text that is the same in every process: a
+    module's class and ``extra_repr`` (``"Conv2d(3, 8, kernel_size=(3, 3), stride=(2, 2))"``), a function's or
+    method's name with its constant arguments (``"flatten(_, 1)"``, ``".view(_, -1, 4)"``; ``_`` for a
+    graph value) or an attribute read (``"@weight"``). Two graphs with the same node names can differ here
+    (``nn.ReLU`` swapped for ``nn.Dropout`` keeps the name ``_1``; so does a convolution's stride, which changes
+    every activation after it)."""
     ops = []
     for node in compute_nodes(gm):
         t = node.target
         if node.op == "call_module":
-            ops.append(type(gm.get_submodule(t)).__name__)
-        elif node.op == "call_method":
-            ops.append(f".{t}")
+            module = gm.get_submodule(t)
+            text = getattr(module, "node_op", None)  # a module of memfit's own that says which settings count
+            ops.append(text() if callable(text) else f"{type(module).__name__}({module.extra_repr()})")
         elif node.op == "get_attr":
             ops.append(f"@{t}")
         else:
-            ops.append(getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t))
+            name = f".{t}" if node.op == "call_method" else (getattr(t, "__name__", None)
+                                                              or getattr(t, "__qualname__", None) or type(t).__name__)
+            args = [_constant_text(a) for a in node.args] + [f"{k}={_constant_text(v)}" for k, v in node.kwargs.items()]
+            ops.append(f"{name}({', '.join(args)})")
     return ops
+
+
+def _constant_text(value) -> str:
+    """``value`` (an fx node argument) as text without object addresses: ``_`` for a graph value."""
+    if isinstance(value, fx.Node):
+        return "_"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_constant_text(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_constant_text(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float, str, slice, torch.dtype, torch.device)):
+        return repr(value)
+    if value is Ellipsis:
+        return "..."
+    return type(value).__name__
 
 
 def tensors_in(value) -> list:

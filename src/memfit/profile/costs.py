@@ -970,8 +970,13 @@ def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register,
             continue
         inplace = bool(getattr(spec.make(module), "inplace", False))
         overwrite = tuple(a.name for a in node.all_input_nodes) if inplace else ()
-        cost.variants[spec.name] = _variant_cost(node, variant_call(gm, node, spec.name), env, cost, storages,
-                                                 register, keep_alive, by_ptr, overwrite)
+        try:
+            cost.variants[spec.name] = _variant_cost(node, variant_call(gm, node, spec.name), env, cost, storages,
+                                                     register, keep_alive, by_ptr, overwrite)
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            # a variant that cannot run these inputs is not offered here (a Conv2d called on an unbatched
+            # [C, H, W] image, which PyTorch's own module accepts: planning failed inside conv-split-backward)
+            continue
 
 
 def _variant_cost(node, fn, env, cost: NodeCost, storages, register, keep_alive, by_ptr,

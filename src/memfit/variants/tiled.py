@@ -259,3 +259,8 @@ class TiledChain(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{len(self.layers)} layers, stripes={self.stripes}"
+
+    def node_op(self) -> str:
+        """Its text in ``Plan.node_ops`` (:func:`memfit.graph.calls.node_ops`): the stripe count is the plan's
+        ``tiled`` decision, which a hand edit may change (and is then warned about), not the graph's."""
+        return f"TiledChain({len(self.layers)} layers)"
