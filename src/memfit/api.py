@@ -313,11 +313,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.node_ops = node_ops(captured.gm)
-    # outputs no node saves and no checkpoint region makes (a region's outputs stay referenced by its checkpoint)
-    saved = {s for node in costs.nodes for s in node.saves}
-    in_region = {result.nodes[i] for lo, hi in result.region_spans() for i in range(lo, hi + 1)}
+    saved = {s for node in costs.nodes for s in node.saves}  # (an output a node saves is held anyway)
     result.freed_outputs = [k for k, s in enumerate(costs.output_ids) if s is not None and s not in saved
-                            and costs.storages[s].producer not in (None, *in_region)]
+                            and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
 
