@@ -839,3 +839,28 @@ def test_a_backward_pass_through_an_eval_mode_call_is_warned(setup):
         planned(images)  # evaluation with gradients on but no backward pass: nothing to say
     with pytest.warns(UserWarning, match=r"backward pass ran through ResNet called in eval mode.*without the plan"):
         F.cross_entropy(planned(images), target).backward()
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.bn2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.head, self.aux = nn.Conv2d(16, 21, 1), nn.Conv2d(16, 21, 1)
+
+    def forward(self, x):
+        h1 = F.relu(self.bn1(self.c1(x)))
+        return self.head(F.relu(self.bn2(self.c2(h1)))), self.aux(h1)
+
+
+def test_the_held_output_warning_counts_every_output_held():
+    # a fresh user's two-headed model held both maps (2.8 MiB over its budget); the warning named one (1.5 MiB)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 48, 48), torch.randint(0, 21, (8, 48, 48))
+    planned = memfit.optimize(_TwoHeads(), x, "min",
+                              loss_fn=lambda o: F.cross_entropy(o[0], y) + 0.4 * F.cross_entropy(o[1], y))
+    both = 2 * 8 * 21 * 48 * 48 * 4
+    out, aux = planned(x)
+    loss = F.cross_entropy(out, y) + 0.4 * F.cross_entropy(aux, y)
+    with pytest.warns(UserWarning, match=rf"holds _TwoHeads's output \({both / 2**20:.1f} MiB\)"):
+        loss.backward()
