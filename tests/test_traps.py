@@ -864,3 +864,17 @@ def test_the_held_output_warning_counts_every_output_held():
     loss = F.cross_entropy(out, y) + 0.4 * F.cross_entropy(aux, y)
     with pytest.warns(UserWarning, match=rf"holds _TwoHeads's output \({both / 2**20:.1f} MiB\)"):
         loss.backward()
+
+
+def test_an_input_gradient_taken_while_parameter_gradients_exist_is_not_warned(setup):
+    # a fresh user's FGSM loop: torch.autograd.grad(loss, x) with last step's .grad alive never touches them
+    model, images, target = setup
+    planned = memfit.optimize(fresh_copy(model), images, budget="100%", strategy="chen")
+    F.cross_entropy(planned(images), target).backward()  # gradients now exist
+    with _no_warning("grads_exist=True"):
+        for _ in range(2):
+            x = images.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(F.cross_entropy(planned(x), target), x)
+            planned.zero_grad()
+            F.cross_entropy(planned((images + 0.01 * g.sign()).detach()), target).backward()
+    # (accumulating into existing gradients is warned: test_gradients_allocated_against_the_plan_warn_once)

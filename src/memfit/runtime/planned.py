@@ -304,6 +304,7 @@ class PlannedModule(nn.Module):
         self.report = report
         self._warned_shapes: set[str] = set()
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
+        self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
         self._warned: set[str] = set()  # the step warnings given (see _watch_step), each once
         self._last_call: weakref.ref | None = None  # the previous training call's _Call, while its graph lives
         self._build()
@@ -560,14 +561,9 @@ class PlannedModule(nn.Module):
             call.done = True
             if self._grad_checks > 0 and not plan.grads_exist:
                 self._grad_checks -= 1
-                if any(p.grad is not None for p in self.parameters() if p.requires_grad):
-                    self._grad_checks = 0
-                    self._warn_once("grads", f"memfit: {name}'s parameter gradients exist as its backward pass starts "
-                                    "(zero_grad(set_to_none=False), or gradients accumulated over several backward "
-                                    "passes), but the plan was made for gradients set to None (PyTorch's "
-                                    "zero_grad()): each backward pass then adds into them through temporaries the "
-                                    "plan did not count, and the step can exceed its budget. Make the plan with "
-                                    "grads_exist=True (--grads-exist).")
+                existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
+                if existing:
+                    self._warn_if_accumulated(existing, name)
             held = [t for t in (r() for r in watched) if t is not None]
             nbytes = sum(t.untyped_storage().nbytes() for t in held)
             del held
@@ -597,6 +593,29 @@ class PlannedModule(nn.Module):
         for t in tensors_in(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 t.register_hook(on_grad)
+
+    def _warn_if_accumulated(self, existing: list[nn.Parameter], name: str) -> None:
+        """Warn once if this backward pass adds into one of the ``existing`` gradients, as it accumulates it: a
+        backward pass that computes no parameter gradient (``torch.autograd.grad(loss, x)`` for an adversarial
+        example) leaves them alone, and was warned about before."""
+        for handle in self._accumulate_hooks:
+            handle.remove()
+        before = {id(p): weakref.ref(p.grad) for p in existing}  # (weak: zero_grad() must free them)
+
+        def accumulated(param):
+            for handle in self._accumulate_hooks:
+                handle.remove()
+            self._accumulate_hooks = []
+            if param.grad is not before[id(param)]():  # set to None since (zero_grad()), then made anew: fine
+                return
+            self._grad_checks = 0
+            self._warn_once("grads", f"memfit: {name}'s parameter gradients existed as its backward pass started "
+                            "(zero_grad(set_to_none=False), or gradients accumulated over several backward passes), "
+                            "but the plan was made for gradients set to None (PyTorch's zero_grad()): each backward "
+                            "pass then adds into them through temporaries the plan did not count, and the step can "
+                            "exceed its budget. Make the plan with grads_exist=True (--grads-exist).")
+
+        self._accumulate_hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in existing]
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
