@@ -528,8 +528,9 @@ class PlannedModule(nn.Module):
 
         * the previous training call's graph is still waiting for its backward pass (``d(real)``, then ``d(fake)``,
           then one backward): both calls' saved activations are held at once, the plan counts one call;
-        * parameter gradients exist as the backward pass reaches the output (``zero_grad(set_to_none=False)``, or
-          accumulation over several backward passes) in a plan made for gradients set to ``None``;
+        * the backward pass adds into parameter gradients that existed as it reached the output
+          (``zero_grad(set_to_none=False)``, or accumulation over several backward passes) in a plan made for
+          gradients set to ``None`` (:meth:`_warn_if_accumulated`);
         * the loop holds an output through the backward pass that the plan counts as freed once the loss read it
           (``out = planned(x); loss = crit(out, y); loss.backward()``), and it does not fit in the budget's room.
 
