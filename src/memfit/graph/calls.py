@@ -76,11 +76,17 @@ def node_ops(gm: fx.GraphModule) -> list[str]:
         elif node.op == "get_attr":
             ops.append(f"@{t}")
         else:
-            name = f".{t}" if node.op == "call_method" else (getattr(t, "__name__", None)
-                                                              or getattr(t, "__qualname__", None) or type(t).__name__)
             args = [_constant_text(a) for a in node.args] + [f"{k}={_constant_text(v)}" for k, v in node.kwargs.items()]
-            ops.append(f"{name}({', '.join(args)})")
+            ops.append(f"{call_name(node)}({', '.join(args)})")
     return ops
+
+
+def call_name(node: fx.Node) -> str:
+    """The name of what a ``call_function`` / ``call_method`` node calls: ``"flatten"``, ``".view"``."""
+    t = node.target
+    if isinstance(t, str):  # a method's name (or an attribute's path)
+        return f".{t}" if node.op == "call_method" else t
+    return getattr(t, "__name__", None) or getattr(t, "__qualname__", None) or type(t).__name__
 
 
 def _constant_text(value) -> str:

@@ -15,7 +15,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, tensors_in
+from memfit.graph.calls import bind_inputs, call_name, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.profile.buffers import FindWrites, buffer_storages, by_storage, reachable_slots, storage_key
 from memfit.profile.link import LinkCost
@@ -537,10 +537,8 @@ def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exc
     or function) and what it was given, PyTorch's own error, and what to change."""
     if node.op == "call_module":
         where = f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
-    elif node.op == "call_method":
-        where = f"method .{node.target}()"
     else:
-        where = getattr(node.target, "__qualname__", None) or getattr(node.target, "__name__", repr(node.target))
+        where = f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
     return (f"the model's forward pass fails on example_inputs {_describe(inputs)} at {where} (fx node "
             f"{node.name}): {type(exc).__name__}: {exc}. Give memfit a batch the model trains on (its shapes, "
             "dtypes and device). If model(*example_inputs) runs without memfit, this is a memfit bug: please "

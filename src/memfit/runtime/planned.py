@@ -224,6 +224,11 @@ def _watch_tree() -> None:
         _WATCHING.append(True)
 
 
+def _with_graph(tensors: list) -> list[torch.Tensor]:
+    """The tensors among ``tensors`` that have an autograd graph (where a hook sees their gradient arrive)."""
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
 class _Call:
     """One training call of a planned module: ``done`` once its backward pass reached the output."""
 
@@ -302,10 +307,9 @@ class PlannedModule(nn.Module):
         self.training = root.training
         self.plan = plan
         self.report = report
-        self._warned_shapes: set[str] = set()
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
         self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
-        self._warned: set[str] = set()  # the step warnings given (see _watch_step), each once
+        self._warned: set[str] = set()  # the warnings given, each once (see _warn_once)
         self._last_call: weakref.ref | None = None  # the previous training call's _Call, while its graph lives
         self._build()
 
@@ -342,7 +346,7 @@ class PlannedModule(nn.Module):
         for key, value in self.__dict__.items():  # hooks registered on the planned module itself
             if "hooks" in key and isinstance(value, dict):
                 new.__dict__[key] = copy.deepcopy(value, memo)
-        new._warned_shapes = set(self._warned_shapes)
+        new._warned = set(self._warned)
         # the copies of the model and of its submodules kept their own modes (a frozen BatchNorm in eval mode
         # inside a model in training mode stays so); train() would set them all
         new.training = self.training
@@ -372,7 +376,7 @@ class PlannedModule(nn.Module):
                        for name, child in parent._modules.items()]
         self._state_at_build = self._state_now()
         self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
-        self._unfrozen_warned = False
+        self._warned.discard("unfrozen")  # (its parameters are looked at again)
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
@@ -536,7 +540,8 @@ class PlannedModule(nn.Module):
 
         The last two are looked at when the output's gradient arrives, by a hook on the output: after the loss's
         backward released what the loss saved, and after the loop's ``zero_grad()`` wherever it calls it."""
-        anchors = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        tensors = tensors_in(out)
+        anchors = _with_graph(tensors)
         if not anchors:
             return
         name = type(self.model).__name__
@@ -552,7 +557,6 @@ class PlannedModule(nn.Module):
         self._last_call = weakref.ref(call)  # alive while the hooks below are, that is while the graph is
         plan, budget = self.plan, self.plan.budget_bytes
         room = None if budget is None or plan.predicted_peak_bytes > budget else budget - plan.predicted_peak_bytes
-        tensors = tensors_in(out)
         watched = [weakref.ref(tensors[k]) for k in plan.freed_outputs if k < len(tensors)] if room is not None else []
         del tensors
 
@@ -591,9 +595,8 @@ class PlannedModule(nn.Module):
                             "module in train mode and set only those modules to eval mode (model.bn.eval()), before "
                             "planning.")
 
-        for t in tensors_in(out):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.register_hook(on_grad)
+        for t in _with_graph(tensors_in(out)):
+            t.register_hook(on_grad)
 
     def _warn_if_accumulated(self, existing: list[nn.Parameter], name: str) -> None:
         """Warn once if this backward pass adds into one of the ``existing`` gradients, as it accumulates it: a
@@ -619,6 +622,7 @@ class PlannedModule(nn.Module):
         self._accumulate_hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in existing]
 
     def _warn_once(self, key: str, message: str) -> None:
+        """``message`` as a warning at the user's line, unless the warning ``key`` names was given already."""
         if key not in self._warned:
             self._warned.add(key)
             warn_user(message)
@@ -677,35 +681,31 @@ class PlannedModule(nn.Module):
     def _check_unfrozen(self) -> None:
         """Warn once when a parameter that was frozen at planning time now requires grad: its gradient (and the
         backward work to make it) is in no account of the plan (a fresh user's unfrozen backbone: 3.2x the budget)."""
-        if self._unfrozen_warned:
+        if "unfrozen" in self._warned:
             return
         names = [n for n, p in self._frozen_at_build if p.requires_grad]
         if names:
-            self._unfrozen_warned = True
-            warnings.warn(f"memfit: {len(names)} parameter(s) frozen when the plan was made now require grad "
-                          f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): results are correct, but "
-                          "their gradients are not in the plan, so the step can exceed its budget. Make a plan for "
-                          "the model as it is now.", stacklevel=4)
+            self._warn_once("unfrozen", f"memfit: {len(names)} parameter(s) frozen when the plan was made now "
+                            f"require grad ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): results "
+                            "are correct, but their gradients are not in the plan, so the step can exceed its "
+                            "budget. Make a plan for the model as it is now.")
 
     def _warn_inputs(self, args: tuple) -> None:
         """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another
         autocast state."""
         if self.plan.input_shapes:  # the figures are a training step's
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
-            key = repr(shapes)
-            if shapes != self.plan.input_shapes and key not in self._warned_shapes:
-                self._warned_shapes.add(key)  # once per shape: a last short batch each epoch warns once
-                warnings.warn(f"memfit: the plan was made for inputs of shape {self.plan.input_shapes}, "
-                              f"called with {shapes}; results are correct but the planned memory figures do "
-                              "not hold. Make a plan for these shapes.", stacklevel=4)
+            if shapes != self.plan.input_shapes:  # once per shape: a last short batch each epoch warns once
+                self._warn_once(f"shape {shapes}", f"memfit: the plan was made for inputs of shape "
+                                f"{self.plan.input_shapes}, called with {shapes}; results are correct but the planned "
+                                "memory figures do not hold. Make a plan for these shapes.")
         here = autocast_dtype(args)
-        if (self.plan.autocast or None) != here and f"autocast {here}" not in self._warned_shapes:
-            self._warned_shapes.add(f"autocast {here}")
+        if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"
-            warnings.warn(f"memfit: the plan was made {made} and is called "
-                          f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: results are "
-                          "correct but activations differ in size, so the planned memory figures do not hold. Make "
-                          "a plan in the autocast state you train in.", stacklevel=4)
+            self._warn_once(f"autocast {here}", f"memfit: the plan was made {made} and is called "
+                            f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: results are "
+                            "correct but activations differ in size, so the planned memory figures do not hold. "
+                            "Make a plan in the autocast state you train in.")
 
     def _run(self, env: dict[str, Any], args: tuple):
         self._check_unfrozen()
