@@ -16,6 +16,7 @@ from memfit.solve.legal import legalize
 from memfit.solve.offload import candidates, conv_input_producers, offload_waits
 from memfit.solve.plan import Plan
 from memfit.solve.simulator import _replay
+from memfit.variants.inplace import PLAIN_INPLACE
 from memfit.warn import warn_user
 
 STRATEGIES = ("none", "chen", "checkpoint-all", "vdnn-all", "vdnn-conv", "remat-ilp", "memfit")
@@ -98,6 +99,19 @@ class _Problem:
         activation = self.plain.peak_bytes - fixed if self.exact_plain else costs.headroom_of
         self.margin = _margin(activation, costs.device)
         self._lows: dict[tuple, list[Plan] | float] = lows  # (recompute_only, fastest) -> plans; ("stopped_at",)
+
+    def keep_everything(self) -> Plan:
+        """Keeping every activation: plain PyTorch's plan, or, where the variants are allowed, that plan with
+        every plain in-place form (:mod:`memfit.variants.inplace`) where the profile offers one (what code
+        written in place by hand, ``out += identity``, runs: ``torch.fx`` traces it out of place), if its
+        replayed peak is no higher. In-place forms are priced below PyTorch's op (``costs._no_faster_than_default``)."""
+        plain = self.finish([], gap=0.0)
+        choice = {i: next(name for name in PLAIN_INPLACE if name in opts)
+                  for i, opts in enumerate(self.options or []) if any(name in opts for name in PLAIN_INPLACE)}
+        if not choice:
+            return plain
+        in_place = self.finish([], gap=0.0, variants=choice)
+        return in_place if in_place.predicted_peak_bytes <= plain.predicted_peak_bytes else plain
 
     def finish(self, spans: Spans, gap: float | None = None, variants: dict[int, str] | None = None,
                offloads: list[int] | None = None) -> Plan:
@@ -337,7 +351,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     # keeping everything is the fastest plan, and plain PyTorch's peak (exactly what the replay predicts) needs no
     # headroom: at budget "100%" a fresh user got two BatchNorms recomputed, 8% slower
     if prob.plain.peak_bytes <= (budget_bytes if prob.exact_plain else limit):
-        return prob.finish([], gap=0.0)
+        return prob.keep_everything()
     deadline = time.perf_counter() + time_limit
     best: Plan | None = None
     fallbacks: set[int] = set()  # ids of lowest-memory plans taken as candidates (solved for another program)
@@ -427,6 +441,6 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
                       "time_limit (--time-limit) for a faster plan.")
         return best
     if prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # keeping everything fits without headroom
-        return prob.finish([], gap=0.0)
+        return prob.keep_everything()
     floor = prob.smallest_feasible(time_limit, lows)
     raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at())

@@ -44,11 +44,14 @@ from memfit.graph.calls import arg_loader
 from memfit.variants.relu_mask import hardtanh_mask, leaky_relu_mask, relu_mask
 from memfit.variants.replaceable import replaceable as _replaceable
 
-__all__ = ["INPLACE_VARIANTS", "OPERAND", "inplace_forms"]
+__all__ = ["INPLACE_VARIANTS", "OPERAND", "PLAIN_INPLACE", "inplace_forms"]
 
 #: variant name -> argument position of the operand it overwrites
 OPERAND: dict[str, int] = {"inplace": 0, "inplace-rhs": 1, "relu-mask-inplace": 0}
 INPLACE_VARIANTS = tuple(OPERAND)
+#: the forms that run PyTorch's own kernel into their operand: the same work as PyTorch's op, less the
+#: result's allocation (``relu-mask-inplace`` adds a mask's packing)
+PLAIN_INPLACE = ("inplace", "inplace-rhs")
 
 _RELU_FUNCTIONS = (torch.relu, F.relu)
 _ADD_FUNCTIONS = (operator.add, torch.add)
