@@ -213,8 +213,15 @@ def test_leaving_out_an_argument_the_plan_was_made_with_says_which():
     # a fresh user's nanoGPT loop: planned with (idx, targets), called planned(idx): AttributeError from inside
     x, mask = torch.randn(8, 16), torch.ones(8, 16)
     planned = memfit.optimize(Masked().train(), (x, mask))
-    with pytest.raises(TypeError, match=r"fewer inputs than the plan was made with, so 'mask' takes its default"):
+    with pytest.raises(TypeError, match=r"fewer tensors than the plan was made with \(1 instead of 2\): 'mask' is None"):
         planned(x)
+    # also given as None, by position or keyword (a fresh user's: a raw "'NoneType' object is not subscriptable")
+    for call in ((x, None), (x,)):
+        for kwargs in ({}, {"mask": None}):
+            if len(call) == 2 and kwargs:
+                continue
+            with pytest.raises(TypeError, match=r"'mask' is None \(left out, or passed as None\)"):
+                planned(*call, **kwargs)
     planned(x, mask).sum().backward()  # and it still works as planned
 
 
@@ -382,3 +389,32 @@ def test_planning_keeps_neither_the_example_batch_nor_the_profiled_activations_a
     assert batch() is None
     del planned
     assert not graphs() - before
+
+
+def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_changes_nothing():
+    """Found by a fresh user: a ``loss_fn`` with the wrong targets, or one returning the output itself, came back as
+    PyTorch's bare errors; ``optimizer="sgd"`` as an ``AttributeError``; an optimizer built on another model was
+    taken. The model and the optimizer are left as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).train()
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, repr(opt.state_dict()))
+    with pytest.raises(ValueError, match=r"loss_fn failed on the model's output float32\[6, 4\] \(ValueError: "
+                                         r"Expected input batch_size \(6\) to match target batch_size \(3\).*lambda"):
+        memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: F.cross_entropy(out, y[:3]))
+    with pytest.raises(ValueError, match=r"loss_fn returned a tensor of shape \[6, 4\].*one-element tensor"):
+        memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: out)
+    with pytest.raises(TypeError, match=r"optimizer must be the torch.optim.Optimizer .* got str 'sgd'"):
+        memfit.optimize(model, x, "100%", optimizer="sgd")
+    with pytest.raises(ValueError, match=r"holds 2 parameter tensor\(s\), none of them the model's"):
+        memfit.optimize(model, x, "100%", optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    after = ({k: v.clone() for k, v in model.state_dict().items()}, repr(opt.state_dict()))
+    assert before[1] == after[1] and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert model.training
+    # the right ones plan, and train as PyTorch does
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, _ce, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: _ce(out, y))
+    assert compare(base, measure_training(planned, planned, (x,), y, _ce, steps=1))["gradients_match"]

@@ -878,3 +878,106 @@ def test_an_input_gradient_taken_while_parameter_gradients_exist_is_not_warned(s
             planned.zero_grad()
             F.cross_entropy(planned((images + 0.01 * g.sign()).detach()), target).backward()
     # (accumulating into existing gradients is warned: test_gradients_allocated_against_the_plan_warn_once)
+
+
+class _Settings(nn.Module):
+    """A forward pass that reads plain Python attributes (an expert chosen by name, a dropout probability and a
+    scale kept as numbers), plus a counter that forward itself increments and one the loop sets."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleDict({"a": nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)),
+                                      "b": nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))})
+        self.head = nn.Linear(16, 4)
+        self.route, self.p, self.scale, self.calls = "a", 0.0, 1.0, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = F.dropout(self.experts[self.route](x) + x, p=self.p, training=self.training)
+        return self.head(h) * self.scale
+
+
+@pytest.mark.parametrize("attribute, value", [("route", "b"), ("p", 0.5), ("scale", 3.0)])
+def test_a_python_attribute_the_forward_read_is_refused_once_changed(attribute, value):
+    """Found by a fresh user: torch.fx bakes the attributes into the graph as constants, so after
+    ``model.scale = 3.0`` the planned module trained the old function (gradients off by 0.23, no warning).
+    Before the change: PyTorch's gradients. After it: a RuntimeError naming the attribute, in training only;
+    a counter forward increments and an attribute the loop sets (``model.epoch``) are not refused."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    base, planned, fig = plain_and_planned(_Settings().train(), x, y, "100%")
+    assert fig.grads.keys() == base.grads.keys()
+    assert all(torch.equal(base.grads[k], fig.grads[k]) for k in base.grads)
+    model = planned.model
+    planned.eval()
+    planned(x)  # runs the model's own forward: the counter moves
+    planned.train()
+    model.epoch = 3
+    F.cross_entropy(planned(x), y).backward()  # not refused
+    copy_ = __import__("copy").deepcopy(planned)
+    setattr(model, attribute, value)
+    with pytest.raises(RuntimeError, match=rf"_Settings\.{attribute} was .* now.*Plan the model again"):
+        planned(x)
+    planned.eval()
+    planned(x)  # evaluation runs the model itself, with the new value
+    copy_(x)  # the deep copy has its own model, unchanged
+    setattr(copy_.model, attribute, value)
+    with pytest.raises(RuntimeError, match=attribute):
+        copy_(x)
+
+
+def test_a_model_converted_to_another_dtype_after_planning_is_warned_once(setup):
+    """Found by a fresh user: ``planned.double()`` after planning trained at 4.4x the budget without a word. It
+    now warns once (not also about the inputs' dtype), and the step still matches PyTorch's in float64."""
+    import warnings
+
+    model, images, target = setup
+    planned = _planned(model, images)
+    ref = fresh_copy(model).double()
+    planned.double()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for m in (planned, ref):
+                m.zero_grad(set_to_none=True)
+                F.cross_entropy(m(images.double()), target).backward()
+    msgs = [str(w.message) for w in seen if "planned memory figures" in str(w.message)]
+    assert len(msgs) == 1 and "torch.float32 parameters" in msgs[0] and "torch.float64" in msgs[0], msgs
+    _same(_grads(ref), _grads(planned), tol=1e-10)
+
+
+def test_control_flow_on_a_flag_argument_is_explained_and_a_wrapper_plans():
+    """Found by a fresh user: ``forward(x, head="h1", extra=False)`` with ``if extra:`` was refused with advice
+    about control flow on tensor values. The message now names the argument and the way out, which plans and
+    trains as PyTorch does."""
+
+    class Flags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.h1, self.h2 = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+        def forward(self, x, head="h1", extra=False):
+            h = F.relu(self.a(x))
+            if extra:
+                h = h * 2
+            return self.h1(h) if head == "h1" else self.h2(h)
+
+    class Fixed(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x, head="h2", extra=True)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with pytest.raises(memfit.TraceError, match=r"`extra` is an argument of forward.*wrapper module.*extra=\.\.\."):
+        memfit.optimize(Flags().train(), x)
+    model = Flags().train()
+    ref = fresh_copy(model)
+    planned = memfit.optimize(Fixed(model), x, budget="min")
+    F.cross_entropy(planned(x), y).backward()
+    F.cross_entropy(ref(x, head="h2", extra=True), y).backward()
+    _same({k: p.grad for k, p in ref.named_parameters() if p.grad is not None},
+          {k.removeprefix("m."): p.grad for k, p in planned.model.named_parameters() if p.grad is not None}, tol=0)

@@ -261,12 +261,15 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     Raises:
         memfit.TraceError: ``torch.fx`` cannot trace the model; the message names the line.
         memfit.InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
-        TypeError: ``model`` is already a :class:`PlannedModule` (plan ``planned.model`` instead).
-        ValueError: bad budget text or strategy; ``example_inputs`` has more inputs than the forward takes,
+        TypeError: ``model`` is already a :class:`PlannedModule` (plan ``planned.model`` instead); ``optimizer``
+            is not a ``torch.optim.Optimizer``.
+        ValueError: bad budget text or strategy; an optimizer that holds none of the model's parameters;
+            ``loss_fn`` fails on the model's output or returns more than one value; ``example_inputs`` has more inputs than the forward takes,
             leaves out an argument without a default, or leaves out one whose default the traced forward
             cannot run with (``mask=None`` when fx traced ``if mask is not None:`` as taken).
     """
     budget = Budget.parse(budget)
+    _check_optimizer(optimizer, model)
     if not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
@@ -318,6 +321,22 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                             and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
+
+
+def _check_optimizer(optimizer, model: nn.Module) -> None:
+    """Refuse an ``optimizer`` that is not one (``optimizer="sgd"`` failed with an AttributeError) or that holds
+    none of ``model``'s parameters (built on another model: its state would be counted, the model's not)."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be the torch.optim.Optimizer you train with, built on the model's "
+                        f"parameters (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), or None; got "
+                        f"{type(optimizer).__name__} {optimizer!r}"[:400])
+    ours = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and not any(id(p) in ours for p in held):
+        raise ValueError(f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: build it on "
+                         "model.parameters() (the one you train this model with)")
 
 
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+from memfit.graph.attributes import record_reads
 from memfit.graph.ir import Graph, Node
 
 
@@ -22,11 +25,14 @@ class TraceError(RuntimeError):
 @dataclass
 class Captured:
     """A traced model: the fx ``GraphModule`` (sharing parameters and buffers with the user's model),
-    its plain-data :class:`Graph`, and the model itself."""
+    its plain-data :class:`Graph`, the model itself, and the plain Python attributes its forward pass read
+    while tracing (``{module path: {attribute: value}}``, :mod:`memfit.graph.attributes`): the graph holds
+    their values as constants."""
 
     gm: fx.GraphModule
     graph: Graph
     model: nn.Module | None = None
+    attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -177,8 +183,36 @@ def _autograd_functions_as_leaves():
         Function.apply = real
 
 
+def _arguments_in_control_flow(exc: BaseException) -> list[str]:
+    """Names of the forward's own arguments (fx placeholders) that the failing line of the user's code reads,
+    found in that frame's locals: ``if extra:`` on ``forward(self, x, extra=False)``."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(torch_dir) and "memfit/graph" not in name:
+            last = tb
+        tb = tb.tb_next
+    if last is None:
+        return []
+    line = (traceback.extract_tb(last, limit=1)[0].line or "")
+    return [name for name, value in last.tb_frame.f_locals.items()
+            if isinstance(value, fx.Proxy) and value.node.op == "placeholder" and re.search(rf"\b{re.escape(name)}\b", line)]
+
+
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    arguments = _arguments_in_control_flow(exc) if "control flow" in str(exc) else []
+    if arguments:
+        names = ", ".join(f"`{a}`" for a in arguments)
+        a = arguments[0]
+        return (f"  {names} {'are arguments' if len(arguments) > 1 else 'is an argument'} of forward, which torch.fx "
+                "traces as graph inputs even when they are Python values (a flag, a string), so Python control flow "
+                f"on {'them' if len(arguments) > 1 else 'it'} cannot be traced. Fix the value for planning: plan a "
+                "wrapper module that passes it (`class Fixed(nn.Module): def __init__(self, m): super().__init__(); "
+                f"self.m = m` and `def forward(self, x): return self.m(x, {a}=...)`), or make it an attribute of "
+                f"the model (`self.{a} = ...` read in forward), which memfit then watches: changing it after "
+                "planning raises.")
     compiled = [name for name, m in model.named_modules() if hasattr(m, "_orig_mod")]
     if compiled == [""]:  # the model itself: memfit.optimize(torch.compile(model), ...)
         return ("  the model is wrapped in torch.compile, which torch.fx cannot trace: plan the model itself "
@@ -270,7 +304,8 @@ def capture(model: nn.Module) -> Captured:
     """
     checkpoints: list[str] = []
     try:
-        with _refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves():
+        with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
+              record_reads(model) as attributes):
             gm = _trace(model)
     except _ReentrantCheckpoint:
         raise TraceError(
@@ -304,7 +339,7 @@ def capture(model: nn.Module) -> Captured:
             "own peak. Give the budget in bytes (or 'min') to stay under what your checkpoints reached.",
             stacklevel=3)
     _warn_opaque(gm)
-    return Captured(gm=gm, graph=graph_of(gm), model=model)
+    return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model))
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

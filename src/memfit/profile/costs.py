@@ -8,7 +8,9 @@ nodes are counted once (DESIGN.md, "What memory means").
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -557,6 +559,24 @@ def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exc
             "report it.")
 
 
+def _call_loss(loss_fn: Callable, out: Any) -> torch.Tensor:
+    """``loss_fn(out)``, checked: a failure or a result that is not a one-element tensor becomes a ``ValueError``
+    that names ``loss_fn`` and what it was given (fresh users got PyTorch's bare "Expected input batch_size (8) to
+    match target batch_size (3)" and "grad can be implicitly created only for scalar outputs")."""
+    usage = ("loss_fn is called as loss_fn(output) on the model's output for example_inputs and must return the "
+             "training loss as a one-element tensor, with this batch's targets bound, e.g. "
+             "loss_fn=lambda out: F.cross_entropy(out, y)")
+    try:
+        loss = loss_fn(out)
+    except Exception as exc:
+        raise ValueError(f"loss_fn failed on the model's output {_describe(out)} "
+                         f"({type(exc).__name__}: {exc}). {usage}") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn returned {got}. {usage}")
+    return loss
+
+
 def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_variants: bool = True,
                cast_dtype: torch.dtype | None = None, requires: dict[str, list[bool]] | None = None,
                snapshot: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Costs:
@@ -952,7 +972,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         return t.detach()  # (not t itself: a saved output would hold its own graph, see _recording)
 
     with MemoryTracker(device) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(out)
+        loss = _call_loss(loss_fn, out)
     with MemoryTracker(device) as backward:
         grads_of: tuple = ()
         if leaves and loss.requires_grad:
@@ -1140,7 +1160,7 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
         wrt = [p for p in gm.parameters() if p.requires_grad]
         wrt += [t for t in tensors_in(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if loss_fn is not None:
-            roots, seeds = [loss_fn(out)], None
+            roots, seeds = [_call_loss(loss_fn, out)], None
         else:
             roots = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             seeds = [torch.ones_like(t) for t in roots]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from memfit.graph.attributes import changed_attribute
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, node_ops, positional_inputs, tensors_in
 from memfit.graph.capture import Captured
 from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
@@ -339,7 +340,8 @@ class PlannedModule(nn.Module):
         store = self.offload_store
         own_store = (DiskStore(store.directory) if isinstance(store, DiskStore) and not store.remove_when_done
                      else None)
-        new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model),
+        new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
+                                     attributes=copy.deepcopy(captured.attributes, memo)),
                             copy.deepcopy(self.plan, memo), copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -375,6 +377,10 @@ class PlannedModule(nn.Module):
         self._slots = [(parent._modules, name, child) for parent in dict(self._modules_at_build).values()
                        for name, child in parent._modules.items()]
         self._state_at_build = self._state_now()
+        self._first_parameter = next(iter(self.model.named_parameters()), None)
+        self._attributes = [(path, self.model.get_submodule(path), name, value)
+                            for path, values in self.__dict__["_captured"].attributes.items()
+                            for name, value in values.items()]
         self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self._warned.discard("unfrozen")  # (its parameters are looked at again)
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -512,15 +518,17 @@ class PlannedModule(nn.Module):
                 self._watch_eval(out)
             return out
         self._check_modules()
+        self._check_attributes()
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
             env: dict[str, Any] = bind_inputs(self.gm, args)
         except ValueError as exc:
             raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")) from None
-        # fewer tensors than at planning time: some argument takes its default, which the trace may not run with
-        defaulted = self._placeholders[len(args):]
-        if defaulted and sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
-            out = self._run_checked(env, args, defaulted)
+        # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
+        # as None), which the traced forward may not run with
+        if sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
+            unset = [name for name in self._placeholders if env.get(name) is None]
+            out = self._run_checked(env, args, unset or self._placeholders[len(args):])
         else:
             out = self._run(env, args)
         self._warn_inputs(args)  # after it ran: if it failed, its error says why
@@ -627,15 +635,18 @@ class PlannedModule(nn.Module):
             self._warned.add(key)
             warn_user(message)
 
-    def _run_checked(self, env: dict[str, Any], args: tuple, defaulted: list[str]):
-        """:meth:`_run`, with a failure explained when arguments were left out (their defaults, e.g. ``None``, may
-        take a path the traced forward does not have)."""
+    def _run_checked(self, env: dict[str, Any], args: tuple, unset: list[str]):
+        """:meth:`_run`, with a failure explained when the call has fewer tensors than the plan's example inputs:
+        ``unset`` names the arguments that are ``None`` now (left out or passed as ``None``), which may take a path
+        the traced forward does not have."""
         try:
             return self._run(env, args)
         except Exception as exc:
+            plural = len(unset) > 1
             raise TypeError(
-                f"the planned module was called with fewer inputs than the plan was made with, so "
-                f"{', '.join(repr(d) for d in defaulted)} {'take their defaults' if len(defaulted) > 1 else 'takes its default'}, "
+                f"the planned module was called with fewer tensors than the plan was made with "
+                f"({sum(isinstance(a, torch.Tensor) for a in args)} instead of {len(self.plan.input_shapes)}): "
+                f"{', '.join(repr(d) for d in unset)} {'are' if plural else 'is'} None (left out, or passed as None), "
                 f"but the forward traced at planning time fails with that ({type(exc).__name__}: {exc}): torch.fx "
                 "recorded the path the example inputs took. Pass the same arguments as at planning time, or plan for "
                 "the call you make") from exc
@@ -678,6 +689,20 @@ class PlannedModule(nn.Module):
                               "plan for the model as it is now.", stacklevel=4)
         self._tree_version = version  # (after the checks: a refused tree is refused again at the next call)
 
+    def _check_attributes(self) -> None:
+        """Refuse to train when a plain Python attribute that the traced forward pass read has changed since
+        (``self.route``, ``self.scale``, a dropout probability kept as a number): the graph holds the value it
+        had then, so the planned module would train another function than the model (a fresh user's scale
+        changed from 1 to 3: gradients off by 0.23, silently). :mod:`memfit.graph.attributes`."""
+        changed = changed_attribute(self._attributes)
+        if changed is not None:
+            label, then, now = changed
+            raise RuntimeError(
+                f"{type(self.model).__name__}.{label} was {then!r} when memfit traced the model and is {now!r} now. "
+                f"torch.fx records Python values as constants, so the planned module still computes with {then!r}. "
+                "Plan the model again after changing it (memfit.optimize(model, ...)); a number that changes "
+                "during training can instead live in a tensor that forward reads (register_buffer).")
+
     def _check_unfrozen(self) -> None:
         """Warn once when a parameter that was frozen at planning time now requires grad: its gradient (and the
         backward work to make it) is in no account of the plan (a fresh user's unfrozen backbone: 3.2x the budget)."""
@@ -699,6 +724,23 @@ class PlannedModule(nn.Module):
                 self._warn_once(f"shape {shapes}", f"memfit: the plan was made for inputs of shape "
                                 f"{self.plan.input_shapes}, called with {shapes}; results are correct but the planned "
                                 "memory figures do not hold. Make a plan for these shapes.")
+        converted = False
+        if self._first_parameter is not None:  # (model.double() / .half() after planning: 4.4x over, silently)
+            key, param = self._first_parameter
+            made = self.plan.state_dtypes.get(key)
+            converted = made is not None and str(param.dtype) != made
+            if converted:
+                self._warn_once(f"parameters {param.dtype}", f"memfit: the plan was made for {made} parameters and "
+                                f"the model's are now {param.dtype} (model.to(dtype), .double() or .half() after "
+                                "planning); results are correct but the planned memory figures do not hold. Make a "
+                                "plan for the model as it is now.")
+        if self.plan.input_dtypes and not converted:  # (inputs converted with the model: one warning)
+            dtypes = [str(a.dtype) for a in args if isinstance(a, torch.Tensor)]
+            if dtypes != self.plan.input_dtypes:
+                self._warn_once(f"dtype {dtypes}", f"memfit: the plan was made for inputs of dtype "
+                                f"{self.plan.input_dtypes}, called with {dtypes}; results are correct but "
+                                "activations differ in size, so the planned memory figures do not hold. Make a "
+                                "plan for these inputs.")
         here = autocast_dtype(args)
         if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"
