@@ -441,3 +441,13 @@ def test_offload_gpu_check_smoke_on_cpu(tmp_path, capsys, monkeypatch):
     report = json.loads(out.read_text())
     assert "extrapolated linearly" in report["notes"][0]
     assert "extrapolated linearly" in capsys.readouterr().out
+
+
+def test_torch_budgets_are_knob_values_not_percentages():
+    # a fresh user's `--torch-budgets 1.5` was told to write '1.5%', which then ran knob 0.015
+    from memfit.bench.sweep import parse_knobs
+
+    assert parse_knobs("1.0,0.5, 0") == [1.0, 0.5, 0.0]
+    for bad in ("1.5", "50%", "x", ""):
+        with pytest.raises(ValueError, match="--torch-budgets"):
+            parse_knobs(bad)

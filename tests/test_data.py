@@ -67,3 +67,27 @@ def test_memfit_train_on_a_folder_smaller_than_a_batch_is_a_message(tmp_path, ca
     assert main(["train", "--model", "resnet18", "--data", str(tmp_path), "--batch", "8", "--threads", "1"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "has 6 image(s), fewer than --batch 8" in err and "Traceback" not in err
+
+
+def test_memfit_train_refuses_a_segmentation_model_and_a_learning_rate_that_is_not_one(capsys):
+    # fresh users: `train --model unet --data digits` planned, then died in the loss (exit 1); `--lr nan` trained
+    # nan losses and reported "loss curves match"
+    from memfit.cli import main
+
+    assert main(["train", "--model", "unet", "--data", "digits", "--batch", "4", "--threads", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "predicts a class per pixel" in err and "memfit run --model unet" in err and "Traceback" not in err
+    for lr in ("nan", "inf", "0", "-0.1"):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--model", "resnet18", "--lr", lr])
+        assert exc.value.code == 2
+        assert "a finite number > 0" in capsys.readouterr().err
+
+
+def test_memfit_train_says_when_training_diverged(capsys):
+    from memfit.cli import main
+
+    assert main(["train", "--model", "resnet18", "--batch", "256", "--image-size", "32", "--lr", "1e9",
+                 "--budget", "100%", "--threads", "1"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "training diverged" in out and "loss curves match" not in out

@@ -8,6 +8,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported:
 
 import argparse
 import json
+import math
 import sys
 
 from rich.console import Console
@@ -87,6 +88,17 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a learning rate, a finite number > 0, got {text!r}")
     return value
 
 
@@ -200,6 +212,7 @@ def cmd_bench(args) -> int:
     from memfit.bench.sweep import (
         default_strategies,
         parse_fractions,
+        parse_knobs,
         results_table,
         sweep,
         write_results,
@@ -208,7 +221,7 @@ def cmd_bench(args) -> int:
 
     batch, size = _sizes(args)
     budgets = parse_fractions(args.budgets, percent_only=True)
-    torch_budgets = parse_fractions(args.torch_budgets)
+    torch_budgets = parse_knobs(args.torch_budgets)
     out = args.out or f"bench-{args.model}-b{batch}-{size}px"
     try:  # fail now, not after the sweep
         os.makedirs(out, exist_ok=True)
@@ -422,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     _offload_flags(p)
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
     p.add_argument("--epochs", type=_positive, default=1)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=_learning_rate, default=0.05)
     _grads_flag(p)
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)

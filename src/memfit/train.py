@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -22,6 +24,10 @@ def train_side_by_side(args) -> int:
     Returns the process exit status: 0 when every step's loss matches within 1e-4 (relative), 1 otherwise.
     """
     console = Console()
+    if args.model in zoo.DENSE_MODELS:
+        raise ValueError(f"--model {args.model} predicts a class per pixel, and train feeds image classification data "
+                         f"(--data: one label per image): run it on synthetic per-pixel targets with memfit run "
+                         f"--model {args.model}, or train a classifier ({', '.join(m for m in zoo.MODELS if m not in zoo.DENSE_MODELS)})")
     batch = 32 if args.batch is None else args.batch
     size = 32 if args.image_size is None else args.image_size
     dataset = load_dataset(args.data, size)
@@ -77,6 +83,11 @@ def train_side_by_side(args) -> int:
     for step, a, b in shown:
         table.add_row(str(step), f"{a:.5f}", f"{b:.5f}", f"{abs(a - b):.1e}")
     console.print(table)
+    diverged = next((step for step, a, b in curve if not (math.isfinite(a) and math.isfinite(b))), None)
+    if diverged is not None:
+        console.print(f"[red]the loss is not finite from step {diverged} on (memfit {curve[diverged][1]}, plain PyTorch "
+                      f"{curve[diverged][2]}): training diverged, so the curves show nothing; lower --lr[/]")
+        return 1
     worst = max(abs(a - b) / max(abs(b), 1e-8) for _, a, b in curve)
     ok = worst <= 1e-4
     console.print(("[green]loss curves match" if ok else "[red]loss curves differ") +

@@ -30,6 +30,7 @@ import torchvision
 from torch import nn
 
 __all__ = [
+    "DENSE_MODELS",
     "MODELS",
     "UNet",
     "build_model",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 MODELS: tuple[str, ...] = ("resnet50", "resnet18", "vgg16", "mobilenet_v2", "googlenet", "unet")
+#: the models that predict a class per pixel (targets ``[N, S, S]``); the others one class per image
+DENSE_MODELS: tuple[str, ...] = ("unet",)
 
 #: Weight of each GoogLeNet auxiliary head in the training loss (torchvision / MONeT recipe).
 GOOGLENET_AUX_WEIGHT = 0.3
@@ -331,7 +334,7 @@ def example_batch(
     _check_image_size(name, image_size)
     gen = torch.Generator().manual_seed(seed)
     images = torch.randn(batch_size, 3, image_size, image_size, generator=gen, dtype=torch.float32)
-    target_shape = (batch_size, image_size, image_size) if name == "unet" else (batch_size,)
+    target_shape = (batch_size, image_size, image_size) if name in DENSE_MODELS else (batch_size,)
     targets = torch.randint(0, num_classes, target_shape, generator=gen, dtype=torch.int64)
     return images.to(device), targets.to(device)
 

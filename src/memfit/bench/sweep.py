@@ -179,6 +179,30 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
     return out
 
 
+def parse_knobs(text: str) -> list[float]:
+    """``"1.0,0.5,0"`` -> ``[1.0, 0.5, 0.0]``: values of PyTorch's ``activation_memory_budget`` knob for
+    ``torch-budget`` (``--torch-budgets``), each a plain number from 0 to 1.
+
+    Raises:
+        ValueError: an entry is not a number from 0 to 1 (a percentage among them), or the list is empty.
+    """
+    out = []
+    for item in (t.strip() for t in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = None
+        if value is None or not 0 <= value <= 1:
+            raise ValueError(f"--torch-budgets {item!r}: values of torch's activation_memory_budget are plain numbers "
+                             "from 0 to 1 (1.0 keeps every activation, 0.0 recomputes all it can), e.g. 1.0,0.5,0.3")
+        out.append(value)
+    if not out:
+        raise ValueError("--torch-budgets: no value given; pass e.g. 1.0,0.5,0.3")
+    return out
+
+
 def parse_strategies(text: str | list) -> list[str]:
     """``"none,chen,memfit"`` -> names, checked against :data:`ALL_STRATEGIES`."""
     names = text if isinstance(text, (list, tuple)) else [t.strip() for t in str(text).split(",")]
