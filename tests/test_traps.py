@@ -981,3 +981,30 @@ def test_control_flow_on_a_flag_argument_is_explained_and_a_wrapper_plans():
     F.cross_entropy(ref(x, head="h2", extra=True), y).backward()
     _same({k: p.grad for k, p in ref.named_parameters() if p.grad is not None},
           {k.removeprefix("m."): p.grad for k, p in planned.model.named_parameters() if p.grad is not None}, tol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
+                                      ("densenet121", 32)])
+def test_torchvision_models_are_not_refused_for_their_own_attributes(name, px):
+    """The attributes watched after planning (``use_res_connect``, ``drop_rate``, ``stride``, ...) do not change in
+    training or evaluation: two training steps with an eval-mode call between them run, and match PyTorch's."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(num_classes=10).train()
+    x, y = torch.randn(4, 3, px, px), torch.randint(0, 10, (4,))
+    ref = fresh_copy(model)
+    planned = memfit.optimize(fresh_copy(model), x, "100%", loss_fn=lambda out: F.cross_entropy(out, y), time_limit=5)
+    assert planned.__dict__["_captured"].attributes  # something is watched
+    for step in range(2):
+        for m in (planned, ref):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)  # (dropout, stochastic depth)
+            F.cross_entropy(m(x), y).backward()
+            m.eval()
+            with torch.no_grad():
+                m(x)
+            m(x)  # eval mode with gradients on
+            m.train()
+    _same(_grads(ref), _grads(planned), tol=1e-6)
