@@ -470,8 +470,8 @@ class _CastRecorder(TorchDispatchMode):
 
 
 def _no_faster_than_default(costs: Costs) -> None:
-    """Raise each variant's forward and backward times to at least PyTorch's, plus 1%; lower each plain
-    in-place form's (``inplace``, ``inplace-rhs``) to at most PyTorch's, minus 1%.
+    """Raise each variant's forward and backward times to at least PyTorch's, plus 1%; lower those of each plain
+    in-place form (``inplace``, ``inplace-rhs``) to at most PyTorch's (forward: 0.99x PyTorch's).
 
     Every other variant calls PyTorch's own kernels and adds work (packing a mask, a second convolution
     call), so a variant measured faster than the default is timing noise. Left as measured, the solver would
