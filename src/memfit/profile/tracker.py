@@ -32,9 +32,11 @@ class MemoryTracker:
     """Measure the peak of device memory allocated inside a ``with`` block.
 
     ``peak_bytes`` is the largest amount allocated during the block *above* what was allocated when it
-    started (bytes, >= 0); ``net_bytes`` is what the block left allocated (may be negative). Add the bytes
-    live at the start (e.g. :func:`live_bytes` of parameters, gradients, optimizer state and inputs) to get
-    the absolute peak.
+    started (bytes, >= 0); ``net_bytes`` is what the block left allocated (on CUDA it may be negative). Add the
+    bytes live at the start (e.g. :func:`live_bytes` of parameters, gradients, optimizer state and inputs) to
+    get the absolute peak. On the CPU only the blocks allocated inside the block count, and their frees: a block
+    allocated before it and freed inside is not subtracted (the profiler knows the size of some such blocks and
+    not of others), so neither figure goes below what the block itself allocated.
 
     On the CPU the block runs under the PyTorch profiler, which slows it down: never time code inside a
     tracker. Nested CPU trackers are not supported (the profiler cannot nest).
@@ -69,17 +71,32 @@ class MemoryTracker:
         self._prof.__exit__(*exc)
         if exc[0] is not None:
             return
-        events: list[tuple[int, int]] = []
+        raw: list[tuple[int, int, int]] = []  # (time ns, signed bytes, address)
         self.ranges: dict[str, tuple[int, int]] = {}
         stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
         while stack:
             e = stack.pop()
             if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-                events.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+                raw.append((e.start_time_ns, int(e.extra_fields.alloc_size), int(e.extra_fields.ptr)))
             elif e.name.startswith(_MARK):
                 self.ranges[e.name[len(_MARK):]] = (e.start_time_ns, e.end_time_ns)
             stack.extend(e.children)
-        events.sort(key=lambda x: x[0])
+        raw.sort(key=lambda x: x[0])
+        # only blocks allocated inside the block count, also when they are freed: the profiler reports the free
+        # of a block allocated under an earlier profiler session with its size, and one allocated before any
+        # with none, so a block from before the start (garbage of an earlier profiled pass, collected in the
+        # middle of a training step) once lowered a measured peak by half a megabyte
+        events: list[tuple[int, int]] = []
+        alive: dict[int, int] = {}
+        for t, size, ptr in raw:
+            if size > 0:
+                alive[ptr] = alive.get(ptr, 0) + size
+                events.append((t, size))
+            elif size < 0 and alive.get(ptr, 0) >= -size:
+                alive[ptr] -= -size
+                if not alive[ptr]:
+                    del alive[ptr]
+                events.append((t, size))
         cur = peak = 0
         for _, size in events:
             cur += size
