@@ -1008,3 +1008,124 @@ def test_torchvision_models_are_not_refused_for_their_own_attributes(name, px):
             m(x)  # eval mode with gradients on
             m.train()
     _same(_grads(ref), _grads(planned), tol=1e-6)
+
+
+class _Hooked(nn.Module):
+    """A residual block whose additions and ReLUs memfit would write in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 1), nn.ReLU())
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.c1(x)))
+        out = F.relu(self.bn2(self.c2(out)) + x)
+        return self.fc(self.block(out).mean((2, 3)))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_hooks_see_pytorchs_values_and_run(when):
+    """Found by a fresh user: a forward hook keeping ``bn2``'s output (a feature loss) read it after memfit's in-place
+    addition had overwritten it (4.19 off, gradients 0.14 off); hooks on a module fx traced into (ResNet's
+    ``layer4`` for Grad-CAM) never ran; a hook calling ``output.retain_grad()`` crashed planning. Now: no in-place
+    form on a hooked module's output (at planning, and at run time for a hook registered after it), a module with
+    hooks is kept whole, and a hook on a traced-into module registered after planning is refused."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 16, 16)
+    model = _Hooked().train()
+    ref = fresh_copy(model)
+
+    def hook_up(m, kept):
+        m.bn2.register_forward_hook(lambda mod, i, o: kept.__setitem__("bn2", o))
+        m.bn1.register_forward_hook(lambda mod, i, o: o.retain_grad())
+        m.block.register_forward_hook(lambda mod, i, o: kept.__setitem__("block", o))
+
+    kept, kept_ref = {}, {}
+    hook_up(ref, kept_ref)
+    if when == "before":
+        hook_up(model, kept)
+    planned = memfit.optimize(model, x, "100%")
+    if when == "after":
+        hook_up(model, kept)
+        with pytest.raises(RuntimeError, match=r"submodule 'block' \(Sequential\) has a hook that was registered after"):
+            planned(x)
+        model.block._forward_hooks.clear()  # (a hook there needs a new plan, which keeps the block whole)
+        ref.block._forward_hooks.clear()
+    for m, store in ((planned, kept), (ref, kept_ref)):
+        loss = (m(x) ** 2).mean() + store["bn2"].square().mean()
+        loss.backward()
+    _same(_grads(ref), _grads(planned), tol=0)
+    assert torch.equal(kept["bn2"], kept_ref["bn2"])
+    assert set(kept) == set(kept_ref)
+
+
+def test_attributes_fx_bakes_in_are_watched_beyond_plain_values():
+    """Found by a fresh user: a block switched to eval mode (its forward reads ``self.training``), a config
+    object's field, a class attribute, a tensor attribute replaced, and an attribute read with ``getattr``
+    while absent all trained the traced function silently. And an attribute forward assigned a traced value
+    (``self.feat = h.detach()``) left an fx Proxy on the model (``torch.save(model)`` then failed)."""
+    import types
+
+    class Sub(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.dropout(self.lin(x), 0.5, self.training)
+
+    class Net(nn.Module):
+        scale = 1.0
+
+        def __init__(self):
+            super().__init__()
+            self.sub, self.out = Sub(), nn.Linear(8, 2)
+            self.config = types.SimpleNamespace(layer_scale=1.0)
+            self.temp = torch.tensor(2.0)
+            self.feat = None
+
+        def forward(self, x):
+            h = self.sub(x) * self.config.layer_scale * self.scale * self.temp * getattr(self, "gain", 1.0)
+            self.feat = h.detach()
+            return self.out(h)
+
+    x = torch.randn(4, 8)
+    changes = [lambda m: m.sub.eval(), lambda m: setattr(m.config, "layer_scale", 2.0),
+               lambda m: setattr(type(m), "scale", 3.0), lambda m: setattr(m, "temp", torch.tensor(5.0)),
+               lambda m: setattr(m, "gain", 2.0)]
+    names = ["sub.training", "config", "scale", "temp", "gain"]
+    for change, name in zip(changes, names, strict=True):
+        Net.scale = 1.0
+        torch.manual_seed(0)
+        model = Net().train()
+        planned = memfit.optimize(model, x, "100%")
+        assert model.feat is None  # (not an fx Proxy)
+        planned(x).sum().backward()
+        change(model)
+        with pytest.raises(RuntimeError, match=rf"Net\.{name} was"):
+            planned(x)
+    Net.scale = 1.0
+
+
+def test_an_output_of_chunk_that_nothing_reads_plans_and_trains_as_pytorch():
+    # a fresh user's `a, _ = conv(x).chunk(2, 1)`: planning crashed with "'NoneType' object has no attribute 'dim'"
+    class Glu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            a, _ = self.c1(x).chunk(2, dim=1)
+            return self.c2(a)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 16, 16)
+    model = Glu().train()
+    ref = fresh_copy(model)
+    planned = memfit.optimize(model, x, "min")
+    (planned(x) ** 2).mean().backward()
+    (ref(x) ** 2).mean().backward()
+    _same(_grads(ref), _grads(planned), tol=0)

@@ -1,18 +1,24 @@
-"""The plain Python attributes of the model that its traced forward pass read, and their values then.
+"""The Python attributes of the model that its traced forward pass read, and their values then.
 
 ``torch.fx`` runs the Python code of ``forward`` once, while tracing, and records only tensor operations:
 a Python value the code reads (``self.route`` choosing an expert, ``F.dropout(h, p=self.p)``,
-``out * self.scale``) is baked into the graph as the constant it was then. Changing such an attribute after
+``out * self.scale``, ``self.training`` in a block fx traces into, ``self.config.layer_scale``, a function kept
+as ``self.act``) is baked into the graph as the constant it was then. Changing such an attribute after
 planning changes what plain PyTorch computes but not what the traced graph computes, so the planned module
-would train a different function, silently (a fresh user's scale changed from 1 to 3: gradients off by 0.23).
-:func:`record_reads` finds those attributes while tracing; the planned module compares them at each training
-call (:meth:`memfit.runtime.planned.PlannedModule.forward`) and refuses a change.
+would train a different function, silently (a fresh user's scale changed from 1 to 3: gradients off by 0.23;
+a block switched to eval mode: 0.86). :func:`record_reads` finds those attributes while tracing; the planned
+module compares them at each training call (:meth:`memfit.runtime.planned.PlannedModule.forward`) and refuses
+a change.
 
-Recorded: attributes in a module's instance ``__dict__`` (not parameters, buffers or submodules, which the
-graph reads live) whose values are plain data: ``None``, booleans, numbers, strings, enums, and tuples,
-lists or frozensets of those (up to 256 items). Left out: names starting with ``_``, ``training`` (the
-planned module runs the graph in training mode only), and attributes the forward pass itself assigns
-(``self.calls += 1``: README, "Python attributes changed in forward").
+Recorded, per module: attributes read from its instance ``__dict__`` (not parameters, buffers or submodules,
+which the graph reads live), ``training`` included; plain class attributes of the user's classes read through
+``self`` (``type(m).scale``); names read while absent (``getattr(self, "gain", 1.0)``). Plain data (``None``,
+booleans, numbers, strings, enums, tuples / lists / frozensets of those up to 256 items) is compared by
+value; any other object (a tensor, an array, a function) by identity, and the plain attributes of a
+config-like object (one with a ``__dict__``) by value too. Left out: names starting with ``_``, and attributes
+the forward pass itself assigns (``self.calls += 1``: README, "Python attributes changed in forward").
+Not seen: a list or array changed in place (the same object), and attributes of objects other than modules
+and their direct config-like attributes.
 
 How: while tracing, each module's class is swapped for a subclass (same name and module, so ``torch.fx``
 still treats ``torch.nn`` layers as leaves) whose ``__getattribute__`` and ``__setattr__`` log the names;
@@ -23,13 +29,16 @@ watched.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.fx
 from torch import nn
 
-__all__ = ["AttributeLog", "changed_attribute", "record_reads"]
+__all__ = ["AttributeLog", "changed_attribute", "has_hooks", "has_own_hooks", "record_reads"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -44,24 +53,85 @@ def is_plain(value: Any) -> bool:
     return False
 
 
+class _Ref:
+    """A value that is not plain data (a tensor, an array, a function, a config object), watched by identity, and a
+    config-like object's plain attributes by value too (``self.config.layer_scale``)."""
+
+    __slots__ = ("obj", "plain")
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        fields = getattr(obj, "__dict__", None)
+        self.plain = ({k: v for k, v in fields.items() if is_plain(v)}
+                      if isinstance(fields, dict) and not callable(obj) and not isinstance(obj, torch.Tensor) else None)
+
+    def matches(self, now: Any) -> bool:
+        if now is not self.obj:
+            return False
+        fields = getattr(now, "__dict__", {}) if self.plain else {}
+        return all(k in fields and fields[k] == v for k, v in (self.plain or {}).items())
+
+    def __repr__(self) -> str:
+        return f"the {type(self.obj).__name__} object it held then"
+
+    def __deepcopy__(self, memo: dict) -> _Ref:
+        new = _Ref.__new__(_Ref)
+        new.obj, new.plain = copy.deepcopy(self.obj, memo), copy.deepcopy(self.plain, memo)
+        return new
+
+
+_MISSING = object()
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+ABSENT = _Missing()
+
+
+def _snapshot(value: Any) -> Any:
+    return value if is_plain(value) else _Ref(value)
+
+
 class AttributeLog:
-    """Names read and assigned per module (by ``id``) while tracing."""
+    """Attributes read (``name -> "instance" | "class" | "missing"``) and names assigned, per module (by ``id``),
+    while tracing."""
 
     def __init__(self) -> None:
-        self.reads: dict[int, set[str]] = {}
+        self.reads: dict[int, dict[str, str]] = {}
         self.writes: dict[int, set[str]] = {}
+        self.before: dict[tuple[int, str], tuple[nn.Module, Any]] = {}  # (module, its value before the first write)
 
-    def values(self, model: nn.Module) -> dict[str, dict[str, Any]]:
-        """``{module path: {attribute: value}}`` for the plain attributes read and not assigned (path ``""``:
-        the model itself), the values as they are now (after tracing)."""
-        out: dict[str, dict[str, Any]] = {}
+    def values(self, model: nn.Module) -> dict[str, dict[str, tuple[str, Any]]]:
+        """``{module path: {attribute: (kind, value)}}`` for the attributes read and not assigned (path ``""``: the
+        model itself), their values as they are now (after tracing): plain data by value, other objects by identity
+        (:class:`_Ref`), ``ABSENT`` for a name read while it did not exist (``getattr(self, "gain", 1.0)``)."""
+        out: dict[str, dict[str, tuple[str, Any]]] = {}
         for path, module in model.named_modules():
-            names = self.reads.get(id(module), set()) - self.writes.get(id(module), set())
-            own = vars(module)
-            kept = {n: own[n] for n in sorted(names) if n in own and is_plain(own[n])}
+            reads = self.reads.get(id(module), {})
+            written = self.writes.get(id(module), set())
+            kept: dict[str, tuple[str, Any]] = {}
+            for name in sorted(set(reads) - written):
+                now = _current(module, name, reads[name])
+                if now is _MISSING:
+                    kept[name] = (reads[name], ABSENT)
+                elif not isinstance(now, nn.Module):
+                    kept[name] = (reads[name], _snapshot(now))
             if kept:
                 out[path] = kept
         return out
+
+
+def _current(module: nn.Module, name: str, kind: str) -> Any:
+    """The attribute's value now where it was read from (``_MISSING`` if it is not there)."""
+    if kind == "class":
+        return getattr(type(module), name, _MISSING)
+    value = vars(module).get(name, _MISSING)
+    if kind == "missing" and value is _MISSING:
+        value = getattr(type(module), name, _MISSING)
+    return value
 
 
 _ACTIVE: list[AttributeLog] = []
@@ -71,16 +141,28 @@ def _watching(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is not None:
         return sub
+    user_classes = [k for k in cls.__mro__ if not k.__module__.startswith(("torch.", "builtins"))]
 
     def __getattribute__(self, name):
-        value = super(sub, self).__getattribute__(name)
-        if _ACTIVE and name[:1] != "_" and name != "training" and name in object.__getattribute__(self, "__dict__"):
-            _ACTIVE[-1].reads.setdefault(id(self), set()).add(name)
+        try:
+            value = super(sub, self).__getattribute__(name)
+        except AttributeError:
+            if _ACTIVE and name[:1] != "_":
+                own = object.__getattribute__(self, "__dict__")
+                if not any(name in own.get(d, {}) for d in ("_parameters", "_buffers", "_modules")):
+                    _ACTIVE[-1].reads.setdefault(id(self), {}).setdefault(name, "missing")
+            raise
+        if _ACTIVE and name[:1] != "_":
+            if name in object.__getattribute__(self, "__dict__"):
+                _ACTIVE[-1].reads.setdefault(id(self), {})[name] = "instance"
+            elif any(name in vars(k) and is_plain(vars(k)[name]) for k in user_classes):
+                _ACTIVE[-1].reads.setdefault(id(self), {})[name] = "class"
         return value
 
     def __setattr__(self, name, value):
         if _ACTIVE:
             _ACTIVE[-1].writes.setdefault(id(self), set()).add(name)
+            _ACTIVE[-1].before.setdefault((id(self), name), (self, vars(self).get(name, _MISSING)))
         super(sub, self).__setattr__(name, value)
 
     sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
@@ -92,8 +174,7 @@ def _watching(cls: type) -> type:
 @contextlib.contextmanager
 def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
     """While the block runs (``torch.fx`` tracing ``model``), log the attributes each module of ``model`` reads
-    and assigns; :meth:`AttributeLog.values` then gives the plain ones read. Every module's class is restored
-    on exit."""
+    and assigns; :meth:`AttributeLog.values` then gives those read. Every module's class is restored on exit."""
     log = AttributeLog()
     swapped: list[tuple[nn.Module, type]] = []
     try:
@@ -111,19 +192,49 @@ def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
             _ACTIVE.pop()
         for module, cls in swapped:
             object.__setattr__(module, "__class__", cls)
+        # an attribute forward assigned a traced value (`self.feat = h.detach()`) would keep an fx Proxy on the
+        # user's model (a fresh user's torch.save(model) then failed): put back what was there
+        for (_, name), (module, old) in log.before.items():
+            if isinstance(vars(module).get(name), torch.fx.Proxy):
+                if old is _MISSING:
+                    del module.__dict__[name]
+                else:
+                    module.__dict__[name] = old
 
 
-_MISSING = object()
-
-
-def changed_attribute(watched: list[tuple[str, nn.Module, str, Any]]) -> tuple[str, Any, Any] | None:
-    """The first ``(path.attribute, value then, value now)`` of ``watched`` (``(path, module, attribute, value
-    when traced)``) whose value changed, else ``None``."""
-    for path, module, name, then in watched:
-        now = vars(module).get(name, _MISSING)
-        if now is then:
+def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tuple[str, Any, Any] | None:
+    """The first ``(path.attribute, value then, value now)`` of ``watched`` (``(path, module, attribute, kind,
+    value when traced)``, from :meth:`AttributeLog.values`) whose value changed, else ``None``."""
+    for path, module, name, kind, then in watched:
+        now = _current(module, name, kind)
+        if now is then or (isinstance(then, _Ref) and then.matches(now)):
             continue
-        if now is _MISSING or now != then:
-            label = f"{path}.{name}" if path else name
-            return label, then, ("(no longer a plain attribute)" if now is _MISSING else now)
+        if then is ABSENT:
+            if now is _MISSING:
+                continue
+        elif not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and now == then:
+            continue
+        label = f"{path}.{name}" if path else name
+        shown = "absent" if now is _MISSING else now if is_plain(now) else f"another {type(now).__name__} object"
+        if isinstance(then, _Ref) and now is then.obj:
+            shown = "the same object with other values"
+        return label, then, shown
     return None
+
+
+def has_own_hooks(module: nn.Module) -> bool:
+    """``module`` has a forward, forward-pre or backward hook registered on it (not counting global ones)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def has_hooks(modules: list[nn.Module]) -> bool:
+    """Any of ``modules`` has a forward, forward-pre or backward hook of its own, or a global module hook exists
+    (``torch.nn.modules.module.register_module_forward_hook``): such a hook sees (and may keep) its module's
+    inputs and outputs."""
+    from torch.nn.modules import module as torch_module
+
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
+        return True
+    return any(has_own_hooks(m) for m in modules)

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from memfit.graph.attributes import record_reads
+from memfit.graph.attributes import has_own_hooks, record_reads
 from memfit.graph.ir import Graph, Node
 
 
@@ -259,6 +259,11 @@ class _BufferTracer(fx.Tracer):
     records its value as a constant: such an update never ran again, and such a value never changed."""
 
     proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
+        ran once, while tracing: a fresh user's Grad-CAM hooks on ResNet's ``layer4`` captured nothing)."""
+        return has_own_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _trace(model: nn.Module) -> fx.GraphModule:

@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from memfit.graph.attributes import has_hooks
 from memfit.graph.calls import bind_inputs, call_name, compute_nodes, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.profile.buffers import FindWrites, buffer_storages, by_storage, reachable_slots, storage_key
@@ -867,6 +868,8 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
             if not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr") \
                     or sum(a is arg for a in node.args) != 1:  # x + x: both arguments are the operand
                 continue
+            if arg.op == "call_module" and has_hooks(list(gm.get_submodule(arg.target).modules())):
+                continue  # its hook may keep the output (a feature loss, Grad-CAM)
             x = env[arg.name]
             s = sid_of(x)
             if s is None or storages[s].kind != "output" or creators.get(s) != arg.name:
@@ -1085,8 +1088,19 @@ def _isolated(gm: fx.GraphModule, inputs: tuple, requires: dict[str, list[bool]]
             return local, leaves
 
         yield node, fn, make_env, params
+        env[node.name] = _value(fn, env)
+
+
+def _value(fn, env: dict):
+    """``fn(env)`` without autograd's graph. Under ``torch.no_grad()``, unless that fails: a module hook of the
+    user's may call ``output.register_hook`` or ``retain_grad()``, which refuse a tensor that does not require
+    grad (a fresh user's feature hook crashed planning); then with grad, detached."""
+    try:
         with torch.no_grad():
-            env[node.name] = fn(env)
+            return fn(env)
+    except RuntimeError:
+        with torch.enable_grad():
+            return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, fn(env))
 
 
 def _operand_copy(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -1143,7 +1157,8 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
 
     def record(fs: list, k: int):
         def hook(g):
-            fs[k] = _format_of(g)
+            if g is not None:  # (an output nothing reads, `a, _ = h.chunk(2, 1)`: autograd calls its hook with None)
+                fs[k] = _format_of(g)
         return hook
 
     with torch.enable_grad():

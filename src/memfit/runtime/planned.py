@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.graph.attributes import changed_attribute
+from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, node_ops, positional_inputs, tensors_in
 from memfit.graph.capture import Captured
 from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
@@ -377,10 +377,15 @@ class PlannedModule(nn.Module):
         self._slots = [(parent._modules, name, child) for parent in dict(self._modules_at_build).values()
                        for name, child in parent._modules.items()]
         self._state_at_build = self._state_now()
+        # the modules fx traced into (their code is in the graph; they are never called in a step), by path
+        traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
+                         if not (n.op == "call_module" and path == n.target)}
+        leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+        self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
         self._first_parameter = next(iter(self.model.named_parameters()), None)
-        self._attributes = [(path, self.model.get_submodule(path), name, value)
+        self._attributes = [(path, self.model.get_submodule(path), name, kind, value)
                             for path, values in self.__dict__["_captured"].attributes.items()
-                            for name, value in values.items()]
+                            for name, (kind, value) in values.items()]
         self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self._warned.discard("unfrozen")  # (its parameters are looked at again)
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -502,13 +507,33 @@ class PlannedModule(nn.Module):
         variant = self.plan.variants.get(node.name, "default")
         if variant == "default":
             return node_fn(self.gm, node)
-        from memfit.variants import variant_call
+        from memfit.variants import OPERAND, variant_call
 
         try:
-            return variant_call(self.gm, node, variant)
+            fn = variant_call(self.gm, node, variant)
         except ValueError as e:
             raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply "
                              f"({e})") from None
+        arg = node.args[OPERAND[variant]] if variant in OPERAND and OPERAND[variant] < len(node.args) else None
+        if not (isinstance(arg, fx.Node) and arg.op == "call_module"):
+            return fn
+        # an in-place form overwrites the output of a module: a hook on that module (registered after planning; the
+        # profile offers no in-place form on a hooked module's output) may keep it, as a feature loss or Grad-CAM
+        # does, so while the module has one the node runs out of place (a fresh user's kept BatchNorm output read
+        # 4.19 off, and the feature loss's gradients 0.14)
+        producer = list(self.gm.get_submodule(arg.target).modules())
+        default = node_fn(self.gm, node)
+
+        def guarded(env):
+            if has_hooks(producer):
+                self._warn_once(f"hooked {arg.target}", f"memfit: {arg.target!r} has a module hook that was not "
+                                f"there when the plan was made; node {node.name}, which the plan runs in place on its "
+                                "output, runs out of place so that the hook sees PyTorch's values (the step may go "
+                                "over the plan by that output's size). Plan with the hook registered.")
+                return default(env)
+            return fn(env)
+
+        return guarded
 
     def forward(self, *args, **kwargs):
         model = self.model
@@ -519,6 +544,7 @@ class PlannedModule(nn.Module):
             return out
         self._check_modules()
         self._check_attributes()
+        self._check_hooks()
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
             env: dict[str, Any] = bind_inputs(self.gm, args)
@@ -689,6 +715,20 @@ class PlannedModule(nn.Module):
                               "plan for the model as it is now.", stacklevel=4)
         self._tree_version = version  # (after the checks: a refused tree is refused again at the next call)
 
+    def _check_hooks(self) -> None:
+        """Refuse to train when a module that fx traced into (its code is in the graph, so it is never called)
+        has a hook that was not there when the plan was made: the hook would not run (a fresh user's Grad-CAM
+        on ResNet's ``layer4``, registered after planning, captured nothing, and a hook that changed an output
+        was ignored). A module with hooks at planning time is kept whole and its hooks run."""
+        for path, module in self._traced_modules:
+            if has_own_hooks(module):
+                where = (f"the model's submodule {path!r} ({type(module).__name__})" if path else
+                         f"the model itself ({type(module).__name__})")
+                fix = ("register it on the planned module instead (its hooks run around each call)" if not path else
+                       "plan again with the hook registered: memfit then keeps that module whole and runs its hooks")
+                raise RuntimeError(f"{where} has a hook that was registered after planning; memfit traced into it, "
+                                   f"so the planned step never calls it and the hook would not run: {fix}")
+
     def _check_attributes(self) -> None:
         """Refuse to train when a plain Python attribute that the traced forward pass read has changed since
         (``self.route``, ``self.scale``, a dropout probability kept as a number): the graph holds the value it
@@ -697,9 +737,12 @@ class PlannedModule(nn.Module):
         changed = changed_attribute(self._attributes)
         if changed is not None:
             label, then, now = changed
+            mode = " (the module's mode: eval() or train() on it)" if label.rsplit(".", 1)[-1] == "training" else ""
             raise RuntimeError(
-                f"{type(self.model).__name__}.{label} was {then!r} when memfit traced the model and is {now!r} now. "
-                f"torch.fx records Python values as constants, so the planned module still computes with {then!r}. "
+                f"{type(self.model).__name__}.{label} was {then!r} when memfit traced the model and is "
+                f"{now if isinstance(now, str) and now.startswith(('absent', 'another', 'the same')) else repr(now)} "
+                f"now{mode}. torch.fx records what forward read as constants, so the planned module still computes "
+                f"with {then!r}. "
                 "Plan the model again after changing it (memfit.optimize(model, ...)); a number that changes "
                 "during training can instead live in a tensor that forward reads (register_buffer).")
 
