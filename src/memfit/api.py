@@ -22,6 +22,7 @@ from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
 from memfit.solve.tiling import Option, best_plan, share_timings, tiling_candidates
+from memfit.warn import warn_user
 
 
 def _shapes(inputs: tuple) -> list[list[int]]:
@@ -276,6 +277,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
     inputs = _private_copy(_as_tuple(example_inputs))
     _require_training(model)
+    _warn_hooks(model)
     captured = _captured or capture(model)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist)
@@ -321,6 +323,18 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                             and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
+
+
+def _warn_hooks(model: nn.Module) -> None:
+    """Warn that the plan cannot count what a forward hook keeps: a hook storing a module's output (a feature
+    for a perceptual loss, Grad-CAM) holds it past where the plan frees it (a fresh user's feature loss measured
+    1.21x its budget at ``min``)."""
+    hooked = [name or "the model" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        warn_user(f"memfit: {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
+                  f"{'have' if len(hooked) > 1 else 'has'} forward hooks: the plan runs them but cannot see what they "
+                  "keep, so a tensor a hook stores (a feature for a loss, Grad-CAM) stays alive beyond the plan's "
+                  "count and the step can go over the budget by its size. Leave that much headroom in the budget.")
 
 
 def _check_optimizer(optimizer, model: nn.Module) -> None:

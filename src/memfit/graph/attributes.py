@@ -38,7 +38,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["AttributeLog", "changed_attribute", "has_hooks", "has_own_hooks", "record_reads"]
+__all__ = ["AttributeLog", "changed_attribute", "has_hooks", "has_own_hooks", "is_plain", "record_reads"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -61,15 +61,18 @@ class _Ref:
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
-        fields = getattr(obj, "__dict__", None)
-        self.plain = ({k: v for k, v in fields.items() if is_plain(v)}
-                      if isinstance(fields, dict) and not callable(obj) and not isinstance(obj, torch.Tensor) else None)
+        fields = _fields(obj)
+        self.plain = None if fields is None else {k: v for k, v in fields.items() if is_plain(v)}
 
     def matches(self, now: Any) -> bool:
-        if now is not self.obj:
+        """``now`` is the object watched with the same plain fields, or (a config object or dict) an object of
+        the same type with the same plain fields (``dataclasses.replace(cfg)``)."""
+        if self.plain is None:
+            return now is self.obj
+        if now is not self.obj and type(now) is not type(self.obj):
             return False
-        fields = getattr(now, "__dict__", {}) if self.plain else {}
-        return all(k in fields and fields[k] == v for k, v in (self.plain or {}).items())
+        fields = _fields(now) or {}
+        return all(k in fields and _equal(fields[k], v) for k, v in self.plain.items())
 
     def __repr__(self) -> str:
         return f"the {type(self.obj).__name__} object it held then"
@@ -78,6 +81,24 @@ class _Ref:
         new = _Ref.__new__(_Ref)
         new.obj, new.plain = copy.deepcopy(self.obj, memo), copy.deepcopy(self.plain, memo)
         return new
+
+
+def _fields(obj: Any) -> dict | None:
+    """The fields of a config-like object (its ``__dict__``) or of a dict; ``None`` for tensors, arrays,
+    functions and other objects watched by identity alone."""
+    if isinstance(obj, dict):
+        return obj
+    fields = getattr(obj, "__dict__", None)
+    if isinstance(fields, dict) and not callable(obj) and not isinstance(obj, torch.Tensor):
+        return fields
+    return None
+
+
+def _equal(now: Any, then: Any) -> bool:
+    """Plain values equal, a tuple and a list with equal items included."""
+    if isinstance(now, tuple | list) and isinstance(then, tuple | list):
+        return len(now) == len(then) and all(_equal(a, b) for a, b in zip(now, then, strict=True))
+    return is_plain(now) and bool(now == then)
 
 
 _MISSING = object()
@@ -212,7 +233,7 @@ def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tu
         if then is ABSENT:
             if now is _MISSING:
                 continue
-        elif not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and now == then:
+        elif not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then):
             continue
         label = f"{path}.{name}" if path else name
         shown = "absent" if now is _MISSING else now if is_plain(now) else f"another {type(now).__name__} object"

@@ -370,7 +370,8 @@ def _warn_opaque(gm: fx.GraphModule) -> None:
     """Warn about torch.nn modules with submodules that fx keeps as one node (it does not trace into
     ``torch.nn``): memfit can keep or recompute what they save only as a whole."""
     opaque = sorted({f"{n.target} ({type(gm.get_submodule(n.target)).__name__})" for n in gm.graph.nodes
-                     if n.op == "call_module" and any(True for _ in gm.get_submodule(n.target).children())})
+                     if n.op == "call_module" and any(True for _ in gm.get_submodule(n.target).children())
+                     and not has_own_hooks(gm.get_submodule(n.target))})  # (kept whole for its hooks)
     if opaque:
         warnings.warn(
             f"memfit sees {', '.join(opaque[:5])}{' ...' if len(opaque) > 5 else ''} as single operations "

@@ -952,8 +952,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
     passed through) as they are. The backward computes the gradients of those leaves only
     (``torch.autograd.grad``): a loss that reads the model's parameters adds nothing to their ``.grad``."""
-    with torch.no_grad():
-        out = gm(*inputs)
+    out = _value(lambda _: gm(*inputs), {})
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     values = tensors_in(out)
     flags = (requires or {}).get(output_node.name)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks
+from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks, is_plain
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, node_ops, positional_inputs, tensors_in
 from memfit.graph.capture import Captured
 from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
@@ -211,6 +211,14 @@ _WATCHING: list[bool] = []
 
 def _bump(*_args) -> None:
     _TREE_VERSION[0] += 1  # (returns None: a registration hook's return value would replace what is registered)
+
+
+def _settings(module: nn.Module | None) -> dict:
+    """The plain settings of ``module`` and its submodules (``negative_slope``, ``min_val``...), by path."""
+    if module is None:
+        return {}
+    return {(path, k): v for path, m in module.named_modules() for k, v in vars(m).items()
+            if not k.startswith("_") and is_plain(v)}
 
 
 def _watch_tree() -> None:
@@ -503,34 +511,65 @@ class PlannedModule(nn.Module):
 
     def _fn(self, node: fx.Node):
         """The call for ``node``: PyTorch's module, or the operator variant the plan chose for it (built on
-        the same parameters and buffers)."""
+        the same parameters and buffers), guarded against what changed since (:meth:`_guarded`)."""
+        from memfit.variants.tiled import TiledChain
+
         variant = self.plan.variants.get(node.name, "default")
+        module = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, TiledChain):
+            return self._guarded_stripes(node, module, node_fn(self.gm, node))
         if variant == "default":
             return node_fn(self.gm, node)
-        from memfit.variants import OPERAND, variant_call
+        from memfit.variants import variant_call
 
         try:
             fn = variant_call(self.gm, node, variant)
         except ValueError as e:
             raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply "
                              f"({e})") from None
+        return self._guarded(node, variant, module, fn)
+
+    def _guarded(self, node: fx.Node, variant: str, module: nn.Module | None, fn):
+        """``fn`` (``node`` as ``variant``), or PyTorch's own call while a hook was added after planning where the
+        variant would not run it: on the node's module (a variant calls PyTorch's kernels, not the module: a
+        fresh user's perceptual-loss hook on a split convolution never ran), or on the module whose output an
+        in-place form overwrites (a hook may keep it: a kept BatchNorm output read 4.19 off). A variant built from
+        a layer whose settings changed since (``negative_slope``) is built again."""
+        from memfit.variants import OPERAND, variant_call
+
         arg = node.args[OPERAND[variant]] if variant in OPERAND and OPERAND[variant] < len(node.args) else None
-        if not (isinstance(arg, fx.Node) and arg.op == "call_module"):
+        producer = self.gm.get_submodule(arg.target) if isinstance(arg, fx.Node) and arg.op == "call_module" else None
+        watched = [m for top in (module, producer) if top is not None for m in top.modules()]
+        if not watched:
             return fn
-        # an in-place form overwrites the output of a module: a hook on that module (registered after planning; the
-        # profile offers no in-place form on a hooked module's output) may keep it, as a feature loss or Grad-CAM
-        # does, so while the module has one the node runs out of place (a fresh user's kept BatchNorm output read
-        # 4.19 off, and the feature loss's gradients 0.14)
-        producer = list(self.gm.get_submodule(arg.target).modules())
         default = node_fn(self.gm, node)
+        settings = _settings(module)
+        current = [fn, settings]
 
         def guarded(env):
-            if has_hooks(producer):
-                self._warn_once(f"hooked {arg.target}", f"memfit: {arg.target!r} has a module hook that was not "
-                                f"there when the plan was made; node {node.name}, which the plan runs in place on its "
-                                "output, runs out of place so that the hook sees PyTorch's values (the step may go "
-                                "over the plan by that output's size). Plan with the hook registered.")
+            if has_hooks(watched):
+                where = node.target if module is not None and has_hooks(list(module.modules())) else arg.target
+                self._warn_once(f"hooked {where}", f"memfit: {where!r} has a module hook that was not there when the "
+                                f"plan was made; node {node.name}, which the plan runs as {variant!r}, runs as PyTorch's "
+                                "own so that the hook runs and sees PyTorch's values (the step may go over the plan). "
+                                "Plan with the hook registered.")
                 return default(env)
+            if module is not None and _settings(module) != current[1]:  # (model.act.negative_slope = 0.5)
+                current[:] = [variant_call(self.gm, node, variant), _settings(module)]
+            return current[0](env)
+
+        return guarded
+
+    def _guarded_stripes(self, node: fx.Node, chain: nn.Module, fn):
+        """``fn`` (a striped block), refused while one of its layers has a hook: the stripes call no layer."""
+        layers = [m for m in chain.modules() if m is not chain]
+
+        def guarded(env):
+            if has_hooks(layers):
+                raise RuntimeError(f"a layer the plan runs inside a striped block ({node.name}) has a module hook that "
+                                   "was not there when the plan was made; the stripes run the layers' kernels, not the "
+                                   "modules, so the hook would not run. Plan again with the hook registered (a layer "
+                                   "with hooks is not striped), or with tiling=False")
             return fn(env)
 
         return guarded

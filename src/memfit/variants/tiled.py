@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from memfit.graph.attributes import has_own_hooks
 from memfit.variants.single_backward import single_backward
 
 __all__ = ["TiledChain", "TiledChainFn", "chain_layer_ok", "stripe_rows"]
@@ -66,7 +67,10 @@ def _padding(m: nn.Conv2d | nn.MaxPool2d) -> tuple[int, int]:
 
 def chain_layer_ok(m: nn.Module) -> bool:
     """``m`` computes each output row from a fixed window of input rows, with no state and no randomness,
-    so a chain of such layers can run stripe by stripe: see the module docstring for the list."""
+    so a chain of such layers can run stripe by stripe: see the module docstring for the list. A layer with a
+    hook is not (the stripes call no module, so the hook would not run)."""
+    if has_own_hooks(m):
+        return False
     if type(m) is nn.Conv2d:
         return m.padding_mode == "zeros" and (m.padding != "same" or _same_padding(m) is not None)
     if type(m) is nn.MaxPool2d:
