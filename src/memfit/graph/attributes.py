@@ -223,9 +223,10 @@ def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
                     module.__dict__[name] = old
 
 
-def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tuple[str, Any, Any] | None:
+def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tuple[str, str, str] | None:
     """The first ``(path.attribute, value then, value now)`` of ``watched`` (``(path, module, attribute, kind,
-    value when traced)``, from :meth:`AttributeLog.values`) whose value changed, else ``None``."""
+    value when traced)``, from :meth:`AttributeLog.values`) whose value changed, the values as text for a message
+    (``repr`` of plain values), else ``None``."""
     for path, module, name, kind, then in watched:
         now = _current(module, name, kind)
         if now is then or (isinstance(then, _Ref) and then.matches(now)):
@@ -236,10 +237,10 @@ def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tu
         elif not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then):
             continue
         label = f"{path}.{name}" if path else name
-        shown = "absent" if now is _MISSING else now if is_plain(now) else f"another {type(now).__name__} object"
+        shown = "absent" if now is _MISSING else repr(now) if is_plain(now) else f"another {type(now).__name__} object"
         if isinstance(then, _Ref) and now is then.obj:
             shown = "the same object with other values"
-        return label, then, shown
+        return label, repr(then), shown
     return None
 
 

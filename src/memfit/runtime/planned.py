@@ -213,12 +213,16 @@ def _bump(*_args) -> None:
     _TREE_VERSION[0] += 1  # (returns None: a registration hook's return value would replace what is registered)
 
 
-def _settings(module: nn.Module | None) -> dict:
-    """The plain settings of ``module`` and its submodules (``negative_slope``, ``min_val``...), by path."""
+def _setting_slots(module: nn.Module | None) -> list[tuple[dict, str]]:
+    """``(instance dict, name)`` of the plain settings of ``module`` and its submodules (``negative_slope``,
+    ``min_val``...), found once so that a training step only reads them."""
     if module is None:
-        return {}
-    return {(path, k): v for path, m in module.named_modules() for k, v in vars(m).items()
-            if not k.startswith("_") and is_plain(v)}
+        return []
+    return [(vars(m), k) for m in module.modules() for k, v in vars(m).items() if not k.startswith("_") and is_plain(v)]
+
+
+def _read(slots: list[tuple[dict, str]]) -> tuple:
+    return tuple(d.get(k) for d, k in slots)
 
 
 def _watch_tree() -> None:
@@ -543,8 +547,8 @@ class PlannedModule(nn.Module):
         if not watched:
             return fn
         default = node_fn(self.gm, node)
-        settings = _settings(module)
-        current = [fn, settings]
+        slots = _setting_slots(module)
+        current = [fn, _read(slots)]
 
         def guarded(env):
             if has_hooks(watched):
@@ -554,8 +558,8 @@ class PlannedModule(nn.Module):
                                 "own so that the hook runs and sees PyTorch's values (the step may go over the plan). "
                                 "Plan with the hook registered.")
                 return default(env)
-            if module is not None and _settings(module) != current[1]:  # (model.act.negative_slope = 0.5)
-                current[:] = [variant_call(self.gm, node, variant), _settings(module)]
+            if slots and _read(slots) != current[1]:  # (model.act.negative_slope = 0.5)
+                current[:] = [variant_call(self.gm, node, variant), _read(slots)]
             return current[0](env)
 
         return guarded
@@ -778,10 +782,9 @@ class PlannedModule(nn.Module):
             label, then, now = changed
             mode = " (the module's mode: eval() or train() on it)" if label.rsplit(".", 1)[-1] == "training" else ""
             raise RuntimeError(
-                f"{type(self.model).__name__}.{label} was {then!r} when memfit traced the model and is "
-                f"{now if isinstance(now, str) and now.startswith(('absent', 'another', 'the same')) else repr(now)} "
+                f"{type(self.model).__name__}.{label} was {then} when memfit traced the model and is {now} "
                 f"now{mode}. torch.fx records what forward read as constants, so the planned module still computes "
-                f"with {then!r}. "
+                f"with {then}. "
                 "Plan the model again after changing it (memfit.optimize(model, ...)); a number that changes "
                 "during training can instead live in a tensor that forward reads (register_buffer).")
 
