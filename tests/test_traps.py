@@ -926,6 +926,27 @@ def test_a_python_attribute_the_forward_read_is_refused_once_changed(attribute, 
         copy_(x)
 
 
+def test_numpy_scalar_attributes_plan_train_as_pytorch_and_are_watched():
+    """Found by a fresh user: ``F.dropout(h, p=self.p)`` with ``self.p = np.float64(0.1)`` failed in the planned
+    module with ``NameError: name 'np' is not defined`` (fx writes the constant as ``np.float64(0.1)`` into its
+    code). The constants now run as the Python floats they equal: the same gradients as PyTorch's, an equal
+    numpy value set again is accepted, a different one refused."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _Settings().train()
+    model.p, model.scale = np.float64(0.25), np.float32(2.0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    base, planned, fig = plain_and_planned(model, x, y, "100%")
+    assert fig.grads.keys() == base.grads.keys()
+    assert all(torch.equal(base.grads[k], fig.grads[k]) for k in base.grads)
+    planned.model.p = np.float64(0.25) * 1  # an equal value in a new object
+    F.cross_entropy(planned(x), y).backward()
+    planned.model.p = np.float64(0.5)
+    with pytest.raises(RuntimeError, match=r"_Settings\.p was"):
+        planned(x)
+
+
 def test_a_model_converted_to_another_dtype_after_planning_is_warned_once(setup):
     """Found by a fresh user: ``planned.double()`` after planning trained at 4.4x the budget without a word. It
     now warns once (not also about the inputs' dtype), and the step still matches PyTorch's in float64."""

@@ -253,29 +253,44 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
             "that fx treats as a leaf.")
 
 
-class _BufferTracer(fx.Tracer):
-    """``torch.fx``'s tracer with reads of buffers recorded as ``get_attr`` nodes. The default tracer runs an
-    expression that reads only buffers (``self.count.add_(1)``, ``1 + self.ema``) once, while tracing, and
-    records its value as a constant: such an update never ran again, and such a value never changed."""
-
-    proxy_buffer_attributes = True
+class _Tracer(fx.Tracer):
+    """``torch.fx``'s tracer with modules that have hooks kept whole, and numpy scalar constants as the Python
+    scalars they equal."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
         ran once, while tracing: a fresh user's Grad-CAM hooks on ResNet's ``layer4`` captured nothing)."""
         return has_own_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
+    def create_arg(self, a):
+        """A numpy scalar (``F.dropout(h, p=self.p)`` with ``self.p = np.float64(0.1)``) as a Python scalar: fx
+        refuses ``np.float32`` and writes ``np.float64(0.1)`` into its generated code, which then fails with
+        ``NameError: name 'np' is not defined``. PyTorch's type promotion treats both alike."""
+        if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
+            a = a.item()
+        return super().create_arg(a)
+
+
+class _BufferTracer(_Tracer):
+    """:class:`_Tracer` with reads of buffers recorded as ``get_attr`` nodes. The default tracer runs an
+    expression that reads only buffers (``self.count.add_(1)``, ``1 + self.ema``) once, while tracing, and
+    records its value as a constant: such an update never ran again, and such a value never changed."""
+
+    proxy_buffer_attributes = True
+
 
 def _trace(model: nn.Module) -> fx.GraphModule:
-    """Trace with :class:`_BufferTracer`; where that fails but ``fx.symbolic_trace`` works (a buffer read in
-    Python control flow), warn and use the latter."""
+    """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
+    ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter."""
     tracer = _BufferTracer()
     try:
         graph = tracer.trace(model)
     except _GradModeChange:
         raise
     except Exception as exc:  # noqa: BLE001 -- fx raises many types; the plain trace decides
-        gm = fx.symbolic_trace(model)  # raises when the model does not trace at all
+        plain = _Tracer()
+        graph = plain.trace(model)  # raises when the model does not trace at all
+        gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
             f"memfit traced {type(model).__name__} with its buffers read as constants: with buffers as graph "
             f"values, tracing failed ({type(exc).__name__}: {exc}; at {_user_frame(exc)}). Computations on "
