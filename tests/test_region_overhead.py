@@ -13,6 +13,8 @@ from _profiled import profiled
 from memfit.bench.harness import compare, fresh_copy, measure_training
 from memfit.profile.costs import Costs
 from memfit.runtime.overhead import measure_region_overhead
+from memfit.solve.accounting import Accounting
+from memfit.solve.ilp import solve_regions
 from memfit.solve.plan import Plan
 from memfit.solve.simulator import simulate
 from memfit.solve.strategies import make_plan
@@ -93,6 +95,23 @@ def test_a_priced_plan_uses_fewer_regions_and_still_trains_as_pytorch_does(deep)
     check = compare(base, fig)
     assert check["gradients_match"], check
     assert fig.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("spans", [[(0, 7), (8, 15)], [(0, 6), (7, 14)], [(0, 7), (9, 16)]])
+def test_the_program_with_every_region_priced_spends_no_region_more_than_a_plan_that_fits(deep, spans):
+    """The program prices a cut between adjacent regions; a region after a kept node only with
+    ``price_region_starts``. Without it, ``remat-ilp`` returned three regions, two after kept nodes, where
+    two fit (3 runs in 20 of the test above, at a region as dear as a step). At a budget where a two-region
+    plan fits the program's own model, the priced program spends no more regions than it."""
+    captured, costs, fixed = deep[5], deep[6], deep[7]
+    plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
+    dear = dataclasses.replace(costs, region_seconds=plain.predicted_step_seconds, region_node_seconds=0.0)
+    acc = Accounting.build(captured.graph, dear)
+    modelled = solve_regions(acc, 0, minimize_peak=True, fix_spans=spans).objective
+    res = solve_regions(acc, int(modelled) + 1, price_region_starts=True)
+    assert res.spans is not None and len(res.spans) <= len(spans), (res.spans, res.status)
+    # and its objective prices all of them: at least a step per region
+    assert res.objective >= len(res.spans) * plain.predicted_step_seconds
 
 
 def test_plans_carry_the_measured_region_cost_in_their_prediction():

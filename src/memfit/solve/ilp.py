@@ -110,7 +110,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                   fix_spans: list[tuple[int, int]] | None = None,
                   start_spans: list[tuple[int, int]] | None = None,
                   start_variants: dict[int, str] | None = None, start_offloads: list[int] | None = None,
-                  variants: list[dict[str, object]] | None = None, offload: bool = False) -> IlpResult:
+                  variants: list[dict[str, object]] | None = None, offload: bool = False,
+                  price_region_starts: bool = False) -> IlpResult:
     """Solve the integer program.
 
     Args:
@@ -129,6 +130,9 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             (MONeT, section 4); the program picks at most one per node, jointly with the regions.
         offload: also choose which nodes' saved tensors to offload to the host store, priced with the
             profile's link costs (``acc.link``; ignored when it is ``None``).
+        price_region_starts: also price a region that starts after a kept node (or at the first node) at
+            ``acc.region_seconds``, as the replay does; without it only a cut between two adjacent regions is
+            priced (n more variables and rows, which slow the search near the floor).
 
     Returns:
         :class:`IlpResult`; ``spans`` is ``None`` when no plan fits (status says why).
@@ -137,10 +141,10 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     n = acc.n
     m = _Model()
     # a region's own costs (memfit.runtime.overhead): each node in one pays region_node_seconds, and a cut between
-    # two adjacent regions adds a region. A region after a gap is not priced here (counting region starts took
-    # 2n more rows and variables, and the time-limited search near the floor then ended on slower plans more
-    # often: ResNet-50 at 35%, 1.19x against 1.13-1.18x); the replay prices every region, and the plans are
-    # compared by it.
+    # two adjacent regions adds a region. A region after a gap is priced only with price_region_starts (counting
+    # region starts takes n more rows and variables, and the time-limited search near the floor then ended on
+    # slower plans: ResNet-50 at 35%, 1.19x against 1.14x predicted); the replay prices every region, and the
+    # plans are compared by it.
     r = [m.var(integer=True, cost=acc.recompute_seconds[i] + acc.region_node_seconds + 1e-9) for i in range(n)]
     c = [m.var(integer=True, cost=acc.region_seconds + 1e-7) for i in range(n)]
     if fix_spans is not None:
@@ -153,6 +157,9 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for k in range(n):
             if acc.recomputable and not acc.recomputable[k]:  # (randomized leaky ReLU, in-place parameter writes)
                 m.ub[r[k]] = 0.0
+    if price_region_starts and fix_spans is None and not minimize_peak:
+        for i in range(n):  # starts_i >= r_i - r_(i-1): a region begins at i after a kept node (or at node 0)
+            m.row({m.var(cost=acc.region_seconds + 1e-7): 1.0, r[i]: -1.0, **({r[i - 1]: 1.0} if i else {})}, lo=0.0)
     peak = m.var(lb=0, ub=INF, cost=1.0) if minimize_peak else None
     if minimize_peak:  # memory only, so that the answer does not depend on noisy timings
         for i in range(n):
