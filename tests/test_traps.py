@@ -967,6 +967,62 @@ def test_a_model_converted_to_another_dtype_after_planning_is_warned_once(setup)
     _same(_grads(ref), _grads(planned), tol=1e-10)
 
 
+class _ShiftBlock(nn.Module):
+    """Convolution, BatchNorm and a buffer of the block's own added after it (a block fx traces into)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.register_buffer("shift", torch.randn(1, 8, 1, 1))
+
+    def forward(self, x):
+        return F.relu(self.bn(self.c(x)) + self.shift)
+
+
+class _WithBuffers(nn.Module):
+    """A model-level buffer (a fixed positional term) read in ``forward``, and two blocks with buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.b1, self.b2, self.head = nn.Conv2d(3, 8, 3, padding=1), _ShiftBlock(), _ShiftBlock(), nn.Linear(8, 4)
+        self.register_buffer("pos", torch.randn(1, 3, 16, 16))
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(self.stem(x + self.pos))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("change", ["assign", "model.to", "planned.to"])
+def test_buffers_replaced_after_planning_are_the_ones_the_step_reads(change):
+    """Found by a fresh user: ``model.to(torch.bfloat16)`` after planning crashed the planned step ("mat1 and mat2
+    must have the same dtype"): fx copies the buffers a graph reads by attribute onto its GraphModule, which kept
+    the old float32 tensors. Assigning new buffers (``model.pos = ...``) gave gradients 0.027 off, silently, and
+    ``planned.to(...)`` left the model's own top-level buffers unconverted. Now each matches PyTorch's step:
+    gradients, running statistics and the buffers' dtype."""
+    torch.manual_seed(0)
+    ref = _WithBuffers().train()
+    m = fresh_copy(ref)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    planned = memfit.optimize(m, x, budget="min", time_limit=2, tiling=False, loss_fn=lambda o: F.cross_entropy(o, y))
+    dtype = torch.float32
+    if change == "assign":
+        for model in (ref, m):
+            model.pos = torch.zeros_like(model.pos)
+            model.b1.shift = torch.ones_like(model.b1.shift)
+    else:
+        dtype = torch.bfloat16
+        ref.to(dtype)
+        (m if change == "model.to" else planned).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the plan was made for float32: warned, tested above)
+        for _ in range(2):
+            for module in (ref, planned):
+                module.zero_grad(set_to_none=True)
+                F.cross_entropy(module(x.to(dtype)).float(), y).backward()
+    _same(_grads(ref), _grads(planned), tol=0.0)
+    for (name, a), b in zip(ref.state_dict().items(), m.state_dict().values(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_control_flow_on_a_flag_argument_is_explained_and_a_wrapper_plans():
     """Found by a fresh user: ``forward(x, head="h1", extra=False)`` with ``if extra:`` was refused with advice
     about control flow on tensor values. The message now names the argument and the way out, which plans and

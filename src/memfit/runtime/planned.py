@@ -367,6 +367,42 @@ class PlannedModule(nn.Module):
         new.__dict__["gm"].training = self.__dict__["gm"].training
         return new
 
+    def _sync_graph_state(self) -> None:
+        """Point the traced graph's ``get_attr`` reads at the model's tensors as they are now. ``torch.fx`` copies the
+        buffers and parameters a graph reads by attribute (the model's own ``self.pos``, a buffer of a block it
+        traced into) onto the ``GraphModule``: a buffer the user replaced after planning (``model.pos = ...``,
+        ``model.to(torch.bfloat16)``) was still read as the old tensor (a fresh user's bfloat16 step crashed,
+        gradients were 0.027 off after an assignment)."""
+        gm, model = self.gm, self.model
+        if model is gm:
+            return
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            *path, field = node.target.split(".")
+            try:
+                owner = model.get_submodule(".".join(path))
+                holder = gm.get_submodule(".".join(path))
+            except AttributeError:
+                continue
+            if owner is holder:
+                continue
+            for table in ("_buffers", "_parameters"):
+                if field in getattr(owner, table) and getattr(holder, table).get(field) is not getattr(owner, table)[field]:
+                    getattr(holder, table)[field] = getattr(owner, table)[field]
+
+    def _apply(self, fn, recurse: bool = True):
+        """``planned.to(...)``, ``.double()``, ``.cuda()``: converted on the model itself (the planned module
+        holds the model's own top-level parameters and buffers; converting its references only left the model's
+        buffers as they were), then picked up again here."""
+        model = self.model
+        model._apply(fn, recurse)
+        for name, p in model.named_parameters(recurse=False):
+            self._parameters[name] = p
+        for name, b in model.named_buffers(recurse=False):
+            self._buffers[name] = b
+        return self
+
     def _build(self) -> None:
         gm, plan = self.gm, self.plan
         nodes = compute_nodes(gm)
@@ -388,6 +424,11 @@ class PlannedModule(nn.Module):
         # looked at every training call, a dictionary lookup per module)
         self._slots = [(parent._modules, name, child) for parent in dict(self._modules_at_build).values()
                        for name, child in parent._modules.items()]
+        self._sync_graph_state()
+        # each buffer's slot in its module: model.to(dtype) and .double() replace buffers without a registration
+        # hook (parameters keep their objects), so these are looked at every training call too
+        self._buffer_slots = [(module._buffers, name, buf) for module in dict(self._modules_at_build).values()
+                              for name, buf in module._buffers.items()]
         self._state_at_build = self._state_now()
         # the modules fx traced into (their code is in the graph; they are never called in a step), by path
         traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
@@ -733,7 +774,8 @@ class PlannedModule(nn.Module):
         buffer replaced by a new tensor (``model.fc.weight = nn.Parameter(...)``) rebuilds the operator variants,
         which hold the tensors they were built with."""
         if not self._modules_at_build or (_TREE_VERSION[0] == self._tree_version
-                                          and all(d.get(name) is child for d, name, child in self._slots)):
+                                          and all(d.get(name) is child for d, name, child in self._slots)
+                                          and all(d.get(name) is buf for d, name, buf in self._buffer_slots)):
             return  # no module anywhere registered anything since the last look, and none was deleted
         version = _TREE_VERSION[0]
         now = dict(self.model.named_modules())
