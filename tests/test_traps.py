@@ -991,6 +991,35 @@ class _WithBuffers(nn.Module):
         return self.head(self.b2(self.b1(self.stem(x + self.pos))).mean((2, 3)))
 
 
+class _WithUnused(nn.Module):
+    """An MLP with a 1 MiB buffer and a 1 MiB head its training forward never reads (a leftover mask table, an
+    eval-only head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.eval_head = nn.Linear(64, 64), nn.Linear(64, 10), nn.Linear(512, 512, bias=False)
+        self.register_buffer("unused_table", torch.zeros(512, 512))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_parameters_and_buffers_the_step_never_reads_are_counted_as_they_are(budget):
+    """Found by a fresh user: the fixed bytes held only what the traced graph reads, so a 1 MiB buffer the
+    forward never reads put ``100%`` 1 MiB over its budget; and SGD's momentum was counted for an eval-only
+    head that never gets a gradient (so never any state), 1 MiB above what the step measured. Both are now
+    counted as PyTorch allocates them: the prediction is the measured peak. The benchmark harness's fixed bytes
+    counted a gradient for the head too (a negative activation peak)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    base, planned, fig = plain_and_planned(_WithUnused().train(), x, y, budget)
+    _same(base.grads, fig.grads, tol=0.0)
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+    assert fig.peak_bytes == planned.plan.predicted_peak_bytes, (fig.peak_bytes, planned.plan.predicted_peak_bytes)
+    assert fig.fixed_bytes == planned.plan.fixed_bytes  # (the harness counted a gradient for the unread head)
+
+
 @pytest.mark.parametrize("change", ["assign", "model.to", "planned.to"])
 def test_buffers_replaced_after_planning_are_the_ones_the_step_reads(change):
     """Found by a fresh user: ``model.to(torch.bfloat16)`` after planning crashed the planned step ("mat1 and mat2

@@ -285,10 +285,11 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
-    measured = measure_optimizer(optimizer)
+    trained = list(captured.gm.parameters())  # (a parameter the step never reads gets no gradient, and no state)
+    measured = measure_optimizer(optimizer, {id(p) for p in trained})
     if measured is not None:
         costs.step_bytes = measured.step_bytes
-    state = optimizer_state_bytes(optimizer, list(model.parameters()))
+    state = optimizer_state_bytes(optimizer, trained)
     if measured is not None and not optimizer.state:  # before the first step: measured, not estimated
         state = measured.state_bytes
     fixed = costs.fixed_bytes + state

@@ -105,6 +105,7 @@ def measure_training(module: nn.Module, params_of: nn.Module, inputs: tuple, tar
                 p.grad = torch.zeros_like(p)
     zero()
     step()
+    trainable = [p for p in trainable if p.grad is not None]  # (a parameter the step never reads gets none)
     zero()
     live = live_bytes(list(params_of.parameters()) + [p.grad for p in params_of.parameters()]
                       + list(params_of.buffers()) + [t for t in inputs if isinstance(t, torch.Tensor)]

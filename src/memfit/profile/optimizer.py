@@ -38,8 +38,8 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
     """Bytes of optimizer state (bytes). Uses the live state when the optimizer has stepped; before its
-    first step, estimates it as 2x the parameters for Adam-style optimizers (``exp_avg``, ``exp_avg_sq``),
-    1x for SGD with momentum, 0 otherwise."""
+    first step, estimates it as 2x ``params`` (those of them that require grad; pass the ones the step gives a
+    gradient) for Adam-style optimizers (``exp_avg``, ``exp_avg_sq``), 1x for SGD with momentum, 0 otherwise."""
     if optimizer is None:
         return 0
     state = _state_tensors(optimizer)
@@ -54,7 +54,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
     return 0
 
 
-def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost | None:
+def measure_optimizer(optimizer: torch.optim.Optimizer | None,
+                      trained: set[int] | None = None) -> OptimizerCost | None:
     """Measure ``optimizer``'s state and step temporaries on scratch copies of its parameters.
 
     A new instance of ``type(optimizer)`` with the same parameter groups and hyperparameters runs two steps
@@ -67,6 +68,9 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
 
     Args:
         optimizer: the optimizer the user trains with, or ``None``.
+        trained: ``id()`` of the parameters the training step gives a gradient (``None``: every trainable one).
+            PyTorch's optimizers make no state for a parameter whose gradient is ``None`` (an eval-only head:
+            counting its state put a fresh user's plan 1 MiB above what the step measured).
 
     Returns:
         :class:`OptimizerCost`, or ``None`` when ``optimizer`` is ``None`` or cannot be rebuilt this way
@@ -81,7 +85,7 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None) -> OptimizerCost 
         for g in optimizer.param_groups:
             scratch = []
             for p in g["params"]:
-                if not p.requires_grad:
+                if not p.requires_grad or (trained is not None and id(p) not in trained):
                     continue
                 s = torch.zeros_like(p, memory_format=torch.preserve_format).requires_grad_()
                 s.grad = torch.full_like(s, 1e-3)
