@@ -991,6 +991,65 @@ class _WithBuffers(nn.Module):
         return self.head(self.b2(self.b1(self.stem(x + self.pos))).mean((2, 3)))
 
 
+class _Counter(nn.Module):
+    """A step counter and a running mean kept in buffers, updated by assignment (``how="assign"``) or in place."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(16, 16)
+        self.register_buffer("step", torch.zeros(()))
+        self.register_buffer("mu", torch.zeros(16))
+
+    def forward(self, x):
+        if self.how == "assign":
+            self.step = self.step + 1
+            self.mu = 0.9 * self.mu + 0.1 * x.mean(0).detach()
+        else:
+            self.step.add_(1)
+            self.mu.mul_(0.9).add_(0.1 * x.mean(0).detach())
+        return self.lin(x - self.mu)
+
+
+def test_a_buffer_assigned_in_forward_is_refused_with_the_in_place_form_which_trains_as_pytorch():
+    """Found by a fresh user: ``self.step = self.step + 1`` in forward made planning fail with a message about a
+    plan ("solved for a different graph") or a KeyError, and left an fx Proxy in the model's buffers (its
+    state_dict no longer saved). Now a TraceError names the buffers and gives the in-place form, the model is as
+    it was, and the in-place form plans and updates the buffers as PyTorch does."""
+    import io
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    model = _Counter("assign").train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memfit.TraceError, match=r"step, mu .*self\.step\.add_\(1\)"):
+        memfit.optimize(model, x, budget="min", time_limit=2)
+    assert all(type(t) is torch.Tensor and torch.equal(t, before[k]) for k, t in model.state_dict().items())
+    torch.save(model.state_dict(), io.BytesIO())
+    base, _, fig = plain_and_planned(_Counter("in place").train(), x, y, "min")
+    _same(base.grads, fig.grads, tol=0.0)
+    assert all(torch.equal(base.buffers[k], fig.buffers[k]) for k in base.buffers)
+    assert fig.buffers["step"].item() > 0  # (updated in every training call)
+
+
+def test_a_tensor_attribute_set_in_forward_is_warned_at_planning():
+    """Found by a fresh user: an MoE layer's ``self.aux_loss = ...`` is never set by the planned step, and the
+    loop added a stale 0.0 (gate gradients 3.4e-4 off) without a word. Planning now warns, naming it."""
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.out = nn.Linear(16, 4), nn.Linear(16, 4)
+            self.aux_loss = torch.tensor(0.0)
+
+        def forward(self, x):
+            p = self.gate(x).softmax(-1)
+            self.aux_loss = (p.mean(0) ** 2).sum()
+            return self.out(x) * p
+
+    with pytest.warns(UserWarning, match=r"sets aux_loss to a tensor .* Return that tensor from forward"):
+        memfit.optimize(Gated().train(), torch.randn(8, 16), budget="100%")
+
+
 class _WithUnused(nn.Module):
     """An MLP with a 1 MiB buffer and a 1 MiB head its training forward never reads (a leftover mask table, an
     eval-only head)."""

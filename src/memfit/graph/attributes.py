@@ -124,6 +124,8 @@ class AttributeLog:
         self.reads: dict[int, dict[str, str]] = {}
         self.writes: dict[int, set[str]] = {}
         self.before: dict[tuple[int, str], tuple[nn.Module, Any]] = {}  # (module, its value before the first write)
+        self.state_writes: list[str] = []  # "path.name" of buffers/parameters forward replaced (restored since)
+        self.tensor_writes: list[str] = []  # "path.name" of plain attributes forward set to a traced tensor
 
     def values(self, model: nn.Module) -> dict[str, dict[str, tuple[str, Any]]]:
         """``{module path: {attribute: (kind, value)}}`` for the attributes read and not assigned (path ``""``: the
@@ -198,6 +200,11 @@ def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
     and assigns; :meth:`AttributeLog.values` then gives those read. Every module's class is restored on exit."""
     log = AttributeLog()
     swapped: list[tuple[nn.Module, type]] = []
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    # each module's buffers and parameters as they are: forward may replace one (`self.step = self.step + 1`),
+    # which would leave an fx Proxy in the user's model (its state_dict then did not save)
+    state = [(m, table, dict(getattr(m, table))) for m in {id(m): m for m in model.modules()}.values()
+             for table in ("_buffers", "_parameters")]
     try:
         for module in {id(m): m for m in model.modules()}.values():
             cls = type(module)
@@ -217,10 +224,22 @@ def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
         # user's model (a fresh user's torch.save(model) then failed): put back what was there
         for (_, name), (module, old) in log.before.items():
             if isinstance(vars(module).get(name), torch.fx.Proxy):
+                log.tensor_writes.append(_label(paths.get(id(module), "?"), name))
                 if old is _MISSING:
                     del module.__dict__[name]
                 else:
                     module.__dict__[name] = old
+        for module, table, saved in state:
+            now = getattr(module, table)
+            if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
+                log.state_writes += [_label(paths.get(id(module), "?"), k) for k in {**saved, **now}
+                                     if now.get(k, _MISSING) is not saved.get(k, _MISSING)]
+                now.clear()
+                now.update(saved)
+
+
+def _label(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tuple[str, str, str] | None:

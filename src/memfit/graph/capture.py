@@ -349,6 +349,22 @@ def capture(model: nn.Module) -> Captured:
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
             f"  failing line: {_user_frame(exc)}\n" + _trace_advice(model, exc)
         ) from exc
+    if attributes.state_writes:
+        names = ", ".join(attributes.state_writes[:4]) + (" ..." if len(attributes.state_writes) > 4 else "")
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} assigns a new tensor to its buffer or parameter {names} "
+            "(`self.step = self.step + 1`, `self.mu = 0.9 * self.mu + ...`): torch.fx cannot record an assignment, "
+            "so the planned step would never update it. Update it in place instead, which the plan runs in every "
+            "step: `self.step.add_(1)`, `self.mu.mul_(0.9).add_(0.1 * x.mean(0).detach())` (the same values). "
+            "Your model is as it was.")
+    if attributes.tensor_writes:
+        names = ", ".join(attributes.tensor_writes[:4]) + (" ..." if len(attributes.tensor_writes) > 4 else "")
+        warnings.warn(
+            f"memfit: the forward pass of {type(model).__name__} sets {names} to a tensor it computes (an auxiliary loss, a "
+            "feature kept for later): torch.fx cannot record an assignment, so the planned training step never sets "
+            "it, and it keeps the value it had before planning (a loss added from it is stale: its gradients are "
+            "missing). Return that tensor from forward instead (`return out, aux_loss`), or compute it with a "
+            "forward hook on the module that makes it.", stacklevel=3)
     if checkpoints:
         warnings.warn(
             f"memfit traced through the torch.utils.checkpoint call{'s' if len(checkpoints) > 1 else ''} in "
