@@ -300,3 +300,16 @@ def test_a_lowest_memory_plan_returned_for_a_generous_budget_is_warned_and_has_n
         plan, _, _ = memfit.plan(model, x, budget="90%", time_limit=2, tiling=False)
     assert plan.mip_gap is None
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_a_budget_below_the_fixed_bytes_is_told_so_not_to_lower_the_batch():
+    """Found by a fresh user: a 1 MB budget against 2.7 MB of parameters, gradients and AdamW state, at batch 1,
+    was told to "raise the budget, or lower the batch size" and to give a longer time_limit."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).train()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(memfit.InfeasibleBudgetError, match="below the fixed bytes alone") as err:
+        memfit.optimize(model, torch.randn(1, 256), budget="100KB", optimizer=opt, time_limit=2)
+    assert err.value.budget_bytes < err.value.fixed_bytes < err.value.smallest_feasible_bytes
+    assert "lower the batch size" not in str(err.value) and "time_limit" not in str(err.value)

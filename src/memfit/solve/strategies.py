@@ -39,11 +39,15 @@ class InfeasibleBudgetError(ValueError):
         # the optimizer step's temporaries are most of the floor above the fixed bytes: no plan changes
         # them, and a smaller batch barely does
         by_step = step_bytes > (smallest_feasible_bytes - fixed_bytes) // 2
-        hint = (f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
+        below_fixed = budget_bytes < fixed_bytes
+        hint = ("; the budget is below the fixed bytes alone, which no plan and no batch size lowers: raise it, or "
+                "make them smaller (fewer trainable parameters, an optimizer with less state such as SGD)"
+                if below_fixed else
+                f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
                 "which set this floor: no plan and hardly any batch size changes them (a smaller model, or "
                 "an optimizer with less state, such as SGD, does)" if by_step else
                 ". Raise the budget, or lower the batch size")
-        stopped = ("" if stopped_at is None else
+        stopped = ("" if stopped_at is None or below_fixed else
                    " (the search for the lowest-memory plan stopped at its time limit, so a longer time_limit / "
                    "--time-limit may find a lower one; a busy machine slows that search)")
         super().__init__(
