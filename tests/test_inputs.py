@@ -209,6 +209,36 @@ def test_the_planned_module_takes_keyword_arguments():
     assert torch.equal(planned(x=x, y=extra), m(x, extra))  # eval mode calls the model, keywords and all
 
 
+class _VarKeywords(nn.Module):
+    """A Hugging Face-style signature: ``forward(self, input_ids, attention_mask=None, **kwargs)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return self.lin(h)
+
+
+def test_a_forward_with_var_keywords_plans_and_trains_as_pytorch():
+    """Found by a fresh user: ``**kwargs`` in forward was refused as an argument "with no default value" to pass
+    positionally, which cannot be done (torch.fx traces the model)."""
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 50, (4, 8)), (torch.rand(4, 8) > 0.2).float()
+    y = torch.randint(0, 50, (4 * 8,))
+    model = _VarKeywords().train()
+    plain = fresh_copy(model)
+    _ce(plain(ids, attention_mask=mask).flatten(0, 1), y).backward()
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, (ids, mask), "min", loss_fn=lambda out: _ce(out.flatten(0, 1), y))
+    _ce(planned(ids, attention_mask=mask).flatten(0, 1), y).backward()
+    for (name, p), q in zip(m.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_leaving_out_an_argument_the_plan_was_made_with_says_which():
     # a fresh user's nanoGPT loop: planned with (idx, targets), called planned(idx): AttributeError from inside
     x, mask = torch.randn(8, 16), torch.ones(8, 16)

@@ -164,8 +164,12 @@ def bind_inputs(gm: fx.GraphModule, inputs: tuple) -> dict[str, Any]:
             env[ph.name] = inputs[k]
         elif ph.args:
             env[ph.name] = ph.args[0]
+        elif str(ph.target).startswith("**"):  # forward(self, ids, mask=None, **kwargs): traced with none
+            env[ph.name] = {}
+        elif str(ph.target).startswith("*"):
+            env[ph.name] = ()
         else:
-            missing = [str(p.target) for p in placeholders[k:] if not p.args]
+            missing = [str(p.target) for p in placeholders[k:] if not p.args and not str(p.target).startswith("*")]
             raise ValueError(f"example_inputs has {len(inputs)} inputs, but the model's forward also needs "
                              f"{', '.join(repr(m) for m in missing)} (no default value): pass a tuple of all of "
                              f"the forward's positional inputs, in order ({names})")
