@@ -451,3 +451,14 @@ def test_torch_budgets_are_knob_values_not_percentages():
     for bad in ("1.5", "50%", "x", ""):
         with pytest.raises(ValueError, match="--torch-budgets"):
             parse_knobs(bad)
+
+
+@pytest.mark.parametrize("knob", ["7", "abc", ""])
+def test_max_batch_refuses_a_torch_budget_knob_out_of_range(knob, capsys):
+    # a fresh user's `--strategies torch-budget:7` failed inside torch.compile, reported "max batch 0" and exited 0
+    from memfit.cli import main
+
+    rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget", "200MiB",
+               "--strategies", f"torch-budget:{knob}", "--batch-limit", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "a plain number from 0 to 1" in err, err

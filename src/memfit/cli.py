@@ -268,6 +268,16 @@ def cmd_max_batch(args) -> int:
     console = _wide_console()
     strategies = [s for s in args.strategies.split(",") if s]
     _check_vdnn(strategies, args)
+    for s in strategies:  # (torch-budget:7 ran, failed inside torch.compile and reported max batch 0, exit 0)
+        if s.startswith("torch-budget:"):
+            from memfit.bench.sweep import parse_knobs
+
+            try:
+                parse_knobs(s.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"--strategies {s!r}: K in torch-budget:K is torch's activation_memory_budget, a plain "
+                                 "number from 0 to 1 (1.0 keeps every activation, 0.0 recomputes all it can), e.g. "
+                                 "torch-budget:0.5") from None
     if (args.budget is None) == (args.budget_from_batch is None):
         raise ValueError("give exactly one of --budget (bytes, e.g. '2GiB') and --budget-from-batch N")
     if args.budget is not None:
