@@ -448,3 +448,24 @@ def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_chan
     planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
                               loss_fn=lambda out: _ce(out, y))
     assert compare(base, measure_training(planned, planned, (x,), y, _ce, steps=1))["gradients_match"]
+
+
+def test_torch_save_of_a_planned_module_says_how_to_save_and_the_way_works(tmp_path):
+    """Found by a fresh user: ``torch.save(planned)`` failed with "Can't pickle <class 'torch.nn...Linear'>: it's
+    not the same object as ...". It now says what to save, and that way rebuilds a module that trains as the
+    original planned module does."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).train()
+    planned = memfit.optimize(m, x, budget="min", time_limit=2)
+    with pytest.raises(TypeError, match=r"planned\.plan\.save\(plan_path\)"):
+        torch.save(planned, tmp_path / "planned.pt")
+    torch.save(planned.state_dict(), tmp_path / "state.pt")
+    planned.plan.save(tmp_path / "plan.json")
+    again = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).train()
+    again.load_state_dict(torch.load(tmp_path / "state.pt"))
+    rebuilt = memfit.optimize(again, x, plan_=memfit.Plan.load(tmp_path / "plan.json"))
+    for module in (planned, rebuilt):
+        _ce(module(x), y).backward()
+    for p, q in zip(m.parameters(), again.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

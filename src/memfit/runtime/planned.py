@@ -367,6 +367,15 @@ class PlannedModule(nn.Module):
         new.__dict__["gm"].training = self.__dict__["gm"].training
         return new
 
+    def __reduce_ex__(self, protocol):
+        """Refuse pickling (``torch.save(planned)``) with the way to save: the planned module holds the traced
+        graph's closures, and pickle failed with "Can't pickle <class 'torch.nn.modules.linear.Linear'>: it's not
+        the same object as ...", which did not say what to do."""
+        raise TypeError("a memfit PlannedModule does not pickle (torch.save(planned)): it holds the traced graph's "
+                        "closures. Save the model and the plan instead: torch.save(planned.state_dict(), path) (the "
+                        "model's own keys) or torch.save(planned.model, path), and planned.plan.save(plan_path); "
+                        "rebuild with memfit.optimize(model, inputs, plan_=memfit.Plan.load(plan_path))")
+
     def _sync_graph_state(self) -> None:
         """Point the traced graph's ``get_attr`` reads at the model's tensors as they are now. ``torch.fx`` copies the
         buffers and parameters a graph reads by attribute (the model's own ``self.pos``, a buffer of a block it
