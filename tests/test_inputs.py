@@ -469,3 +469,29 @@ def test_torch_save_of_a_planned_module_says_how_to_save_and_the_way_works(tmp_p
         _ce(module(x), y).backward()
     for p, q in zip(m.parameters(), again.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_example_inputs_keep_their_strides_so_a_forward_that_fails_on_them_is_refused_at_planning():
+    """Found by a fresh user: ``targets.view(-1)`` on a slice ``d[:, 1:]`` fails in PyTorch, but planning copied the
+    inputs contiguous, planned, and the first training call failed. Planning now sees the inputs' strides."""
+
+    class NextToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+        def forward(self, idx, targets):
+            return _ce(self.out(self.emb(idx)).view(-1, 50), targets.view(-1))
+
+    torch.manual_seed(0)
+    d = torch.randint(0, 50, (4, 9))
+    with pytest.raises(ValueError, match=r"fails on example_inputs .* \.view\(\)"):
+        memfit.optimize(NextToken().train(), (d[:, :-1], d[:, 1:]), budget="min", loss_fn=lambda o: o)
+    model = NextToken().train()
+    plain = fresh_copy(model)
+    x, y = d[:, :-1], d[:, 1:].contiguous()
+    plain(x, y).backward()
+    planned = memfit.optimize(model, (x, y), budget="min", loss_fn=lambda o: o)
+    planned(x, y).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

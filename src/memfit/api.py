@@ -141,9 +141,19 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
 
 
 def _private_copy(inputs: tuple) -> tuple:
-    """``inputs`` with every tensor (also inside lists and dicts) copied, with its ``requires_grad`` and layout."""
-    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
-                    else t, inputs)
+    """``inputs`` with every tensor (also inside lists and dicts) copied, with its ``requires_grad`` and strides: a
+    slice ``d[:, 1:]`` stays non-contiguous (``clone`` made it contiguous, and a forward whose ``targets.view(-1)``
+    fails on the slice was planned, to fail at the first training call)."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        try:
+            out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device, layout=t.layout).copy_(t)
+        except RuntimeError:  # (overlapping strides, an expanded tensor; a sparse one)
+            out = t.clone()
+        return out.requires_grad_(t.requires_grad)
+
+    return tree_map(lambda t: copy(t) if isinstance(t, torch.Tensor) else t, inputs)
 
 
 def _as_tuple(example_inputs) -> tuple:
