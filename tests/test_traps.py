@@ -1031,6 +1031,21 @@ def test_a_buffer_assigned_in_forward_is_refused_with_the_in_place_form_which_tr
     assert fig.buffers["step"].item() > 0  # (updated in every training call)
 
 
+def test_a_held_output_of_a_few_bytes_is_not_warned():
+    """Found by a fresh user: "the training loop holds M's output (0.0 MiB) ... leaves 0.0 MiB" for 192 bytes."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)).train()
+    x, y = torch.randn(16, 32), torch.randint(0, 3, (16,))
+    planned = memfit.optimize(model, x, budget="min", time_limit=2, loss_fn=lambda o: F.cross_entropy(o, y))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = planned(x)
+        F.cross_entropy(out, y).backward()
+    assert not [w for w in seen if "holds" in str(w.message)], [str(w.message) for w in seen]
+
+
 def test_a_tensor_attribute_set_in_forward_is_warned_at_planning():
     """Found by a fresh user: an MoE layer's ``self.aux_loss = ...`` is never set by the planned step, and the
     loop added a stale 0.0 (gate gradients 3.4e-4 off) without a word. Planning now warns, naming it."""

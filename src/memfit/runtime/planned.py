@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from memfit.budget import fmt_bytes
 from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks, is_plain
 from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, node_ops, positional_inputs, tensors_in
 from memfit.graph.capture import Captured
@@ -699,10 +700,11 @@ class PlannedModule(nn.Module):
             held = [t for t in (r() for r in watched) if t is not None]
             nbytes = sum(t.untyped_storage().nbytes() for t in held)
             del held
-            if room is not None and nbytes > room + budget // 1000:  # (not for a classifier's few logits at 100%)
-                self._warn_once("held", f"memfit: the training loop holds {name}'s output ({nbytes / 2**20:.1f} MiB) "
+            # (not for a classifier's few logits at 100%, nor a fresh user's 192-byte output, "0.0 MiB")
+            if room is not None and nbytes > room + max(budget // 1000, 4096):
+                self._warn_once("held", f"memfit: the training loop holds {name}'s output ({fmt_bytes(nbytes)}) "
                                 "through the backward pass, but the plan counts it as freed once the loss read it, and "
-                                f"the budget leaves {room / 2**20:.1f} MiB above the predicted peak: the step can "
+                                f"the budget leaves {fmt_bytes(room)} above the predicted peak: the step can "
                                 "exceed its budget by up to that output. Compute the loss from the call (loss = "
                                 "crit(planned(x), y)), or `del out` before loss.backward().")
 
