@@ -201,8 +201,8 @@ def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
     log = AttributeLog()
     swapped: list[tuple[nn.Module, type]] = []
     paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-    # each module's buffers and parameters as they are: forward may replace one (`self.step = self.step + 1`),
-    # which would leave an fx Proxy in the user's model (its state_dict then did not save)
+    # each module's buffers and parameters as they are: forward may replace one with a traced value (`self.step =
+    # self.step + 1`), which would leave an fx Proxy in the user's model (its state_dict then did not save)
     state = [(m, table, dict(getattr(m, table))) for m in {id(m): m for m in model.modules()}.values()
              for table in ("_buffers", "_parameters")]
     try:
@@ -229,13 +229,17 @@ def record_reads(model: nn.Module) -> Iterator[AttributeLog]:
                     del module.__dict__[name]
                 else:
                     module.__dict__[name] = old
+        # (a tensor registered while tracing, such as a mask cached on the first call, is what PyTorch's first
+        # forward pass would leave too; only a traced value is put back)
         for module, table, saved in state:
             now = getattr(module, table)
-            if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
-                log.state_writes += [_label(paths.get(id(module), "?"), k) for k in {**saved, **now}
-                                     if now.get(k, _MISSING) is not saved.get(k, _MISSING)]
-                now.clear()
-                now.update(saved)
+            traced = [k for k, v in now.items() if isinstance(v, torch.fx.Proxy)]
+            for k in traced:
+                log.state_writes.append(_label(paths.get(id(module), "?"), k))
+                if k in saved:
+                    now[k] = saved[k]
+                else:
+                    del now[k]
 
 
 def _label(path: str, name: str) -> str:
