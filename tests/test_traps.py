@@ -167,8 +167,11 @@ def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
         planned(short)
         planned(short)
         planned(other)
-    msgs = [str(w.message) for w in seen if "planned memory figures" in str(w.message)]
-    assert len(msgs) == 2 and "[2, 3, 32, 32]" in msgs[0] and "[4, 3, 48, 48]" in msgs[1], msgs
+        for size in (40, 56, 64):  # shapes that vary (a fresh user's dynamic padding warned 24 times): one more
+            planned(torch.randn(2, 3, size, size))
+    msgs = [str(w.message) for w in seen if "planned memory figures" in str(w.message) or "third" in str(w.message)]
+    assert len(msgs) == 3 and "[2, 3, 32, 32]" in msgs[0] and "[4, 3, 48, 48]" in msgs[1], msgs
+    assert "[2, 3, 40, 40]" in msgs[2] and "not warned about any more" in msgs[2], msgs
 
 
 def test_a_torch_nn_model_that_fx_cannot_trace_is_told_to_wrap_it():

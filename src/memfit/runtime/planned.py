@@ -859,9 +859,18 @@ class PlannedModule(nn.Module):
         if self.plan.input_shapes:  # the figures are a training step's
             shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
             if shapes != self.plan.input_shapes:  # once per shape: a last short batch each epoch warns once
-                self._warn_once(f"shape {shapes}", f"memfit: the plan was made for inputs of shape "
-                                f"{self.plan.input_shapes}, called with {shapes}; results are correct but the planned "
-                                "memory figures do not hold. Make a plan for these shapes.")
+                others = sum(key.startswith("shape ") for key in self._warned)
+                if others < 2:
+                    self._warn_once(f"shape {shapes}", f"memfit: the plan was made for inputs of shape "
+                                    f"{self.plan.input_shapes}, called with {shapes}; results are correct but the "
+                                    "planned memory figures do not hold. Make a plan for these shapes.")
+                elif f"shape {shapes}" not in self._warned:  # (dynamic padding warned once per length: 24 times)
+                    self._warned.add(f"shape {shapes}")
+                    self._warn_once("shape many", f"memfit: the planned module was called with a third input shape "
+                                    f"other than the plan's {self.plan.input_shapes} ({shapes}); shapes that vary "
+                                    "(dynamic padding, a variable sequence length) are not warned about any more. "
+                                    "Plan for the largest shape you train with: smaller ones usually stay under its "
+                                    "budget, but measure it.")
         converted = False
         if self._first_parameter is not None:  # (model.double() / .half() after planning: 4.4x over, silently)
             key, param = self._first_parameter
