@@ -218,7 +218,8 @@ def test_an_infeasible_error_says_when_the_floor_search_stopped_at_its_time_limi
     model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10)).train()
     x = torch.randn(256, 64)
     with pytest.raises(memfit.InfeasibleBudgetError) as exc:
-        memfit.plan(model, x, budget=1000, tiling=False)
+        memfit.plan(model, x, budget=400_000, tiling=False)  # above the fixed bytes (337 KB), below the floor
+    assert exc.value.fixed_bytes < 400_000 < exc.value.smallest_feasible_bytes
     assert exc.value.stopped_at is None and "time limit" not in str(exc.value)
     solve = strategies.solve_regions
 
@@ -228,7 +229,7 @@ def test_an_infeasible_error_says_when_the_floor_search_stopped_at_its_time_limi
 
     monkeypatch.setattr(strategies, "solve_regions", slow)
     with pytest.raises(memfit.InfeasibleBudgetError, match=r"stopped at its time limit, so a longer time_limit") as exc:
-        memfit.plan(model, x, budget=1000, time_limit=3, tiling=False)
+        memfit.plan(model, x, budget=400_000, time_limit=3, tiling=False)
     assert 0 < exc.value.stopped_at <= 3
 
 
