@@ -1,6 +1,7 @@
 """Correctness traps known from the field (DESIGN.md): each compared with plain PyTorch."""
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -1047,6 +1048,71 @@ def test_a_held_output_of_a_few_bytes_is_not_warned():
         out = planned(x)
         F.cross_entropy(out, y).backward()
     assert not [w for w in seen if "holds" in str(w.message)], [str(w.message) for w in seen]
+
+
+class _Queue(nn.Module):
+    """A MoCo-style queue of negatives, written by assignment into a slice or in place."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.q, self.k = how, nn.Linear(32, 16), nn.Linear(32, 16)
+        self.register_buffer("queue", F.normalize(torch.randn(16, 24), dim=0))
+
+    def forward(self, xq, xk):
+        q, k = F.normalize(self.q(xq), dim=1), F.normalize(self.k(xk), dim=1).detach()
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone().detach()], 1) / 0.07
+        if self.how == "assign":
+            self.queue[:, :8] = k.t()
+        else:
+            self.queue[:, :8].copy_(k.t())
+        self.queue.copy_(self.queue.roll(8, 1))
+        return logits
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: initialised from the first batch, behind Python control flow on a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.loc = nn.Linear(8, 8), nn.Parameter(torch.zeros(8))
+        self.register_buffer("initialized", torch.tensor(0))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.initialized.item() == 0:
+            self.loc.data.copy_(-h.mean(0).detach())
+            self.initialized.fill_(1)
+        return h + self.loc
+
+
+@pytest.mark.parametrize("model", ["queue", "actnorm"])
+def test_buffer_writes_that_trace_only_with_buffers_as_constants_are_refused_and_change_nothing(model):
+    """Found by a fresh user: where buffers could not be graph values (a slice assignment, ``.item()`` in an
+    ``if``), memfit traced them as constants with a warning; the writes and the data-dependent initialisation
+    then ran once, while tracing (changing the model), and the planned step used stale values: a MoCo queue's
+    gradients 0.85 off, ActNorm re-initialised at every step (parameters 1.14 off). Now a TraceError names the
+    line, the model is as it was, and the queue written in place trains as PyTorch does."""
+    torch.manual_seed(0)
+    m = _Queue("assign").train() if model == "queue" else _ActNorm().train()
+    inputs = (torch.randn(8, 32), torch.randn(8, 32)) if model == "queue" else (torch.randn(4, 8),)
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(memfit.TraceError, match=r"failing line: .*test_traps\.py"):
+        memfit.optimize(m, inputs, budget="min", time_limit=2)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    if model == "queue":
+        labels = torch.zeros(8, dtype=torch.long)
+        plain = _Queue("in place").train()
+        m = fresh_copy(plain)
+        planned = memfit.optimize(m, inputs, budget="min", time_limit=2,
+                                  loss_fn=lambda o: F.cross_entropy(o, labels))
+        for step in range(2):
+            torch.manual_seed(step)
+            xs = (torch.randn(8, 32), torch.randn(8, 32))
+            for module in (plain, planned):
+                module.zero_grad(set_to_none=True)
+                F.cross_entropy(module(*xs), labels).backward()
+            _same(_grads(plain), _grads(planned), tol=0.0)
+            assert torch.equal(plain.queue, m.queue)
 
 
 def test_a_tensor_attribute_set_in_forward_is_warned_at_planning():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import re
 import traceback
 import warnings
@@ -279,6 +281,11 @@ class _BufferTracer(_Tracer):
     proxy_buffer_attributes = True
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b) or (a.is_floating_point() and a.shape == b.shape
+                                 and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
+
+
 def _trace(model: nn.Module) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter."""
@@ -287,9 +294,45 @@ def _trace(model: nn.Module) -> fx.GraphModule:
         graph = tracer.trace(model)
     except _GradModeChange:
         raise
-    except Exception as exc:  # noqa: BLE001 -- fx raises many types; the plain trace decides
+    except Exception as exc:
+        # with buffers as constants, what forward computes on buffers and parameters alone runs for real, once:
+        # if that writes one (a queue `self.queue[:, :b] = k.t()`, a counter `self.hist[0] = ...`, a data-dependent
+        # initialisation `if self.initialized.item() == 0: self.loc.data.copy_(...)`), the graph has not got the
+        # write and training would differ from PyTorch's (a fresh user's MoCo queue: gradients 0.85 off)
+        state = [(name, t, t.detach().clone()) for name, t in itertools.chain(
+            model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))]
         plain = _Tracer()
-        graph = plain.trace(model)  # raises when the model does not trace at all
+        try:
+            graph = plain.trace(model)  # raises when the model does not trace at all
+        finally:
+            written = [name for name, t, before in state if not _same_values(t.detach(), before)]
+            for name, t, before in state:
+                if name in written:
+                    t.detach().copy_(before)  # (torch.no_grad is refused while tracing)
+        if written:
+            raise TraceError(
+                f"torch.fx could not trace {type(model).__name__} with its buffers as graph values "
+                f"({type(exc).__name__}: {exc})\n  failing line: {_user_frame(exc)}\n  and the forward pass writes "
+                f"{', '.join(written[:4])}{' ...' if len(written) > 4 else ''} there, which a graph with the buffers "
+                "read as constants would not do in training steps. Write it with tensor operations fx records, "
+                "in place (`self.hist[0:1].add_(1)`, `self.queue[:, :b].copy_(k.t())`), without Python control "
+                "flow on tensor values (`.item()`, `if tensor:`; initialise from data before planning, with one "
+                "call of the model). Your model is as it was.") from exc
+        buffers = {name for name, _ in model.named_buffers()}
+        reads = {n for n in graph.nodes if n.op == "get_attr" and n.target in buffers}
+        writes = sorted({str(n.args[0].target) for n in graph.nodes if n.args and n.args[0] in reads and (
+            (n.op == "call_method" and (n.target.endswith("_") or n.target == "__setitem__"))
+            or (n.op == "call_function" and n.target is operator.setitem))})
+        baked = [n for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith("_tensor_constant")]
+        if writes and baked:
+            raise TraceError(
+                f"torch.fx could not trace {type(model).__name__} with its buffers as graph values "
+                f"({type(exc).__name__}: {exc})\n  failing line: {_user_frame(exc)}\n  With them read as constants "
+                f"the forward pass writes {', '.join(writes[:4])} in every step but uses values computed from "
+                "buffers once, while tracing (a fresh user's MoCo queue read as `self.queue.clone()`: gradients "
+                "0.85 off). Write buffers with in-place tensor operations (`self.queue[:, :b].copy_(k.t())` rather "
+                "than `self.queue[:, :b] = k.t()`) and keep Python control flow off tensor values, so that the "
+                "model traces with its buffers as graph values.") from exc
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
             f"memfit traced {type(model).__name__} with its buffers read as constants: with buffers as graph "
@@ -335,6 +378,8 @@ def capture(model: nn.Module) -> Captured:
             "  memfit plans recomputation itself: remove that checkpoint (or turn your model's gradient "
             "checkpointing option off), or pass use_reentrant=False."
         ) from None
+    except TraceError:
+        raise
     except _GradModeChange as exc:
         raise TraceError(
             f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
