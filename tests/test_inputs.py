@@ -495,3 +495,60 @@ def test_example_inputs_keep_their_strides_so_a_forward_that_fails_on_them_is_re
     planned(x, y).backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+class _StarArgs(nn.Module):
+    """``forward(self, x, *args, mask=None)``: PyTorch puts a second positional input in ``args``."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, *args, mask=None):
+        h = torch.relu(self.l1(x))
+        if mask is not None:
+            h = h * mask
+        return self.l2(h)
+
+
+def test_a_positional_input_that_pytorch_puts_in_star_args_is_refused_and_keywords_bind_as_in_pytorch():
+    """Found by a fresh user: fx's forward for ``(x, *args, mask=None)`` is ``(x, mask=None, *args)``, so a second
+    positional input was used as ``mask`` (output 0.61 off, gradients 7.2, silently). Such inputs are refused at
+    planning and at the call; a keyword-only ``mask`` the graph needs is refused with a wrapper, which trains as
+    PyTorch; a keyword the trace left out of ``*args`` is refused saying why."""
+    torch.manual_seed(0)
+    x, mask, y = torch.randn(8, 16), torch.rand(8, 32) * 3, torch.randint(0, 4, (8,))
+    with pytest.raises(ValueError, match=r"names 1 \(x\) before \*args"):
+        memfit.optimize(_StarArgs().train(), (x, mask), budget="min", time_limit=2)
+    with pytest.raises(ValueError, match=r"'mask' is keyword-only.*Plan a wrapper"):
+        memfit.optimize(_StarArgs().train(), x, budget="min", time_limit=2)
+
+    class Wrapped(nn.Module):  # the way out the message gives
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, mask):
+            return self.m(x, mask=mask)
+
+    model = _StarArgs().train()
+    plain = fresh_copy(model)
+    planned = memfit.optimize(Wrapped(model), (x, mask), budget="min", time_limit=2)
+    for module in (lambda: plain(x, mask=mask), lambda: planned(x, mask=mask)):
+        _ce(module(), y).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(16, 4)
+
+        def forward(self, x, *args, scale=1.0):
+            return self.l1(x) * scale
+
+    planned = memfit.optimize(Scaled().train(), x, budget="100%", time_limit=2)
+    with pytest.raises(ValueError, match=r"the planned module's call has 2 positional inputs"):
+        planned(x, mask)
+    with pytest.raises(TypeError, match=r"takes no argument 'gain' \(it takes x, scale; torch\.fx traced \*args"):
+        planned(x, gain=2.0)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.budget import Budget
-from memfit.graph.calls import node_ops
+from memfit.graph.calls import check_var_positional, node_ops
 from memfit.graph.capture import Captured, capture
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
@@ -289,6 +289,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _require_training(model)
     _warn_hooks(model)
     captured = _captured or capture(model)
+    check_var_positional(captured.gm, inputs)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist)
     price_regions(costs)

@@ -113,6 +113,30 @@ def tensors_in(value) -> list:
     return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def check_var_positional(gm: fx.GraphModule, args: tuple, what: str = "example_inputs") -> None:
+    """Refuse more positional ``args`` than the traced forward names before its ``*args``
+    (``forward(self, x, *args, mask=None)``): PyTorch puts them in ``*args``, which torch.fx traces empty, while fx's
+    generated forward takes ``(x, mask=None, *args)`` and would pass the second one as ``mask`` (a fresh user's
+    output 0.61 off). The placeholders carry the forward's parameter kinds (``meta["memfit_kind"]``, set by
+    :func:`memfit.graph.capture`).
+
+    Raises:
+        ValueError: such a call; the message says how to name the argument.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(p.meta.get("memfit_kind") == "VAR_POSITIONAL" for p in placeholders):
+        return
+    named = [str(p.target) for p in placeholders if p.meta.get("memfit_kind") in ("POSITIONAL_ONLY",
+                                                                                    "POSITIONAL_OR_KEYWORD")]
+    if len(args) > len(named):
+        star = next(str(p.target) for p in placeholders if p.meta.get("memfit_kind") == "VAR_POSITIONAL")
+        raise ValueError(f"{what} has {len(args)} positional inputs, but the model's forward names {len(named)} "
+                         f"({', '.join(named)}) before {star}: PyTorch passes the others in {star}, which torch.fx "
+                         "traces empty, so memfit cannot plan them. Give that input a parameter of its own in forward "
+                         "(def forward(self, x, extra, ...)), or wrap the model in a module whose forward names it; "
+                         "keyword-only arguments are passed by keyword")
+
+
 def positional_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``args`` and ``kwargs`` of a call of the traced forward as one tuple of positional inputs: a keyword
     argument takes its parameter's place, and a parameter left out before it takes its default.
@@ -121,14 +145,19 @@ def positional_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -
         TypeError: an unknown keyword, one given by position too, or a parameter left out (before one given by
             keyword) that has no default; the message names them.
     """
+    check_var_positional(gm, args, "the planned module's call")
     if not kwargs:
         return tuple(args)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [str(p.target).lstrip("*") for p in placeholders]
-    unknown = [k for k in kwargs if k not in names]
+    var = [str(p.target) for p in placeholders if str(p.target).startswith("*")]
+    named = [str(p.target) for p in placeholders if not str(p.target).startswith("*")]
+    unknown = [k for k in kwargs if k not in named]
     if unknown:
+        traced = (f"; torch.fx traced {', '.join(var)} empty, so a value passed in {'it' if len(var) == 1 else 'them'} "
+                  "cannot be planned: give it a parameter of its own in forward") if var else ""
         raise TypeError(f"the model's forward takes no argument {', '.join(repr(k) for k in unknown)} (it takes "
-                        f"{', '.join(names)})")
+                        f"{', '.join(named)}{traced})")
     twice = [k for k in kwargs if names.index(k) < len(args)]
     if twice:
         raise TypeError(f"argument {', '.join(repr(k) for k in twice)} given by position and by keyword")
@@ -139,6 +168,10 @@ def positional_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -
             out.append(kwargs[names[k]])
         elif placeholders[k].args:
             out.append(placeholders[k].args[0])
+        elif str(placeholders[k].target).startswith("**"):  # (traced empty)
+            out.append({})
+        elif str(placeholders[k].target).startswith("*"):
+            out.append(())
         else:
             raise TypeError(f"the model's forward needs {names[k]!r} (no default value)")
     return tuple(out)

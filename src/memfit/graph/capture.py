@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import operator
 import re
@@ -419,6 +420,13 @@ def capture(model: nn.Module) -> Captured:
             "budget is of plain PyTorch's peak without your checkpoints, which can be well above your model's "
             "own peak. Give the budget in bytes (or 'min') to stay under what your checkpoints reached.",
             stacklevel=3)
+    try:  # the forward's parameter kinds (fx's generated forward puts keyword-only ones before *args)
+        kinds = {name: p.kind.name for name, p in inspect.signature(model.forward).parameters.items()}
+    except (TypeError, ValueError):
+        kinds = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and str(node.target).lstrip("*") in kinds:
+            node.meta["memfit_kind"] = kinds[str(node.target).lstrip("*")]
     _warn_opaque(gm)
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model))
 
