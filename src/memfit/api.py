@@ -146,11 +146,12 @@ def _private_copy(inputs: tuple) -> tuple:
     fails on the slice was planned, to fail at the first training call)."""
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
+        data = t.detach()
         try:
-            out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device, layout=t.layout).copy_(t)
+            out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device, layout=t.layout)
+            out.copy_(data)
         except RuntimeError:  # (overlapping strides, an expanded tensor; a sparse one)
-            out = t.clone()
+            out = data.clone()
         return out.requires_grad_(t.requires_grad)
 
     return tree_map(lambda t: copy(t) if isinstance(t, torch.Tensor) else t, inputs)
