@@ -1443,3 +1443,19 @@ def test_changes_after_planning_are_seen_with_striped_blocks_and_variants(tiling
     model.cfg["scale"] = 3.0  # a dict changed in place
     with pytest.raises(RuntimeError, match=r"_Striped\.cfg was"):
         step(planned)
+
+
+def test_spectral_norm_is_not_warned_as_a_hook_that_keeps_tensors():
+    """Found by a fresh user: spectral_norm's pre-hook (it recomputes the weight and keeps nothing) drew the warning
+    that a hook may keep tensors beyond the plan; a hook of the user's still does."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 4)).train()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        memfit.optimize(fresh_copy(model), torch.randn(8, 16), budget="100%")
+    assert not [w for w in seen if "forward hooks" in str(w.message)]
+    model[2].register_forward_hook(lambda mod, inp, out: None)
+    with pytest.warns(UserWarning, match="forward hooks"):
+        memfit.optimize(fresh_copy(model), torch.randn(8, 16), budget="100%")

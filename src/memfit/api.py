@@ -342,7 +342,11 @@ def _warn_hooks(model: nn.Module) -> None:
     """Warn that the plan cannot count what a forward hook keeps: a hook storing a module's output (a feature
     for a perceptual loss, Grad-CAM) holds it past where the plan frees it (a fresh user's feature loss measured
     1.21x its budget at ``min``)."""
-    hooked = [name or "the model" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    def users(hooks) -> bool:  # (spectral_norm's and weight_norm's pre-hooks recompute the weight and keep nothing)
+        return any(not getattr(h, "__module__", type(h).__module__).startswith("torch.") for h in hooks.values())
+
+    hooked = [name or "the model" for name, m in model.named_modules()
+              if users(m._forward_hooks) or users(m._forward_pre_hooks)]
     if hooked:
         warn_user(f"memfit: {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
                   f"{'have' if len(hooked) > 1 else 'has'} forward hooks: the plan runs them but cannot see what they "
