@@ -1459,3 +1459,23 @@ def test_spectral_norm_is_not_warned_as_a_hook_that_keeps_tensors():
     model[2].register_forward_hook(lambda mod, inp, out: None)
     with pytest.warns(UserWarning, match="forward hooks"):
         memfit.optimize(fresh_copy(model), torch.randn(8, 16), budget="100%")
+
+
+def test_control_flow_on_a_shape_gets_advice_about_shapes():
+    """Found by a fresh user: `x = h + x if h.shape[-1] == x.shape[-1] else h` was told to treat the tensor ``x``
+    as a flag argument (a wrapper passing ``x=...``, or ``self.x = ...``)."""
+
+    class Widths(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 32)
+
+        def forward(self, x):
+            for layer in (self.a, self.b):
+                h = layer(x)
+                x = h + x if h.shape[-1] == x.shape[-1] else h
+            return x
+
+    with pytest.raises(memfit.TraceError, match=r"control flow on a tensor's shape.*in __init__") as err:
+        memfit.optimize(Widths().train(), torch.randn(4, 16))
+    assert "wrapper" not in str(err.value) and "self.x =" not in str(err.value)

@@ -205,6 +205,12 @@ def _arguments_in_control_flow(exc: BaseException) -> list[str]:
 
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    if "control flow" in str(exc) and re.search(r"\.shape\b|\.size\(|\.dim\(|\.ndim\b|\blen\(", _user_frame(exc)):
+        return ("  Python control flow on a tensor's shape (`if h.shape[-1] == x.shape[-1]:`): torch.fx traces shapes "
+                "as graph values, not numbers. Decide it from the module's own settings, fixed when it is built "
+                "(`self.residual = layer.in_features == layer.out_features` in __init__, read in forward), or move "
+                "that code into a function of its own marked with torch.fx.wrap (called as one step, with real "
+                "shapes).")
     arguments = _arguments_in_control_flow(exc) if "control flow" in str(exc) else []
     if arguments:
         names = ", ".join(f"`{a}`" for a in arguments)
