@@ -426,10 +426,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     owner = captured.model if captured.model is not None else gm
     state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
              for t in itertools.chain(owner.parameters(), owner.buffers(), gm.parameters(), gm.buffers())}
-    # an input that requires grad (an adversarial example) gets its .grad, which the loop holds as it holds the
-    # parameters' (a fresh user's ResNet-18 went over its budget by that gradient, 196,608 B)
-    grad_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for t in itertools.chain(params, tensors) if t.requires_grad and t.is_leaf}.values())
+    grad_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                      for p in params if p.requires_grad}.values())
     costs.fixed_bytes = sum(state.values()) + grad_bytes + sum(
         s.nbytes for s in costs.storages if s.kind == "input") + _closure_bytes(loss_fn, fixed_ptrs, inputs)
     costs.device = device.type
