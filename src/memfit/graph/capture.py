@@ -336,8 +336,8 @@ def _trace(model: nn.Module) -> fx.GraphModule:
                 f"torch.fx could not trace {type(model).__name__} with its buffers as graph values "
                 f"({type(exc).__name__}: {exc})\n  failing line: {_user_frame(exc)}\n  With them read as constants "
                 f"the forward pass writes {', '.join(writes[:4])} in every step but uses values computed from "
-                "buffers once, while tracing (a fresh user's MoCo queue read as `self.queue.clone()`: gradients "
-                "0.85 off). Write buffers with in-place tensor operations (`self.queue[:, :b].copy_(k.t())` rather "
+                "buffers once, while tracing (a MoCo queue read through `self.queue.clone()` trained with "
+                "gradients 0.85 off). Write buffers with in-place tensor operations (`self.queue[:, :b].copy_(k.t())` rather "
                 "than `self.queue[:, :b] = k.t()`) and keep Python control flow off tensor values, so that the "
                 "model traces with its buffers as graph values.") from exc
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
