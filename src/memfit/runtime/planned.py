@@ -454,6 +454,13 @@ class PlannedModule(nn.Module):
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         spans = plan.region_spans()
         self._check_inplace(nodes, spans)
+        from memfit.variants import OPERAND
+
+        self._operand_of = {}  # node -> the node that writes into its output in place (the plan's in-place forms)
+        for node in nodes:
+            k = OPERAND.get(plan.variants.get(node.name, "default"))
+            if k is not None and k < len(node.args) and isinstance(node.args[k], fx.Node):
+                self._operand_of[node.args[k].name] = node.name
         self._check_stats(nodes)
         from memfit.variants import VARIANTS
 
@@ -566,7 +573,12 @@ class PlannedModule(nn.Module):
 
     def _fn(self, node: fx.Node):
         """The call for ``node``: PyTorch's module, or the operator variant the plan chose for it (built on
-        the same parameters and buffers), guarded against what changed since (:meth:`_guarded`)."""
+        the same parameters and buffers), guarded against what changed since (:meth:`_guarded`, :meth:`_fresh`)."""
+        fn = self._variant_fn(node)
+        writer = self._operand_of.get(node.name)
+        return fn if writer is None else self._fresh(node, writer, fn)
+
+    def _variant_fn(self, node: fx.Node):
         from memfit.variants.tiled import TiledChain
 
         variant = self.plan.variants.get(node.name, "default")
@@ -614,6 +626,39 @@ class PlannedModule(nn.Module):
             return current[0](env)
 
         return guarded
+
+    def _fresh(self, node: fx.Node, writer: str, fn):
+        """``fn`` (``node``, whose output node ``writer`` overwrites in place), copying that output when it shares
+        memory with one of the node's inputs. The plan offered the in-place form because the output was a fresh
+        tensor when it was profiled; an operation that returns its input (or a view of it) only in another
+        setting makes it an alias of a value read later: ``nn.Dropout`` after ``eval()`` or with ``p = 0``,
+        ``.contiguous()`` or ``.float()`` for another input shape or dtype. Written in place, that value changed
+        under its later readers (a fresh user's outputs 23 off, silently)."""
+        from memfit.variants import OPERAND
+
+        k = OPERAND.get(self.plan.variants.get(node.name, "default"))
+        own = node.args[k] if k is not None and k < len(node.args) else None  # it writes in place itself
+        sources = [a.name for a in node.all_input_nodes if a is not own]
+
+        def fresh(env):
+            out = fn(env)
+            if not isinstance(out, torch.Tensor) or out.numel() == 0:
+                return out
+            ptr = out.untyped_storage().data_ptr()
+            shared = next((a for a in sources for t in tensors_in(env[a]) if isinstance(t, torch.Tensor)
+                           and t.numel() and t.untyped_storage().data_ptr() == ptr), None)
+            if shared is None and out._base is None:
+                return out
+            self._warn_once(f"alias {node.name}", f"memfit: node {node.name} returned "
+                            f"{'its input ' + repr(shared) if shared else 'a view'} (it returned a new tensor when the "
+                            f"plan was made), and the plan writes into its result in place at node {writer}; memfit "
+                            "copies it first so that the values stay PyTorch's, and the step may go over the plan by "
+                            f"{fmt_bytes(out.untyped_storage().nbytes())}. This happens when a layer returns its input "
+                            "in a setting it was not planned in (nn.Dropout after eval() or with p=0; .contiguous(), "
+                            ".float() or .reshape() for another input shape or dtype): plan again in that setting.")
+            return out.clone()
+
+        return fresh
 
     def _guarded_stripes(self, node: fx.Node, chain: nn.Module, fn):
         """``fn`` (a striped block), refused while one of its layers has a hook: the stripes call no layer."""

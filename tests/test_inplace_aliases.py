@@ -1,0 +1,121 @@
+"""In-place forms whose operand became an alias after planning, against plain PyTorch.
+
+The planner offers an in-place form only where the operand is a fresh tensor that nothing else reads
+(:mod:`memfit.variants.inplace`). Some operations return their input, or a view of it, only in some settings:
+``nn.Dropout`` in ``eval()`` or with ``p=0``, ``.contiguous()`` on a tensor that is already contiguous (a
+transpose at batch 1), ``.float()`` on a float32 tensor. The README says those settings need no new plan, so the
+planned step must still compute what PyTorch computes (a fresh user's outputs were 23 off, silently)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+
+
+def _loss(out):
+    return out.square().mean()
+
+
+def _step(model, x, seed=1):
+    torch.manual_seed(seed)
+    out = model(x)
+    _loss(out).backward()
+    return out.detach()
+
+
+def _check_against_pytorch(planned, model, reference, x):
+    with pytest.warns(UserWarning, match="copies it first"):
+        out = _step(planned, x)
+    ref = _step(reference, x)
+    assert torch.equal(out, ref), (out - ref).abs().max()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+class _DropThenReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop, self.o = nn.Linear(32, 64), nn.Dropout(0.1), nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.o(torch.relu(self.drop(h))) + h.sum(1, keepdim=True)  # h is read after the ReLU
+
+
+@pytest.mark.parametrize("change", ["eval", "p=0"])
+def test_dropout_that_returns_its_input_after_planning(change):
+    torch.manual_seed(0)
+    model = _DropThenReLU().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    planned = memfit.optimize(model, x, "min", loss_fn=_loss, time_limit=5)
+    assert planned.plan.variants.get("relu") in ("inplace", "relu-mask-inplace"), planned.plan.variants
+    for m in (model, reference):
+        if change == "eval":
+            m.drop.eval()
+        else:
+            m.drop.p = 0.0
+    _check_against_pytorch(planned, model, reference, x)
+
+
+def test_dropout_that_returns_its_input_inside_a_checkpoint_region():
+    torch.manual_seed(0)
+    model = _DropThenReLU().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    plan, _, _ = memfit.plan(model, x, "min", loss_fn=_loss, time_limit=5)
+    plan.regions = [["drop", "relu"]]
+    plan.variants["relu"] = "inplace"
+    with pytest.warns(UserWarning, match="edited"):
+        planned = memfit.optimize(model, x, plan_=plan, loss_fn=_loss)
+    model.drop.eval()
+    reference.drop.eval()
+    _check_against_pytorch(planned, model, reference, x)
+
+
+class _SequenceFirst(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc, self.o = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):  # x: [B, T, D]
+        h = self.fc(x)
+        t = h.transpose(0, 1).contiguous()  # a copy for B > 1; at B == 1 the transpose (a view of h) itself
+        return self.o(F.relu(t)).transpose(0, 1) + h
+
+
+def test_contiguous_that_returns_a_view_at_another_batch_size():
+    torch.manual_seed(0)
+    model = _SequenceFirst().train()
+    reference = copy.deepcopy(model)
+    planned = memfit.optimize(model, torch.randn(8, 16, 32), "min", loss_fn=_loss, time_limit=5)
+    assert planned.plan.variants.get("relu") in ("inplace", "relu-mask-inplace"), planned.plan.variants
+    with pytest.warns(UserWarning, match="made for inputs of shape"):
+        _check_against_pytorch(planned, model, reference, torch.randn(1, 16, 32))
+
+
+class _UpcastHead(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc, self.o = nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        u = F.relu(h.float())  # a copy for a bfloat16 model; h itself for a float32 one
+        return self.o(u.to(h.dtype)).float() + h.float().mean(-1, keepdim=True)
+
+
+def test_float_that_returns_its_input_after_the_model_is_converted():
+    torch.manual_seed(0)
+    model = _UpcastHead().to(torch.bfloat16).train()
+    x = torch.randn(16, 32)
+    planned = memfit.optimize(model, x.to(torch.bfloat16), "min", loss_fn=_loss, time_limit=5)
+    assert planned.plan.variants.get("relu") in ("inplace", "relu-mask-inplace"), planned.plan.variants
+    model.float()
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="made for torch.bfloat16"):
+        _check_against_pytorch(planned, model, reference, x)
