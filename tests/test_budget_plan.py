@@ -258,6 +258,35 @@ def test_a_plan_is_refused_on_a_graph_whose_node_names_match_but_whose_operation
     memfit.optimize(mlp(nn.ReLU), x, plan_=Plan.load(tmp_path / "p.json"))  # the same model is accepted
 
 
+class _Wired(nn.Module):
+    """``c = b * 2`` or, edited, ``c = a * 2``: the same node names and operations, wired differently."""
+
+    def __init__(self, edited: bool):
+        super().__init__()
+        self.edited, self.fc, self.o = edited, nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        a = self.fc(x)
+        b = torch.relu(a)
+        c = (a if self.edited else b) * 2.0
+        return self.o(c + 1.0)
+
+
+def test_a_plan_is_refused_on_a_graph_wired_differently(tmp_path):
+    # a fresh user edited one line (c = b * 2.0 to c = a * 2.0); the old plan's in-place ReLU then wrote over a,
+    # which the edited line reads: outputs 0.76 and gradients 32.7 off, silently
+    x = torch.randn(8, 16)
+    planned = memfit.optimize(_Wired(False).train(), x, "min", loss_fn=lambda o: o.square().mean())
+    assert planned.plan.node_inputs[planned.plan.nodes.index("mul")] == ["relu"]
+    planned.plan.save(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="different graph: its node mul reads relu, this model's reads fc"):
+        memfit.optimize(_Wired(True).train(), x, plan_=Plan.load(tmp_path / "p.json"))
+    memfit.optimize(_Wired(False).train(), x, plan_=Plan.load(tmp_path / "p.json"))  # the same model is accepted
+    older = Plan.load(tmp_path / "p.json")
+    older.node_inputs = []  # a plan saved before the field existed: not compared
+    memfit.optimize(_Wired(False).train(), x, plan_=older)
+
+
 def test_a_plan_is_refused_where_a_layers_settings_change_its_activations(tmp_path):
     # a fresh user's plan for a stride-2 convolution ran the stride-1 model (same parameter and input shapes) at
     # 3.43x its budget

@@ -204,6 +204,24 @@ def test_runtime_refuses_an_in_place_form_in_a_region_without_its_operand():
     memfit.PlannedModule(captured, plan)  # with its operand's producer in the region: fine
 
 
+def test_runtime_refuses_an_in_place_form_over_a_value_another_node_reads():
+    # a fresh user's hand-edited plan ran `add` in place over a value a later ReLU read: outputs 28 off, silently
+    *_, captured, _costs, fixed = _setup()
+    names = [n.name for n in captured.graph.nodes]
+    for node, variant, why in (("add_1", "inplace-rhs", "read by node c1 too"),
+                               ("add_2", "inplace", "read by node c1 too"),
+                               ("add_3", "inplace", "read by node add_3 too"),  # t + t
+                               ("leaky_relu", "inplace", "the model's output"),
+                               ("relu", "inplace", "model input")):
+        plan = Plan.from_spans("hand-made", names, [], fixed_bytes=fixed, grads_exist=True)
+        plan.variants[node] = variant
+        with pytest.raises(ValueError, match=f"runs node {node} as '{variant}'.*{why}"):
+            memfit.PlannedModule(captured, plan)
+    plan = Plan.from_spans("hand-made", names, [], fixed_bytes=fixed, grads_exist=True)
+    plan.variants.update({"add_1": "inplace", "add_2": "inplace-rhs", "relu_3": "inplace"})
+    memfit.PlannedModule(captured, plan)  # where nothing else reads the operand: fine
+
+
 class _Op(nn.Module):
     def __init__(self, fn):
         super().__init__()

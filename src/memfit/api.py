@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.budget import Budget
-from memfit.graph.calls import check_var_positional, node_ops
+from memfit.graph.calls import check_var_positional, node_inputs, node_ops
 from memfit.graph.capture import Captured, capture
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
@@ -331,6 +331,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.node_ops = node_ops(captured.gm)
+    result.node_inputs = node_inputs(captured.gm)
     saved = {s for node in costs.nodes for s in node.saves}  # (an output a node saves is held anyway)
     result.freed_outputs = [k for k, s in enumerate(costs.output_ids) if s is not None and s not in saved
                             and costs.storages[s].producer is not None]

@@ -81,6 +81,13 @@ def node_ops(gm: fx.GraphModule) -> list[str]:
     return ops
 
 
+def node_inputs(gm: fx.GraphModule) -> list[list[str]]:
+    """The names of the nodes each computing node of ``gm`` reads, in forward order and in the order its
+    arguments name them: two graphs with the same node names and operations can differ here (``c = b * 2``
+    edited to ``c = a * 2``), and a plan's in-place forms are legal only for the graph it was solved for."""
+    return [[a.name for a in node.all_input_nodes] for node in compute_nodes(gm)]
+
+
 def call_name(node: fx.Node) -> str:
     """The name of what a ``call_function`` / ``call_method`` node calls: ``"flatten"``, ``".view"``."""
     t = node.target

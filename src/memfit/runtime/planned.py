@@ -29,7 +29,15 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
 from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks, is_plain
-from memfit.graph.calls import bind_inputs, compute_nodes, node_fn, node_ops, positional_inputs, tensors_in
+from memfit.graph.calls import (
+    bind_inputs,
+    compute_nodes,
+    node_fn,
+    node_inputs,
+    node_ops,
+    positional_inputs,
+    tensors_in,
+)
 from memfit.graph.capture import Captured
 from memfit.graph.tiling import TiledBlock, apply_tiling, chain_blocks, is_tiled
 from memfit.profile.buffers import (
@@ -426,6 +434,12 @@ class PlannedModule(nn.Module):
             k = next(k for k, (a, b) in enumerate(zip(plan.node_ops, ops, strict=True)) if a != b)
             raise ValueError(f"the plan was solved for a different graph: its node {plan.nodes[k]} runs {plan.node_ops[k]}, "
                              f"this model's runs {ops[k]}; solve it again for this model")
+        reads = node_inputs(gm)
+        if plan.node_inputs and reads != plan.node_inputs:
+            k = next(k for k, (a, b) in enumerate(zip(plan.node_inputs, reads, strict=True)) if a != b)
+            raise ValueError(f"the plan was solved for a different graph: its node {plan.nodes[k]} reads "
+                             f"{', '.join(plan.node_inputs[k]) or 'nothing'}, this model's reads "
+                             f"{', '.join(reads[k]) or 'nothing'}; solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         _watch_tree()
         self._tree_version = _TREE_VERSION[0]
@@ -550,9 +564,12 @@ class PlannedModule(nn.Module):
                                  "it calls no BatchNorm: remove it from stats_recompute")
 
     def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:
-        """Refuse an in-place form inside a region that does not compute its operand: the region's
-        recomputation would start from the overwritten value (autograd's version check catches that at
-        backward when the operand requires grad; refusing it here names the node, before any step)."""
+        """Refuse an in-place form whose operand another node reads (or the model returns, or that is an input, a
+        parameter or a buffer): a hand-edited plan gave outputs 28 off, silently; and one inside a region that
+        does not compute its operand: the region's recomputation would start from the overwritten value
+        (autograd's version check catches that at backward when the operand requires grad; refusing it here
+        names the node, before any step). The profile's further condition, that no node saves the operand for
+        backward, is left to autograd's version check."""
         from memfit.variants import OPERAND
 
         region = {}
@@ -561,10 +578,22 @@ class PlannedModule(nn.Module):
                 region[nodes[i].name] = r
         for node in nodes:
             name = self.plan.variants.get(node.name, "default")
-            if name not in OPERAND or node.name not in region:
+            if name not in OPERAND:
                 continue
             arg = node.args[OPERAND[name]] if OPERAND[name] < len(node.args) else None
-            if not isinstance(arg, fx.Node) or region.get(arg.name) != region[node.name]:
+            if not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr"):
+                raise ValueError(f"the plan runs node {node.name} as {name!r}, writing into its operand, which is a "
+                                 "model input, a parameter or a buffer: drop that variant")
+            others = [u.name for u in arg.users if u is not node] + (
+                [node.name] if sum(a is arg for a in node.args) > 1 else [])
+            if others:
+                what = "is the model's output" if others[0] == self._output.name else f"is read by node {others[0]} too"
+                raise ValueError(f"the plan runs node {node.name} as {name!r}, writing into the output of node "
+                                 f"{arg.name}, which {what}: that would see the overwritten value. Drop that variant "
+                                 "(memfit offers an in-place form only where nothing else reads the operand)")
+            if node.name not in region:
+                continue
+            if region.get(arg.name) != region[node.name]:
                 raise ValueError(
                     f"the plan runs node {node.name} as {name!r} (writing into its operand) inside a checkpoint "
                     "region that does not compute that operand, so recomputing the region would read the "

@@ -80,6 +80,9 @@ class Plan:
         node_ops: what each node of ``nodes`` runs (:func:`memfit.graph.calls.node_ops`: a module's class, a
             function's name), so that a plan is refused on a graph whose node names match but whose operations
             differ; empty in plans made before it was recorded.
+        node_inputs: the names of the nodes each node of ``nodes`` reads (:func:`memfit.graph.calls.node_inputs`), so
+            that a plan is refused on a graph wired differently (an in-place form written over a value read
+            later); empty in plans made before it was recorded.
     """
 
     strategy: str
@@ -111,6 +114,7 @@ class Plan:
     plain_step_seconds: float | None = None
     freed_outputs: list[int] = field(default_factory=list)
     node_ops: list[str] = field(default_factory=list)
+    node_inputs: list[list[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
