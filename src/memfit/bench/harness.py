@@ -180,8 +180,7 @@ def compare(reference: StepFigures, other: StepFigures) -> dict:
 
     ref_g = {strip(k): v for k, v in reference.grads.items()}
     oth_g = {strip(k): v for k, v in other.grads.items()}
-    diff = max((float((ref_g[k].float() - oth_g[k].float()).abs().max()) for k in ref_g if k in oth_g),
-               default=0.0)
+    diff = max((float((_wide(ref_g[k]) - _wide(oth_g[k])).abs().max()) for k in ref_g if k in oth_g), default=0.0)
     ref_b = {strip(k): v for k, v in reference.buffers.items()}
     oth_b = {strip(k): v for k, v in other.buffers.items()}
     bn = set(ref_b) == set(oth_b) and all(
@@ -189,6 +188,11 @@ def compare(reference: StepFigures, other: StepFigures) -> dict:
         for k in ref_b)
     return {"gradients_match": set(ref_g) == set(oth_g) and diff <= 1e-5, "max_abs_grad_diff": diff,
             "bn_stats_match": bn}
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, or complex128 for a complex tensor (``.float()`` would drop its imaginary part)."""
+    return t.to(torch.complex128) if t.is_complex() else t.double()
 
 
 def fresh_copy(model: nn.Module) -> nn.Module:

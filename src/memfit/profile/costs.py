@@ -142,6 +142,9 @@ class NodeCost:
             holding this node can reach (its module's and submodules' buffers, a buffer it reads through
             ``get_attr`` or as an input): the region's recomputation copies each of them
             (:mod:`memfit.profile.buffers`).
+        grad_storage_bytes: input nodes (by name) whose gradient this node's backward makes as a view of a
+            larger new storage, and that storage's bytes: the real part of a complex tensor (``rfft2``'s
+            backward, ``torch.complex``), held whole while the view lives.
     """
 
     name: str
@@ -168,6 +171,7 @@ class NodeCost:
     recompute_seconds: float | None = None
     stats_bytes: int = 0
     buffers: list[str] = field(default_factory=list)
+    grad_storage_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -307,7 +311,8 @@ class Costs:
             v = picked.get(c.name)
             if v is None:
                 nodes.append(replace(c, outputs=ids(c.outputs), creates=ids(c.creates), saves=ids(c.saves),
-                                     mutates=ids(c.mutates), casts=list(c.casts), grad_copies=list(c.grad_copies)))
+                                     mutates=ids(c.mutates), casts=list(c.casts), grad_copies=list(c.grad_copies),
+                                     grad_storage_bytes=dict(c.grad_storage_bytes)))
                 continue
             outs = set(c.outputs)
             # an autocast cast stays where another node reads it (it shares it through the cache) or the variant
@@ -320,7 +325,7 @@ class Costs:
                 c, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves), mutates=ids(mutates),
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
                 bwd_workspace=v.bwd_workspace, variants={}, casts=casts, saves_first=False,
-                grad_copies=list(c.grad_copies)))
+                grad_copies=list(c.grad_copies), grad_storage_bytes=dict(c.grad_storage_bytes)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
         return replace(self, storages=storages, nodes=nodes, loss_keeps=ids(self.loss_keeps),
@@ -747,7 +752,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             # views included (nn.Identity, flatten): the reader's backward makes a full gradient for the view,
             # which the view's backward then passes on to its input (an MLP with an nn.Identity measured 1 MiB
             # over its replay when views counted 0 here)
-            if t.requires_grad and t.is_floating_point():
+            if t.requires_grad and _differentiable(t):
                 cost.grad_bytes += t.numel() * t.element_size()
             storages[sid].requires_grad |= t.requires_grad
         for t in saved:
@@ -909,6 +914,12 @@ def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by
                 savers.setdefault(x, set()).add(node.name)
 
 
+def _differentiable(t: torch.Tensor) -> bool:
+    """Whether autograd can make a gradient for ``t``: floating point or complex (an FNO's spectral weights
+    and activations; complex activations' gradients were counted 0 bytes, 12% under a 100% budget)."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
     """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``):
     they are alive for the whole step, like the inputs. Searched: closure cells, the module-level names the
@@ -972,7 +983,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     values = tensors_in(out)
     flags = (requires or {}).get(output_node.name)
     if flags is None or len(flags) != len(values):
-        flags = [t.is_floating_point() for t in values]
+        flags = [_differentiable(t) for t in values]
     stand_ins = [t.detach().requires_grad_(True) if f else t for t, f in zip(values, flags)]
     leaves = [t for t, f in zip(stand_ins, flags) if f]
     it = iter(stand_ins)
@@ -1090,7 +1101,7 @@ def _isolated(gm: fx.GraphModule, inputs: tuple, requires: dict[str, list[bool]]
                 if not isinstance(v, torch.Tensor):
                     continue
                 flags = requires.get(a.name) if requires is not None else None
-                if not (flags[0] if flags else v.is_floating_point()):
+                if not (flags[0] if flags else _differentiable(v)):
                     if clone:  # the node may write into it: a copy, not the model's buffer or an earlier value
                         local[a.name] = v.detach().clone()
                     continue
@@ -1257,6 +1268,10 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     # addition of a bfloat16 branch under autocast: autograd casts it), or broadcast (reduced)
                     cost.grad_copies = [a for a, g in zip(names, grads) if g is not None and cost.grad_alias
                                         and g.untyped_storage().data_ptr() not in seed_ptrs]
+                    cost.grad_storage_bytes = {
+                        a: g.untyped_storage().nbytes() for a, g in zip(names, grads)
+                        if g is not None and g.untyped_storage().data_ptr() not in seed_ptrs
+                        and g.untyped_storage().nbytes() > g.numel() * g.element_size()}
                 if not cpu:
                     record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch)
                 del grads, outs, seeds, local, leaves

@@ -234,6 +234,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
             attach(p, new_token(acc.grad_bytes[p]))
     index = {c.name: i for i, c in enumerate(costs.nodes)}
     copies = [{index[a] for a in c.grad_copies if a in index} for c in costs.nodes]
+    # an input's gradient made as a view of a larger storage (the real part of a complex gradient) holds it whole
+    sizes = [{index[a]: b for a, b in c.grad_storage_bytes.items() if a in index} for c in costs.nodes]
     before, during = [0] * n, [0] * n
     for i in range(n - 1, -1, -1):
         before[i] = total
@@ -246,7 +248,7 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
             if m in grads:
                 if token_refs[grads[m]] == 1:  # added into the existing gradient, in place
                     if not passed:
-                        extra = max(extra, acc.grad_bytes[m])  # the new contribution, until it is added
+                        extra = max(extra, sizes[i].get(m, acc.grad_bytes[m]))  # the new contribution, until added
                 else:
                     # the existing gradient is shared (an addition passed one tensor to several inputs): autograd
                     # cannot add into it in place, so the sum is a new tensor, and the shared one stays with
@@ -256,7 +258,7 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
             elif passed:
                 attach(m, t)
             else:
-                attach(m, new_token(acc.grad_bytes[m]))
+                attach(m, new_token(max(acc.grad_bytes[m], sizes[i].get(m, 0))))
         during[i] = total + extra
         if t is not None:
             release(t)
