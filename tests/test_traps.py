@@ -1479,3 +1479,30 @@ def test_control_flow_on_a_shape_gets_advice_about_shapes():
     with pytest.raises(memfit.TraceError, match=r"control flow on a tensor's shape.*in __init__") as err:
         memfit.optimize(Widths().train(), torch.randn(4, 16))
     assert "wrapper" not in str(err.value) and "self.x =" not in str(err.value)
+
+
+def test_an_error_in_forward_after_a_buffer_sliced_by_a_shape_is_the_one_reported():
+    """Found by a fresh user: a forgotten ``import math`` after ``cos = self.cos[:T]`` was reported as the
+    fallback tracer's failure at the slice (a correct line: with buffers as constants, a shape cannot slice
+    one), with advice about control flow; PyTorch says NameError at the line with ``math``."""
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+            self.register_buffer("cos", torch.randn(16, 32))
+
+        def forward(self, x):
+            _, t, c = x.shape
+            q, k, v = self.qkv(x).split(c, -1)
+            q = q * self.cos[:t]
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(c)  # noqa: F821 (the user's bug)
+            return att.softmax(-1) @ v
+
+    model = Rotary().train()
+    with pytest.raises(NameError):
+        model(torch.randn(2, 16, 32))
+    with pytest.raises(memfit.TraceError, match=r"NameError: name 'math' is not defined\n  failing line: .*math.sqrt"
+                       r"(.|\n)*error in the forward pass itself") as err:
+        memfit.optimize(model, torch.randn(2, 16, 32))
+    assert "control flow" not in str(err.value)

@@ -252,6 +252,9 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "checks read tensor values). Plan a module of your own that holds it as a child instead, e.g. "
                 "`class Net(nn.Module): __init__: self.body = encoder; forward(x): return self.body(x)`: memfit then "
                 "keeps it whole (it runs as one step, which memfit cannot recompute or offload in part).")
+    if isinstance(exc, (NameError, ImportError, SyntaxError)):
+        return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
+                "line, not a limit of tracing: fix it and plan again.")
     if "Proxy" in str(exc):
         return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
                 "number, which torch.fx cannot pass: use an operation that takes the tensor itself (e.g. "
@@ -311,6 +314,13 @@ def _trace(model: nn.Module) -> fx.GraphModule:
         plain = _Tracer()
         try:
             graph = plain.trace(model)  # raises when the model does not trace at all
+        except Exception as again:
+            # report the attempt that got further into forward: a plain Python error after a line that traces
+            # only with buffers as graph values (`import math` forgotten after `self.cos[:T]`) was reported as the
+            # fallback's failure at that earlier, correct line
+            if len(plain.graph.nodes) > len(tracer.graph.nodes):
+                raise
+            raise exc from again
         finally:
             written = [name for name, t, before in state if not _same_values(t.detach(), before)]
             for name, t, before in state:
