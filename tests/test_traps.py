@@ -382,6 +382,34 @@ def test_min_budget_is_each_strategys_own_floor(strategy):
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
 
 
+def test_min_budget_is_a_plan_below_plain_pytorch_where_one_exists_though_its_headroom_is_larger():
+    """Found by a fresh-user run: on a small CNN the least-memory plan (230,304 B) plus its headroom (1% and 64
+    KiB) was above plain PyTorch's peak (258,080 B), so ``budget="min"`` set its budget there, and the search
+    at that budget chose keeping everything (plain PyTorch's plan, 258,080 B) under a budget of 298,193 B."""
+    from memfit.bench.harness import compare, measure_training
+
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(self.c2(torch.relu(self.bn(self.c1(x)))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x, y = Small().train(), torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget="min", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: F.cross_entropy(out, y))
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    assert compare(base, fig)["gradients_match"] and compare(base, fig)["bn_stats_match"]
+    assert planned.plan.regions, planned.plan.to_dict()
+    assert fig.peak_bytes < base.peak_bytes, (fig.peak_bytes, base.peak_bytes)
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+
+
 def test_modules_with_hooks_or_parametrizations_keep_them():
     """Found by a fresh-user run: a module given an operator variant lost its hooks (a forward hook fired 0
     times per step; one scaling the output, or a pre-hook, changed the gradients), and old-style

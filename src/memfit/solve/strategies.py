@@ -269,10 +269,12 @@ def plan_at_floor(strategy: str, graph: Graph, costs: Costs, fixed_bytes: int, t
     lows = prob.low_memory_plans(time_limit, fastest=True)
     floor = prob.smallest_feasible(time_limit, lows)
     lowest = min(p.predicted_peak_bytes for p in lows)
-    if prob.exact_plain and lowest < prob.plain.peak_bytes <= floor:  # the least memory is a plan below keeping everything, which
-        floor = lowest + prob.margin            # needs its headroom (more than keeping everything's budget)
+    below = prob.exact_plain and lowest < prob.plain.peak_bytes <= floor
+    if below:  # the least memory is a plan below keeping everything, which needs its headroom (more than keeping
+        floor = lowest + prob.margin  # everything's budget); keeping everything, which fits that, is not chosen
+        # (a fresh user's small CNN got plain PyTorch's 258,080 B plan with a budget of 298,193 B)
     prob.budget = floor
-    plan = _solve(prob, floor, time_limit)
+    plan = _solve(prob, floor, time_limit, keep_everything=not below)
     plan.budget_bytes = floor  # (a lowest-memory plan was made before the budget was known)
     return floor, plan
 
@@ -336,8 +338,9 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     return _solve(prob, budget_bytes, time_limit)
 
 
-def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
-    """The integer program, checked by the replay.
+def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything: bool = True) -> Plan:
+    """The integer program, checked by the replay (``keep_everything=False``: not plain PyTorch's plan, even
+    where it fits, for ``budget="min"`` when the least memory is a plan below it).
 
     The program is a conservative linearization of the replay: solve, replay, and move the program's budget
     by the replay's error (down when over the limit, up to use slack), bisecting between the largest program
@@ -360,7 +363,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
     limit = budget_bytes - margin  # what the simulated peak may reach
     # keeping everything is the fastest plan, and plain PyTorch's peak (exactly what the replay predicts) needs no
     # headroom: at budget "100%" a fresh user got two BatchNorms recomputed, 8% slower
-    if prob.plain.peak_bytes <= (budget_bytes if prob.exact_plain else limit):
+    if keep_everything and prob.plain.peak_bytes <= (budget_bytes if prob.exact_plain else limit):
         return prob.keep_everything()
     deadline = time.perf_counter() + time_limit
     best: Plan | None = None
@@ -461,7 +464,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float) -> Plan:
                       f"peak is {fmt_bytes(best.predicted_peak_bytes)} of {fmt_bytes(budget_bytes)}). Give a longer "
                       "time_limit (--time-limit) for a faster plan.")
         return best
-    if prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # keeping everything fits without headroom
+    if keep_everything and prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # it fits without headroom
         return prob.keep_everything()
     floor = prob.smallest_feasible(time_limit, lows)
     raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at())
