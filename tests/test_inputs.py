@@ -437,6 +437,13 @@ def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_chan
         memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: out)
     with pytest.raises(TypeError, match=r"optimizer must be the torch.optim.Optimizer .* got str 'sgd'"):
         memfit.optimize(model, x, "100%", optimizer="sgd")
+    # (a fresh user's loss_fn returning o.detach().sum() was taken; a function as the model gave AttributeError)
+    with pytest.raises(ValueError, match=r"loss that does not require grad.*\.detach\(\)"):
+        memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: out.detach().sum())
+    with pytest.raises(TypeError, match=r"plans a torch.nn.Module, not function"):
+        memfit.optimize(lambda t: t * 2, x)
+    with pytest.raises(TypeError, match=r"plans a torch.nn.Module, not function"):
+        memfit.plan(lambda t: t * 2, x)
     with pytest.raises(ValueError, match=r"holds 2 parameter tensor\(s\), none of them the model's"):
         memfit.optimize(model, x, "100%", optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
     after = ({k: v.clone() for k, v in model.state_dict().items()}, repr(opt.state_dict()))

@@ -61,7 +61,14 @@ def state_roles(model: nn.Module) -> dict[str, str]:
     return roles
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memfit plans a torch.nn.Module, not {type(model).__name__}: wrap the function in a module "
+                        "(class Net(nn.Module) with the computation in forward and its weights as parameters)")
+
+
 def _require_training(model: nn.Module) -> None:
+    _check_model(model)
     if isinstance(model, PlannedModule):
         raise TypeError("this model is already planned (a PlannedModule): to plan again, for another budget or "
                          "strategy, pass the model it wraps, planned.model")
@@ -273,14 +280,17 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     Raises:
         memfit.TraceError: ``torch.fx`` cannot trace the model; the message names the line.
         memfit.InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
-        TypeError: ``model`` is already a :class:`PlannedModule` (plan ``planned.model`` instead); ``optimizer``
+        TypeError: ``model`` is not an ``nn.Module``, or is already a :class:`PlannedModule` (plan
+            ``planned.model`` instead); ``optimizer``
             is not a ``torch.optim.Optimizer``.
         ValueError: bad budget text or strategy; an optimizer that holds none of the model's parameters;
-            ``loss_fn`` fails on the model's output or returns more than one value; ``example_inputs`` has more inputs than the forward takes,
+            ``loss_fn`` fails on the model's output, returns more than one value or a loss that does not
+            require grad though the output does; ``example_inputs`` has more inputs than the forward takes,
             leaves out an argument without a default, or leaves out one whose default the traced forward
             cannot run with (``mask=None`` when fx traced ``if mask is not None:`` as taken).
     """
     budget = Budget.parse(budget)
+    _check_model(model)
     _check_optimizer(optimizer, model)
     if not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
@@ -403,6 +413,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         buffer shapes or dtypes), other input shapes, another autocast state or another ``grads_exist``
         (see :func:`check_plan_fits`).
     """
+    _check_model(model)
     if plan_ is not None:
         check_plan_fits(plan_, model, example_inputs, grads_exist, optimizer)
         if budget != "min":

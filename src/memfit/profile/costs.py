@@ -1001,6 +1001,11 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
 
     with MemoryTracker(device) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = _call_loss(loss_fn, out)
+    if leaves and not loss.requires_grad:
+        raise ValueError("loss_fn returned a loss that does not require grad, though the model's output does (a "
+                         "`.detach()`, a `torch.no_grad()` or a tensor made from `.item()` inside loss_fn): its "
+                         "backward pass would compute nothing (PyTorch's loss.backward() raises 'element 0 of "
+                         "tensors does not require grad'). Return the loss computed from the output.")
     with MemoryTracker(device) as backward:
         grads_of: tuple = ()
         if leaves and loss.requires_grad:
