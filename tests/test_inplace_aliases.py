@@ -52,7 +52,7 @@ def test_dropout_that_returns_its_input_after_planning(change):
     model = _DropThenReLU().train()
     reference = copy.deepcopy(model)
     x = torch.randn(16, 32)
-    planned = memfit.optimize(model, x, "min", loss_fn=_loss, time_limit=5)
+    planned = memfit.optimize(model, x, "100%", loss_fn=_loss, time_limit=5)
     assert planned.plan.variants.get("relu") in ("inplace", "relu-mask-inplace"), planned.plan.variants
     for m in (model, reference):
         if change == "eval":
@@ -92,7 +92,7 @@ def test_contiguous_that_returns_a_view_at_another_batch_size():
     torch.manual_seed(0)
     model = _SequenceFirst().train()
     reference = copy.deepcopy(model)
-    planned = memfit.optimize(model, torch.randn(8, 16, 32), "min", loss_fn=_loss, time_limit=5)
+    planned = memfit.optimize(model, torch.randn(8, 16, 32), "100%", loss_fn=_loss, time_limit=5)
     assert planned.plan.variants.get("relu") in ("inplace", "relu-mask-inplace"), planned.plan.variants
     with pytest.warns(UserWarning, match="made for inputs of shape"):
         _check_against_pytorch(planned, model, reference, torch.randn(1, 16, 32))
@@ -113,7 +113,7 @@ def test_float_that_returns_its_input_after_the_model_is_converted():
     torch.manual_seed(0)
     model = _UpcastHead().to(torch.bfloat16).train()
     x = torch.randn(16, 32)
-    planned = memfit.optimize(model, x.to(torch.bfloat16), "min", loss_fn=_loss, time_limit=5)
+    planned = memfit.optimize(model, x.to(torch.bfloat16), "100%", loss_fn=_loss, time_limit=5)
     assert planned.plan.variants.get("relu") in ("inplace", "relu-mask-inplace"), planned.plan.variants
     model.float()
     reference = copy.deepcopy(model)
