@@ -91,6 +91,18 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, dict[str, Any]] | Non
     return None
 
 
+def _holds_sum(x: torch.Tensor, other) -> bool:
+    """Whether ``x + other`` has ``x``'s dtype and shape, so that it can be written into ``x``. Planned where it
+    had; a step in another autocast state or dtype can change that (a float32 LayerNorm output plus a bfloat16
+    Linear output under autocast, planned outside it: written into the bfloat16 operand, the sum was rounded,
+    gradients 1e-3 off), and the addition then runs out of place, as PyTorch's does."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    if isinstance(other, torch.Tensor):
+        return torch.result_type(x, other) == x.dtype and torch.broadcast_shapes(x.shape, other.shape) == x.shape
+    return torch.result_type(x, other) == x.dtype
+
+
 def inplace_forms(gm: fx.GraphModule, node: fx.Node) -> dict[str, Callable[[dict[str, Any]], Any]]:
     """The in-place forms of ``node`` (see the module docstring), by variant name; ``{}`` if it has none.
 
@@ -107,12 +119,14 @@ def inplace_forms(gm: fx.GraphModule, node: fx.Node) -> dict[str, Callable[[dict
 
         def add_lhs(env):
             (a, b), _ = load(env)
+            if not _holds_sum(a, b):
+                return torch.add(a, b, alpha=alpha) if alpha != 1 else a + b
             return a.add_(b, alpha=alpha) if alpha != 1 else a.add_(b)
         forms["inplace"] = add_lhs
         if "alpha" not in p or alpha == 1:
             def add_rhs(env):
                 (a, b), _ = load(env)
-                return b.add_(a)
+                return b.add_(a) if _holds_sum(b, a) else a + b
             forms["inplace-rhs"] = add_rhs
         return forms
     if kind == "relu":
