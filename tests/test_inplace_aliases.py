@@ -154,3 +154,22 @@ def test_an_in_place_addition_whose_sum_changes_dtype_under_autocast_runs_out_of
     assert losses[0] == losses[1]
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_leaky_relu_slope_changed_to_one_the_in_place_form_refuses_runs_pytorchs_op():
+    # a fresh user's slope changed from 0.1 to -0.2 after planning raised "variant 'inplace' does not apply" in the
+    # middle of the forward pass (after a BatchNorm had updated its statistics)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.LeakyReLU(0.1), nn.Linear(32, 4)).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    planned = memfit.optimize(model, x, "100%", loss_fn=_loss)
+    assert planned.plan.variants.get("_2") == "inplace", planned.plan.variants
+    for m in (model, reference):
+        m[2].negative_slope = -0.2
+    with pytest.warns(UserWarning, match="does not apply to the new ones"):
+        out = _step(planned, x)
+    assert torch.equal(out, _step(reference, x))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(model[1].running_mean, reference[1].running_mean)

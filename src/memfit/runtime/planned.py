@@ -651,7 +651,13 @@ class PlannedModule(nn.Module):
                                 "Plan with the hook registered.")
                 return default(env)
             if slots and _read(slots) != current[1]:  # (model.act.negative_slope = 0.5)
-                current[:] = [variant_call(self.gm, node, variant), _read(slots)]
+                try:
+                    current[:] = [variant_call(self.gm, node, variant), _read(slots)]
+                except ValueError:  # the variant does not apply to the new settings (a negative slope in place)
+                    self._warn_once(f"variant {node.name}", f"memfit: node {node.name}'s settings changed since planning "
+                                    f"({node.target}), and the plan's {variant!r} does not apply to the new ones: it runs "
+                                    "as PyTorch's own op (the step may go over the plan). Plan again for these settings.")
+                    current[:] = [default, _read(slots)]
             return current[0](env)
 
         return guarded
