@@ -462,3 +462,13 @@ def test_max_batch_refuses_a_torch_budget_knob_out_of_range(knob, capsys):
                "--strategies", f"torch-budget:{knob}", "--batch-limit", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "a plain number from 0 to 1" in err, err
+
+
+@pytest.mark.parametrize("budget, given", [("min", "'min'"), ("40%", "a percentage")])
+def test_max_batch_refuses_a_budget_that_is_not_bytes_saying_which(budget, given, capsys):
+    # a fresh user's `--budget min` was told it was "not a percentage"
+    from memfit.cli import main
+
+    rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget", budget, "--batch-limit", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and f"needs a budget in bytes ('2GiB', '512MB'), not {given}" in err, err

@@ -208,14 +208,25 @@ def test_runtime_refuses_an_in_place_form_over_a_value_another_node_reads():
     # a fresh user's hand-edited plan ran `add` in place over a value a later ReLU read: outputs 28 off, silently
     *_, captured, _costs, fixed = _setup()
     names = [n.name for n in captured.graph.nodes]
-    for node, variant, why in (("add_1", "inplace-rhs", "read by node c1 too"),
-                               ("add_2", "inplace", "read by node c1 too"),
+    for node, variant, why in (("add_2", "inplace", "read by node c1 too"),
                                ("add_3", "inplace", "read by node add_3 too"),  # t + t
                                ("leaky_relu", "inplace", "the model's output"),
                                ("relu", "inplace", "model input")):
         plan = Plan.from_spans("hand-made", names, [], fixed_bytes=fixed, grads_exist=True)
         plan.variants[node] = variant
         with pytest.raises(ValueError, match=f"runs node {node} as '{variant}'.*{why}"):
+            memfit.PlannedModule(captured, plan)
+    # over an output its producer's variant saves (a fresh user's hand edit crashed in backward)
+    plan = Plan.from_spans("hand-made", names, [], fixed_bytes=fixed, grads_exist=True)
+    plan.variants.update({"b1": "bn-from-output", "relu_2": "inplace"})
+    with pytest.raises(ValueError, match="relu_2 as 'inplace', writing into the output of node b1, which the plan runs "
+                                         "as 'bn-from-output', saving that output"):
+        memfit.PlannedModule(captured, plan)
+    # no such in-place form (a cat's was said to overwrite a model input); torch.add with alpha has no rhs form
+    for node, variant in (("sigmoid", "inplace"), ("mean_1", "inplace"), ("add_1", "inplace-rhs")):
+        plan = Plan.from_spans("hand-made", names, [], fixed_bytes=fixed, grads_exist=True)
+        plan.variants[node] = variant
+        with pytest.raises(ValueError, match=f"variant '{variant}' on node {node}, which memfit cannot apply"):
             memfit.PlannedModule(captured, plan)
     plan = Plan.from_spans("hand-made", names, [], fixed_bytes=fixed, grads_exist=True)
     plan.variants.update({"add_1": "inplace", "add_2": "inplace-rhs", "relu_3": "inplace"})

@@ -283,7 +283,10 @@ def cmd_max_batch(args) -> int:
     if args.budget is not None:
         budget = Budget.parse(args.budget)
         if budget.nbytes is None:
-            raise ValueError("max-batch needs a budget in bytes ('2GiB', '512MB'), not a percentage")
+            given = "'min'" if budget.minimum else "a percentage"
+            raise ValueError(f"max-batch needs a budget in bytes ('2GiB', '512MB'), not {given}: it finds the largest "
+                             "batch that fits a fixed amount of memory (--budget-from-batch N takes plain PyTorch's "
+                             "peak at batch N)")
         budget_bytes = budget.nbytes
     else:
         with console.status(f"measuring plain PyTorch at batch {args.budget_from_batch} ..."):

@@ -568,9 +568,9 @@ class PlannedModule(nn.Module):
         parameter or a buffer): a hand-edited plan gave outputs 28 off, silently; and one inside a region that
         does not compute its operand: the region's recomputation would start from the overwritten value
         (autograd's version check catches that at backward when the operand requires grad; refusing it here
-        names the node, before any step). The profile's further condition, that no node saves the operand for
+        names the node, before any step); and one the node has not got. The profile's further condition, that no node saves the operand for
         backward, is left to autograd's version check."""
-        from memfit.variants import OPERAND
+        from memfit.variants import OPERAND, inplace_forms, saves_its_output
 
         region = {}
         for r, (lo, hi) in enumerate(spans):
@@ -580,12 +580,20 @@ class PlannedModule(nn.Module):
             name = self.plan.variants.get(node.name, "default")
             if name not in OPERAND:
                 continue
+            if name not in inplace_forms(self.gm, node):
+                raise ValueError(f"plan asks for variant {name!r} on node {node.name}, which memfit cannot apply (it "
+                                 "has no such in-place form): drop that variant")
             arg = node.args[OPERAND[name]] if OPERAND[name] < len(node.args) else None
             if not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr"):
                 raise ValueError(f"the plan runs node {node.name} as {name!r}, writing into its operand, which is a "
                                  "model input, a parameter or a buffer: drop that variant")
             others = [u.name for u in arg.users if u is not node] + (
                 [node.name] if sum(a is arg for a in node.args) > 1 else [])
+            if not others and saves_its_output(self.gm, arg, self.plan.variants.get(arg.name, "default")):
+                raise ValueError(f"the plan runs node {node.name} as {name!r}, writing into the output of node "
+                                 f"{arg.name}, which the plan runs as {self.plan.variants[arg.name]!r}, saving that "
+                                 "output for backward: autograd's version check would fail there. Drop one of the "
+                                 "two variants")
             if others:
                 what = "is the model's output" if others[0] == self._output.name else f"is read by node {others[0]} too"
                 raise ValueError(f"the plan runs node {node.name} as {name!r}, writing into the output of node "

@@ -60,7 +60,7 @@ from .conv_split_backward import (
 from .conv_split_backward import applies as _conv_split_applies
 from .conv_split_backward import from_module as conv_split_from_module
 from .conv_split_backward import native_applies as _conv_native_applies
-from .inplace import INPLACE_VARIANTS, OPERAND, inplace_forms
+from .inplace import INPLACE_VARIANTS, OPERAND, inplace_forms, saves_its_output
 from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
 from .relu_mask import (
     HardtanhMask,
@@ -114,6 +114,7 @@ __all__ = [
     "relu6_mask",
     "relu_mask",
     "replaceable",
+    "saves_its_output",
     "unpack_mask",
     "variant_call",
     "variants_for",

@@ -44,7 +44,7 @@ from memfit.graph.calls import arg_loader
 from memfit.variants.relu_mask import hardtanh_mask, leaky_relu_mask, relu_mask
 from memfit.variants.replaceable import replaceable as _replaceable
 
-__all__ = ["INPLACE_VARIANTS", "OPERAND", "PLAIN_INPLACE", "inplace_forms"]
+__all__ = ["INPLACE_VARIANTS", "OPERAND", "PLAIN_INPLACE", "inplace_forms", "saves_its_output"]
 
 #: variant name -> argument position of the operand it overwrites
 OPERAND: dict[str, int] = {"inplace": 0, "inplace-rhs": 1, "relu-mask-inplace": 0}
@@ -89,6 +89,17 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, dict[str, Any]] | Non
         if node.target == "add" and len(node.args) == 2 and set(node.kwargs) <= {"alpha"}:
             return "add", dict(node.kwargs)
     return None
+
+
+def saves_its_output(gm: fx.GraphModule, node: fx.Node, variant: str) -> bool:
+    """Whether ``node`` run as ``variant`` saves its own output for backward, so that no later in-place form may
+    overwrite it (autograd's version check would fail at backward): ``bn-from-output``, and the ``inplace`` form
+    of a ReLU or LeakyReLU (``relu_`` saves its result). PyTorch's own ops are not known here (the profile finds
+    what they save)."""
+    if variant == "bn-from-output":
+        return True
+    found = _kind(gm, node) if variant == "inplace" else None
+    return found is not None and found[0] != "add"
 
 
 def _holds_sum(x: torch.Tensor, other) -> bool:
