@@ -2,6 +2,8 @@
 buffers read by functional calls or updated in place, frozen parameters, forward arguments with defaults,
 integer outputs, and a first layer whose input needs no gradient (the profile must not count one)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -599,3 +601,26 @@ def test_a_gradient_for_the_input_is_planned_and_counted(frozen):
     assert peaks[1] == planned.plan.predicted_peak_bytes <= planned.plan.budget_bytes, (
         peaks, planned.plan.predicted_peak_bytes, planned.plan.budget_bytes)
     assert planned.report["decisions"]["recompute"] > 0
+
+
+def test_an_input_that_requires_grad_only_after_planning_is_warned():
+    """Found by a fresh user: a discriminator planned on real images and called on a generator's output (D(G(z)))
+    computed the input's gradient too, 13% over the prediction, without the warning other mismatches get."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 1)).train()
+    x = torch.randn(4, 3, 8, 8)
+    planned = memfit.optimize(model, x, "100%")
+    assert planned.plan.input_grads == [False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned(x).sum().backward()  # as planned: no warning
+    fake = x.clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"input 0 requires grad, and the plan was made with an example that did not"):
+        planned(fake).sum().backward()
+    again = memfit.optimize(model, fake, "100%")
+    assert again.plan.input_grads == [True]
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again(fake).sum().backward()

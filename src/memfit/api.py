@@ -334,6 +334,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.plain_step_seconds = plain.predicted_step_seconds
     result.input_shapes = _shapes(inputs)
     result.input_dtypes = _dtypes(inputs)
+    result.input_grads = [t.requires_grad for t in inputs if isinstance(t, torch.Tensor)]
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
     result.state_roles = state_roles(model)

@@ -976,6 +976,14 @@ class PlannedModule(nn.Module):
                                 f"{self.plan.input_dtypes}, called with {dtypes}; results are correct but "
                                 "activations differ in size, so the planned memory figures do not hold. Make a "
                                 "plan for these inputs.")
+        if self.plan.input_grads and "input grad" not in self._warned:
+            grads = [a.requires_grad for a in args if isinstance(a, torch.Tensor)]
+            new = [k for k, (now, made) in enumerate(zip(grads, self.plan.input_grads)) if now and not made]
+            if new and torch.is_grad_enabled():
+                self._warn_once("input grad", f"memfit: input {new[0]} requires grad, and the plan was made with an "
+                                "example that did not (a discriminator called on a generator's output, D(G(z))): the "
+                                "backward pass computes its gradient too, which the plan does not count, so the step "
+                                "can exceed its budget. Plan with an example that requires grad (x.requires_grad_()).")
         here = autocast_dtype(args)
         if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"

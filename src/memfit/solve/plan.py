@@ -83,6 +83,8 @@ class Plan:
         node_inputs: the names of the nodes each node of ``nodes`` reads (:func:`memfit.graph.calls.node_inputs`), so
             that a plan is refused on a graph wired differently (an in-place form written over a value read
             later); empty in plans made before it was recorded.
+        input_grads: whether each tensor of the example inputs required grad (as ``input_shapes``): the plan
+            counts an input's gradient only where it did; empty in plans made before it was recorded.
     """
 
     strategy: str
@@ -115,6 +117,7 @@ class Plan:
     freed_outputs: list[int] = field(default_factory=list)
     node_ops: list[str] = field(default_factory=list)
     node_inputs: list[list[str]] = field(default_factory=list)
+    input_grads: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
