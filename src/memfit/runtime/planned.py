@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
@@ -773,7 +774,10 @@ class PlannedModule(nn.Module):
         self._last_call = weakref.ref(call)  # alive while the hooks below are, that is while the graph is
         plan, budget = self.plan, self.plan.budget_bytes
         room = None if budget is None or plan.predicted_peak_bytes > budget else budget - plan.predicted_peak_bytes
-        watched = [weakref.ref(tensors[k]) for k in plan.freed_outputs if k < len(tensors)] if room is not None else []
+        # the outputs' storages, not the tensors: a detached copy kept for metrics (`logits = out.detach()`) holds the
+        # storage as much as `out` does (a fresh user's 1.19 MB over the budget was not warned)
+        watched = [(StorageWeakRef(tensors[k].untyped_storage()), tensors[k].untyped_storage().nbytes())
+                   for k in plan.freed_outputs if k < len(tensors)] if room is not None else []
         del tensors
 
         def on_grad(grad, call=call):
@@ -785,16 +789,15 @@ class PlannedModule(nn.Module):
                 existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
                 if existing:
                     self._warn_if_accumulated(existing, name)
-            held = [t for t in (r() for r in watched) if t is not None]
-            nbytes = sum(t.untyped_storage().nbytes() for t in held)
-            del held
+            nbytes = sum(size for ref, size in watched if not ref.expired())
             # (not for a classifier's few logits at 100%, nor a fresh user's 192-byte output, "0.0 MiB")
             if room is not None and nbytes > room + max(budget // 1000, 4096):
                 self._warn_once("held", f"memfit: the training loop holds {name}'s output ({fmt_bytes(nbytes)}) "
                                 "through the backward pass, but the plan counts it as freed once the loss read it, and "
                                 f"the budget leaves {fmt_bytes(room)} above the predicted peak: the step can "
                                 "exceed its budget by up to that output. Compute the loss from the call (loss = "
-                                "crit(planned(x), y)), or `del out` before loss.backward().")
+                                "crit(planned(x), y)), or `del out` (and any out.detach() kept, which shares its "
+                                "memory) before loss.backward().")
 
         for t in anchors:
             t.register_hook(on_grad)
