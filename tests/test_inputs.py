@@ -624,3 +624,20 @@ def test_an_input_that_requires_grad_only_after_planning_is_warned():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again(fake).sum().backward()
+
+
+def test_planning_leaves_the_modules_the_loss_calls_as_they_were():
+    """Found by a fresh user: a generator planned with the natural GAN loss, ``loss_fn=lambda fake:
+    bce(D(fake), ones)``, moved the discriminator's BatchNorm statistics (``num_batches_tracked`` +2): profiling
+    calls the loss several times in training mode."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 3 * 8 * 8), nn.Unflatten(1, (3, 8, 8)), nn.Conv2d(3, 3, 3, padding=1),
+                        nn.Tanh()).train()
+    disc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.LeakyReLU(0.2), nn.Flatten(),
+                         nn.Linear(8 * 8 * 8, 1)).train()
+    z, ones = torch.randn(4, 16), torch.ones(4, 1)
+    before = {k: v.clone() for k, v in disc.state_dict().items()}
+    memfit.optimize(gen, z, "100%", loss_fn=lambda fake: F.binary_cross_entropy_with_logits(disc(fake), ones))
+    after = disc.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert all(p.grad is None for p in disc.parameters())

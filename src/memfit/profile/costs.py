@@ -369,7 +369,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     (``torch.autograd.graph.saved_tensors_hooks``) to see what autograd keeps for each node, then times
     each node's forward and backward in isolation (median of ``repeats``). BatchNorm running statistics,
     other buffers, parameters the forward modifies in place and the RNG state are restored afterwards, also
-    when profiling raises, so the model is left as it was.
+    when profiling raises, so the model is left as it was; so are the buffers of the modules ``loss_fn`` holds
+    (a discriminator in a generator's loss).
 
     Only what requires grad in the model's own forward pass takes part in the backward passes measured here:
     values computed from parameters that require grad (and inputs that do). Buffers, frozen parameters, the
@@ -402,7 +403,10 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     device = tensors[0].device if tensors else torch.device("cpu")
     params = list(gm.parameters())
     fixed_ptrs = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())}
-    snapshot = _state_snapshot(gm)
+    # the modules loss_fn calls (a GAN generator's loss runs the discriminator): profiling calls it several times
+    # in training mode, which moved a fresh user's discriminator's BatchNorm statistics (num_batches_tracked +2)
+    snapshot = _state_snapshot(gm) + [s for m in _closure_values(loss_fn) if isinstance(m, nn.Module)
+                                      for s in _state_snapshot(m)]
     flags = [(t, t.requires_grad) for t in [*gm.parameters(), *gm.buffers()]]
     requires: dict[str, list[bool]] = {}
     devices = [device.index or 0] if device.type == "cuda" else []
@@ -920,18 +924,14 @@ def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
-    """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``):
-    they are alive for the whole step, like the inputs. Searched: closure cells, the module-level names the
-    function reads, default arguments and ``functools.partial`` arguments, two functions deep; parameters,
-    buffers and the inputs are not counted again."""
+def _closure_values(loss_fn) -> list:
+    """What ``loss_fn`` holds: its closure cells, the module-level names the function reads, default arguments
+    and ``functools.partial`` arguments, two functions deep (functions are searched, not returned)."""
     import functools
 
-    seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
-    total = 0
+    found: list = []
 
     def visit(obj, depth):
-        nonlocal total
         if isinstance(obj, functools.partial):
             for v in list(obj.args) + list(obj.keywords.values()) + [obj.func]:
                 visit(v, depth)
@@ -944,15 +944,28 @@ def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
             for v in cells + list(getattr(obj, "__defaults__", None) or ()) + names:
                 visit(v, depth + 1)
             return
-        if isinstance(obj, (torch.Tensor, list, tuple, dict)):
-            for t in tensors_in(obj):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen and t.device.type != "meta":
-                    seen.add(ptr)
-                    total += t.untyped_storage().nbytes()
+        if isinstance(obj, (torch.Tensor, list, tuple, dict, nn.Module)):
+            found.append(obj)
 
     if loss_fn is not None:
         visit(loss_fn, 0)
+    return found
+
+
+def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
+    """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``):
+    they are alive for the whole step, like the inputs (:func:`_closure_values`); parameters, buffers and the
+    inputs are not counted again."""
+    seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+    total = 0
+    for obj in _closure_values(loss_fn):
+        if isinstance(obj, nn.Module):
+            continue
+        for t in tensors_in(obj):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen and t.device.type != "meta":
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
     return total
 
 
