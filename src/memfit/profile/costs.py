@@ -419,7 +419,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             _time_nodes(gm, inputs, costs, device, repeats, requires, saved_stats=with_variants)
             _no_faster_than_default(costs)
             formats = _grad_formats(gm, inputs, loss_fn, requires)
-            _measure_workspace(gm, inputs, costs, device, requires, formats)
+            _measure_workspace(gm, inputs, costs, device, requires, formats, grads_exist)
             if loss_fn is not None:
                 costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept = _measure_loss(
                     gm, inputs, loss_fn, device, requires)
@@ -1228,14 +1228,40 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
     return formats
 
 
+def _dense(t: torch.Tensor) -> bool:
+    try:
+        from torch._prims_common import is_non_overlapping_and_dense_or_false
+    except ImportError:  # (a private helper: the common layouts otherwise)
+        return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+    return bool(is_non_overlapping_and_dense_or_false(t))
+
+
+def _copied_into_grad(g: torch.Tensor, param: torch.Tensor, shared: set[int]) -> bool:
+    """Whether autograd's ``AccumulateGrad`` copies ``g`` before making it ``param.grad`` (``.grad`` unset): where
+    ``g`` breaks the gradient layout contract (strides other than the parameter's: an ``einsum`` or broadcast
+    ``matmul`` weight gradient comes out transposed) or another tensor shares its storage (``shared``). The copy
+    and ``g`` then exist together (torch/csrc/autograd/functions/accumulate_grad.h; a fresh user's 1 MiB einsum
+    expert weight measured 0.9 MB over a 100% budget)."""
+    if g.is_sparse or param.is_sparse:
+        return False
+    if g.untyped_storage().data_ptr() in shared:
+        return True
+    if _dense(param):
+        return any((n != 1 and a != b) or (n == 1 and a == 0) for n, a, b in zip(g.shape, g.stride(), param.stride()))
+    return not g.is_contiguous()
+
+
 def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device,
-                       requires: dict[str, list[bool]] | None = None, formats: dict | None = None) -> None:
+                       requires: dict[str, list[bool]] | None = None, formats: dict | None = None,
+                       grads_exist: bool = False) -> None:
     """Transient bytes of each node's forward and backward (and of its variants'), run in isolation under
     the memory tracker; each backward starts from gradients of the layouts ``formats`` (see
-    :func:`_grad_formats`) gives."""
+    :func:`_grad_formats`) gives. Without ``grads_exist``, a parameter gradient that autograd copies into
+    ``.grad`` (:func:`_copied_into_grad`) adds the copy's bytes to the backward's."""
     cpu = device.type != "cuda"
     outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
     leaf_bytes: dict[str, int] = {}
+    copies: dict[str, int] = {}  # label -> bytes of the parameter gradients AccumulateGrad copies
     records: list[tuple[str, object]] = []
     readers = _cast_readers(costs.nodes)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
@@ -1273,12 +1299,25 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 seed_ptrs = {t.untyped_storage().data_ptr() for t in seeds}
                 fresh = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
                          for g in grads[:len(leaves)] if g is not None}
-                grad_in = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs)
+                # a parameter read through get_attr (``self.w`` in an einsum) has no gradient of its own in the
+                # replay until its .grad exists: its gradient stays in this node's workspace (a fresh user's 1 MiB
+                # einsum weight's gradient and AccumulateGrad's copy of it were both missed)
+                by_name = {a.name: a for a in node.all_input_nodes}
+                weights = {g.untyped_storage().data_ptr() for a, g in zip(names, grads) if g is not None
+                           and by_name[a].op == "get_attr" and isinstance(_attr(gm, by_name[a].target), nn.Parameter)}
+                grad_in = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs and ptr not in weights)
                 # the gradient of a model input that requires grad is no node's output gradient, so the replay
                 # has no other place for it: it stays in the workspace (a block in row stripes holds it from the
                 # start of its backward: 98,304 B under on a small CNN)
                 batch = sum(g.untyped_storage().nbytes() for a, g in zip(names, grads) if a in placeholders
                             and g is not None and g.untyped_storage().data_ptr() not in seed_ptrs)
+                if not grads_exist:
+                    owners = [(g, _attr(gm, by_name[a].target)) for a, g in zip(names, grads)
+                              if by_name[a].op == "get_attr"] + list(zip(grads[len(leaves):], params))
+                    ptrs = [g.untyped_storage().data_ptr() for g in grads if g is not None]
+                    copies[label] = sum(g.numel() * g.element_size() for g, p in owners
+                                        if g is not None and isinstance(p, nn.Parameter) and _copied_into_grad(
+                                            g, p, seed_ptrs | {x for x in ptrs if ptrs.count(x) > 1}))
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in
@@ -1291,7 +1330,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                         if g is not None and g.untyped_storage().data_ptr() not in seed_ptrs
                         and g.untyped_storage().nbytes() > g.numel() * g.element_size()}
                 if not cpu:
-                    record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch)
+                    record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch) + copies.get(label, 0)
                 del grads, outs, seeds, local, leaves
                 leaf_bytes[label] = grad_in - batch
     if cpu:
@@ -1300,7 +1339,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             record.fwd_workspace = max(0, peak - net)
             if f"{label}:b" in tracker.ranges:
                 peak, _ = tracker.range_peak(f"{label}:b")
-                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
+                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0)) + copies.get(label, 0)
 
 
 def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, repeats: int) -> None:
