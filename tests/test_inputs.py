@@ -641,3 +641,35 @@ def test_planning_leaves_the_modules_the_loss_calls_as_they_were():
     after = disc.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
     assert all(p.grad is None for p in disc.parameters())
+
+
+def test_a_plain_value_argument_other_than_the_plans_is_warned():
+    """Found by a fresh user: ``forward(x, scale=1.0)`` with ``F.interpolate(h, scale_factor=scale)``, planned with
+    1.0 and called with 3.0, measured 6.3x its budget without a warning (fx traces the value as a graph input)."""
+
+    class Up(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.h = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 5)
+
+        def forward(self, x, scale=1.0):
+            h = F.interpolate(F.relu(self.c(x)), scale_factor=scale, mode="nearest")
+            return self.h(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x = Up().train(), torch.randn(2, 3, 8, 8)
+    reference = fresh_copy(model)
+    planned = memfit.optimize(model, (x, 1.0), "100%")
+    assert planned.plan.input_values == {"scale": "1.0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned(x, 1.0).sum().backward()
+        model.zero_grad(set_to_none=True)
+        planned(x).sum().backward()  # (the default: the same value)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"other values of the forward's arguments: scale=3\.0 \(planned with 1\.0\)"):
+        out = planned(x, 3.0)
+    out.sum().backward()
+    reference(x, 3.0).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

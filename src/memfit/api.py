@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.budget import Budget
-from memfit.graph.calls import check_var_positional, node_inputs, node_ops
+from memfit.graph.calls import bind_inputs, check_var_positional, input_values, node_inputs, node_ops
 from memfit.graph.capture import Captured, capture
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
@@ -335,6 +335,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.input_shapes = _shapes(inputs)
     result.input_dtypes = _dtypes(inputs)
     result.input_grads = [t.requires_grad for t in inputs if isinstance(t, torch.Tensor)]
+    result.input_values = input_values(captured.gm, bind_inputs(captured.gm, inputs))
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
     result.state_roles = state_roles(model)

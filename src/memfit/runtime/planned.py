@@ -33,6 +33,7 @@ from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks,
 from memfit.graph.calls import (
     bind_inputs,
     compute_nodes,
+    input_values,
     node_fn,
     node_inputs,
     node_ops,
@@ -733,6 +734,7 @@ class PlannedModule(nn.Module):
             env: dict[str, Any] = bind_inputs(self.gm, args)
         except ValueError as exc:
             raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")) from None
+        values = input_values(self.gm, env) if self.plan.input_values else {}  # (the run frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
         if sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
@@ -741,6 +743,7 @@ class PlannedModule(nn.Module):
         else:
             out = self._run(env, args)
         self._warn_inputs(args)  # after it ran: if it failed, its error says why
+        self._warn_values(values)
         self._watch_step(out)
         return out
 
@@ -943,6 +946,18 @@ class PlannedModule(nn.Module):
                             f"require grad ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): results "
                             "are correct, but their gradients are not in the plan, so the step can exceed its "
                             "budget. Make a plan for the model as it is now.")
+
+    def _warn_values(self, now: dict[str, str]) -> None:
+        """Warn (twice at most) that the forward's plain-value arguments (``now``, :func:`input_values`) differ from
+        the plan's (``planned(x, 3.0)`` for a plan made with ``scale=1.0``: a fresh user's upsampling step measured
+        6.3x its budget, silently)."""
+        changed = [f"{k}={now[k]} (planned with {v})" for k, v in self.plan.input_values.items()
+                   if k in now and now[k] != v]
+        if changed and sum(key.startswith("values ") for key in self._warned) < 2:
+            self._warn_once(f"values {changed}", f"memfit: the plan was made for other values of the forward's "
+                            f"arguments: {', '.join(changed[:3])}; results are correct, but where such an argument "
+                            "sets sizes (a scale factor, a number of steps) the planned memory figures do not hold. "
+                            "Make a plan for these values.")
 
     def _warn_inputs(self, args: tuple) -> None:
         """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another

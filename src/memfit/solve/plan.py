@@ -85,6 +85,8 @@ class Plan:
             later); empty in plans made before it was recorded.
         input_grads: whether each tensor of the example inputs required grad (as ``input_shapes``): the plan
             counts an input's gradient only where it did; empty in plans made before it was recorded.
+        input_values: the forward's arguments that were plain Python values when the plan was made (``repr``
+            text by name, :func:`memfit.graph.calls.input_values`): another value can change activation sizes.
     """
 
     strategy: str
@@ -118,6 +120,7 @@ class Plan:
     node_ops: list[str] = field(default_factory=list)
     node_inputs: list[list[str]] = field(default_factory=list)
     input_grads: list[bool] = field(default_factory=list)
+    input_values: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
