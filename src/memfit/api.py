@@ -342,6 +342,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.buffer_kinds = dict(costs.buffer_kinds)
+    result.buffer_kinds_known = True
     result.node_ops = node_ops(captured.gm)
     result.node_inputs = node_inputs(captured.gm)
     saved = {s for node in costs.nodes for s in node.saves}  # (an output a node saves is held anyway)

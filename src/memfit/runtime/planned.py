@@ -1065,7 +1065,9 @@ class PlannedModule(nn.Module):
 
     def _plan_kinds(self) -> dict[Slot, str] | None:
         """The written buffers the plan names (``Plan.buffer_kinds``, from the profile), or ``None`` when it
-        names none or one this graph does not have."""
+        names one this graph does not have, or names none and does not know that none is written
+        (``Plan.buffer_kinds_known``). The first training step then finds them under a dispatch mode, which under
+        autocast ran other bfloat16 kernels (a fresh user's first step: gradients 0.0046 off)."""
         kinds = {}
         for name, kind in self.plan.buffer_kinds.items():
             path, _, attr = name.rpartition(".")
@@ -1076,7 +1078,7 @@ class PlannedModule(nn.Module):
             if owner._buffers.get(attr) is None or kind not in (STATEFUL, SCRATCH, RESTORE):
                 return None
             kinds[(owner, attr)] = kind
-        return kinds or None
+        return kinds if kinds or self.plan.buffer_kinds_known else None
 
     def _step_state(self) -> tuple[_StepState | None, FindWrites | None]:
         """What the regions of this step do with buffers; and, in the first training step of a plan that does
@@ -1089,6 +1091,9 @@ class PlannedModule(nn.Module):
         if self.__dict__["_kinds"] is not None:
             return _StepState(self._storage_kinds()), None
         storages = buffer_storages(self.gm)
+        if not storages:  # no buffer to find: no dispatch mode either (under autocast, a fresh user's first step
+            self.__dict__["_kinds"] = {}  # ran other bfloat16 kernels with it: a weight gradient 1 ulp off)
+            return _StepState({}), None
         finder = FindWrites(storages)
         return _StepState(dict.fromkeys(storages, STATEFUL), finder), finder
 

@@ -64,7 +64,8 @@ class Plan:
             ``"buffer"`` or ``"tied to <key>"``; :func:`memfit.api.state_roles`).
         buffer_kinds: the buffers the profiled forward pass wrote, by name in the traced graph, and what a
             recomputation does with each (``Costs.buffer_kinds``, :mod:`memfit.profile.buffers`); the runtime
-            uses them from its first step. Empty: it finds them in its first training step.
+            uses them from its first step. Empty, without ``buffer_kinds_known``: it finds them in its first
+            training step.
         solved_digest: :meth:`decision_digest` when the plan was solved (its predicted figures hold for those
             decisions), or ``None``.
         tiled: blocks of convolutions, pooling and activations run in row stripes (``tiled-chain``,
@@ -85,6 +86,9 @@ class Plan:
             later); empty in plans made before it was recorded.
         input_grads: whether each tensor of the example inputs required grad (as ``input_shapes``): the plan
             counts an input's gradient only where it did; empty in plans made before it was recorded.
+        buffer_kinds_known: ``buffer_kinds`` comes from the profile (empty: the forward pass writes no buffer);
+            ``False`` (a plan made by hand, or before this was recorded): an empty ``buffer_kinds`` is not known,
+            and the first training step finds the written buffers under a dispatch mode.
         input_values: the forward's arguments that were plain Python values when the plan was made (``repr``
             text by name, :func:`memfit.graph.calls.input_values`): another value can change activation sizes.
     """
@@ -121,6 +125,7 @@ class Plan:
     node_inputs: list[list[str]] = field(default_factory=list)
     input_grads: list[bool] = field(default_factory=list)
     input_values: dict[str, str] = field(default_factory=dict)
+    buffer_kinds_known: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
