@@ -673,3 +673,14 @@ def test_a_plain_value_argument_other_than_the_plans_is_warned():
     reference(x, 3.0).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_call_with_an_array_or_a_list_where_the_plan_had_a_tensor_names_the_argument():
+    # a fresh user's planned(x.numpy()) was told that an argument named '' "is None (left out, or passed as None)"
+    model = nn.Sequential(nn.Linear(4, 3)).train()
+    x = torch.randn(2, 4)
+    planned = memfit.optimize(model, x, "100%")
+    for value, kind in ((x.numpy(), "numpy.ndarray"), ([x], "builtins.list")):
+        with pytest.raises(TypeError, match=rf"called with {kind} for 'input', where the plan's example inputs had a "
+                                            r"tensor: pass a torch.Tensor"):
+            planned(value)

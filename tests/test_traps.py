@@ -1571,3 +1571,25 @@ def test_a_weight_gradient_autograd_copies_into_grad_is_counted(budget):
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
     # (high by the einsum's output gradient, which the engine frees before the copy: 32,768 B here)
     assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.1 * fig.peak_bytes
+
+
+def test_a_tensor_factory_sized_by_a_shape_gets_advice_about_factories():
+    """Found by a fresh user: `h = torch.zeros(x.shape[0], 16)` before a GRUCell loop got advice about
+    data-dependent control flow (there is none); `x.new_zeros(...)` plans."""
+
+    class Loop(nn.Module):
+        def __init__(self, zeros_like_input: bool):
+            super().__init__()
+            self.cell, self.out, self.new = nn.GRUCell(8, 16), nn.Linear(16, 5), zeros_like_input
+
+        def forward(self, x):
+            h = x.new_zeros((x.shape[0], 16)) if self.new else torch.zeros(x.shape[0], 16)
+            for t in range(3):
+                h = self.cell(x[:, t], h)
+            return self.out(h)
+
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(memfit.TraceError, match=r"tensor factory sized by a traced shape.*x\.new_zeros") as err:
+        memfit.optimize(Loop(False).train(), x)
+    assert "control flow" not in str(err.value)
+    memfit.optimize(Loop(True).train(), x, "100%")

@@ -738,6 +738,15 @@ class PlannedModule(nn.Module):
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
         if sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
+            odd = [(name, env[name]) for name in self._placeholders if name in env and name not in
+                   self.plan.input_values and env[name] is not None and not isinstance(env[name], torch.Tensor)
+                   and not (isinstance(env[name], (dict, tuple)) and not env[name])]  # (not *args, **kwargs)
+            if odd:  # (a fresh user's planned(x.numpy()) was told an argument " is None")
+                name, value = odd[0]
+                name = next(str(n.target) for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)
+                raise TypeError(f"the planned module was called with {type(value).__module__}.{type(value).__name__} "
+                                f"for {name!r}, where the plan's example inputs had a tensor: pass a torch.Tensor "
+                                "(torch.as_tensor(...)), as at planning time")
             unset = [name for name in self._placeholders if env.get(name) is None]
             out = self._run_checked(env, args, unset or self._placeholders[len(args):])
         else:
