@@ -252,20 +252,17 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "checks read tensor values). Plan a module of your own that holds it as a child instead, e.g. "
                 "`class Net(nn.Module): __init__: self.body = encoder; forward(x): return self.body(x)`: memfit then "
                 "keeps it whole (it runs as one step, which memfit cannot recompute or offload in part).")
-    if re.search(r"torch\.(zeros|ones|empty|full|rand|randn|randint|arange|eye|tensor)\(", _user_frame(exc)) and \
-            re.search(r"\.shape\b|\.size\(|\blen\(", _user_frame(exc)):
-        return ("  a tensor factory sized by a traced shape (`torch.zeros(x.shape[0], 16)`): torch.fx traces shapes as "
-                "graph values, which torch.zeros and its kin do not take. Make it from the tensor instead: "
-                "`x.new_zeros((x.shape[0], 16))`, `torch.zeros_like(...)`, `x.new_ones(...)`, or move that line into "
-                "a function marked with torch.fx.wrap.")
     if isinstance(exc, (NameError, ImportError, SyntaxError)):
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
-    if "Proxy" in str(exc):
+    factory = re.search(r"torch\.(zeros|ones|empty|full|rand|randn|randint|arange|eye)\(", _user_frame(exc)) and \
+        re.search(r"\.shape\b|\.size\(|\blen\(", _user_frame(exc))
+    if "Proxy" in str(exc) or factory:  # (zeros() says "takes 1 positional argument but 2 were given")
         return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
-                "number, which torch.fx cannot pass: use an operation that takes the tensor itself (e.g. "
-                "torch.rand_like(x[:, :1, :1, :1]) for torch.rand(x.shape[0], 1, 1, 1), x.new_zeros(...)), or "
-                "move that line into a function fx keeps whole (torch.fx.wrap).")
+                "number, which torch.fx cannot pass (a tensor factory sized by a traced shape): use an operation "
+                "that takes the tensor itself (e.g. torch.rand_like(x[:, :1, :1, :1]) for torch.rand(x.shape[0], 1, "
+                "1, 1), x.new_zeros((x.shape[0], 16)) for torch.zeros(x.shape[0], 16)), or move that line into a "
+                "function fx keeps whole (torch.fx.wrap).")
     return ("  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
             "rewrite that line with tensor operations (e.g. torch.where), or move it into a submodule "
             "that fx treats as a leaf.")

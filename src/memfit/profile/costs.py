@@ -751,6 +751,12 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         for t in tensors_in(out):
             sid = created(t, "output")
             if sid is None:
+                # a view of a parameter (`self.w.unsqueeze(1)` in a broadcast matmul): its reader's backward makes a
+                # gradient for it that lives until the view's backward (a fresh user's 1 MiB was missed); the
+                # parameter read itself (get_attr) is its readers' workspace
+                if node.op != "get_attr" and isinstance(t, torch.Tensor) and t.requires_grad and _differentiable(t) \
+                        and t._base is not None and isinstance(t._base, nn.Parameter):
+                    cost.grad_bytes += t.numel() * t.element_size()
                 continue
             cost.outputs.append(sid)
             # views included (nn.Identity, flatten): the reader's backward makes a full gradient for the view,
@@ -1249,7 +1255,8 @@ def _dense(t: torch.Tensor) -> bool:
 def _copied_into_grad(g: torch.Tensor, param: torch.Tensor, shared: set[int]) -> bool:
     """Whether autograd's ``AccumulateGrad`` copies ``g`` before making it ``param.grad`` (``.grad`` unset): where
     ``g`` breaks the gradient layout contract (strides other than the parameter's: an ``einsum`` or broadcast
-    ``matmul`` weight gradient comes out transposed) or another tensor shares its storage (``shared``). The copy
+    ``matmul`` weight gradient comes out transposed) or another gradient this backward makes shares its storage
+    (``shared``: an addition hands one tensor to its input and to a parameter of the same shape). The copy
     and ``g`` then exist together (torch/csrc/autograd/functions/accumulate_grad.h; a fresh user's 1 MiB einsum
     expert weight measured 0.9 MB over a 100% budget)."""
     if g.is_sparse or param.is_sparse:
@@ -1327,7 +1334,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     ptrs = [g.untyped_storage().data_ptr() for g in grads if g is not None]
                     copies[label] = sum(g.numel() * g.element_size() for g, p in owners
                                         if g is not None and isinstance(p, nn.Parameter) and _copied_into_grad(
-                                            g, p, seed_ptrs | {x for x in ptrs if ptrs.count(x) > 1}))
+                                            g, p, {x for x in ptrs if ptrs.count(x) > 1}))
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in
