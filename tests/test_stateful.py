@@ -387,7 +387,8 @@ def test_the_plan_counts_what_a_recomputation_copies_of_written_buffers(strategy
 
 def test_the_plan_names_the_written_buffers_for_the_first_step(monkeypatch):
     """The profile finds the written buffers, so the first training step copies only those (it snapshotted
-    every buffer it could reach, uncounted, while it found them itself); a plan without them still works."""
+    every buffer it could reach, uncounted, while it found them itself); a plan without them (made before they
+    were recorded: ``buffer_kinds_known`` false) still works."""
     import memfit.runtime.planned as planned_module
 
     x, y = _data()
@@ -397,7 +398,8 @@ def test_the_plan_names_the_written_buffers_for_the_first_step(monkeypatch):
                                         "1.num_batches_tracked": "scratch"})):
         planned = memfit.optimize(_build(MODELS[name]), x, budget="min", strategy="checkpoint-all")
         assert planned.plan.buffer_kinds == kinds
-        older = memfit.PlannedModule(capture(_build(MODELS[name])), Plan(**{**planned.plan.to_dict(), "buffer_kinds": {}}))
+        older = memfit.PlannedModule(capture(_build(MODELS[name])), Plan(**{**planned.plan.to_dict(), "buffer_kinds": {},
+                                                                              "buffer_kinds_known": False}))
         with monkeypatch.context() as m:  # the plan's names are used: the dispatch mode that finds them never runs
             m.setattr(planned_module, "FindWrites", None)
             _assert_same(*_train_side_by_side(_build(MODELS[name]), planned, x, y, steps=2))
