@@ -521,20 +521,26 @@ def _param_grads(gm: fx.GraphModule, costs: Costs) -> None:
     uses: dict[int, list[int]] = {}  # parameter id -> nodes using it, in backward order
     sizes: dict[int, int] = {}
     nodes = list(zip(compute_nodes(gm), costs.nodes))
+    index = {node.name: k for k, (node, _) in enumerate(nodes)}
     for k in range(len(nodes) - 1, -1, -1):
         node = nodes[k][0]
         if node.op == "call_module":
-            params = list(gm.get_submodule(node.target).parameters())
+            params, users = list(gm.get_submodule(node.target).parameters()), [k]
         elif node.op == "get_attr":
             value = _attr(gm, node.target)
             params = [value] if isinstance(value, nn.Parameter) else []
+            # its readers' backward passes make the contributions (each reader's workspace holds its own): a
+            # positional embedding added twice had its first contribution held in no account until the second
+            users = sorted({index[u.name] for u in node.users if u.name in index}, reverse=True) or [k]
         else:
-            params = []
+            params, users = [], []
         for p in params:
-            if p.requires_grad and k not in uses.setdefault(id(p), []):
-                uses[id(p)].append(k)
-                sizes[id(p)] = p.untyped_storage().nbytes()
+            for u in users:
+                if p.requires_grad and u not in uses.setdefault(id(p), []):
+                    uses[id(p)].append(u)
+                    sizes[id(p)] = p.untyped_storage().nbytes()
     for pid, ks in uses.items():
+        ks.sort(reverse=True)
         b = sizes[pid]
         nodes[ks[0]][1].param_grad_bytes += b
         if len(ks) > 1:
