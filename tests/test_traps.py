@@ -1542,6 +1542,19 @@ def test_an_error_in_forward_after_a_buffer_sliced_by_a_shape_is_the_one_reporte
     assert "control flow" not in str(err.value)
 
 
+def _within_budget_as_pytorch(model, x, y, loss, budget):
+    """Plan ``model`` (with the harness's SGD and momentum counted) and train one step of it beside plain PyTorch:
+    the gradients match and the measured peak is within the budget. Returns ``(planned, figures)``."""
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, loss, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: loss(out, y))
+    fig = measure_training(planned, planned, (x,), y, loss, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    return planned, fig
+
+
 class _EinsumExperts(nn.Module):
     """A mixture-of-experts weight used through ``einsum``: its gradient comes out transposed, and autograd's
     ``AccumulateGrad`` copies it into the parameter's layout before it becomes ``.grad``."""
@@ -1594,13 +1607,7 @@ def test_the_gradient_of_a_view_of_a_weight_is_counted(kind):
     # gradient its backward makes for `w.unsqueeze(1)` was counted 0 bytes (a view of a parameter)
     torch.manual_seed(0)
     model, x, y = _ParamViews(kind).train(), torch.randn(2, 8, 64), torch.randint(0, 5, (2,))
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: F.cross_entropy(out, y))
-    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
-    assert compare(base, fig)["gradients_match"]
-    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, "100%")
     assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.1 * fig.peak_bytes
 
 
@@ -1609,13 +1616,7 @@ def test_a_permuted_gradient_is_profiled_in_its_own_layout():
     # from a contiguous gradient, and the copy the real, permuted one costs was missed
     torch.manual_seed(0)
     model, x, y = _TwoEinsums().train(), torch.randn(4, 96, 16), torch.randint(0, 5, (4,))
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: F.cross_entropy(out, y))
-    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
-    assert compare(base, fig)["gradients_match"]
-    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, "100%")
     assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.02 * fig.peak_bytes
 
 
@@ -1625,13 +1626,7 @@ def test_a_weight_gradient_autograd_copies_into_grad_is_counted(budget):
     # gradient (read through get_attr, so no node of the replay held it) and AccumulateGrad's copy were missed
     torch.manual_seed(0)
     model, x, y = _EinsumExperts().train(), torch.randn(2, 8, 64), torch.randint(0, 5, (2,))
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.cross_entropy, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: F.cross_entropy(out, y))
-    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
-    assert compare(base, fig)["gradients_match"]
-    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, budget)
     # (high by the einsum's output gradient, which the engine frees before the copy: 32,768 B here)
     assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.1 * fig.peak_bytes
 
@@ -1674,11 +1669,5 @@ def test_a_parameter_two_additions_read_holds_its_first_contribution_until_the_s
     # table at min): the contributions of a get_attr parameter's readers were not summed in autograd's buffer
     torch.manual_seed(0)
     model, x, y = _PositionTwice().train(), torch.randn(8, 32, 64), torch.randn(8, 32, 64)
-    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, F.mse_loss, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: F.mse_loss(out, y))
-    fig = measure_training(planned, planned, (x,), y, F.mse_loss, steps=1)
-    assert compare(base, fig)["gradients_match"]
-    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    planned, fig = _within_budget_as_pytorch(model, x, y, F.mse_loss, "100%")
     assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.02 * fig.peak_bytes
