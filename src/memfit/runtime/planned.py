@@ -566,12 +566,13 @@ class PlannedModule(nn.Module):
                                  "it calls no BatchNorm: remove it from stats_recompute")
 
     def _check_inplace(self, nodes: list[fx.Node], spans: list[tuple[int, int]]) -> None:
-        """Refuse an in-place form whose operand another node reads (or the model returns, or that is an input, a
-        parameter or a buffer): a hand-edited plan gave outputs 28 off, silently; and one inside a region that
+        """Refuse an in-place form the node has not got; one whose operand another node reads (or the model
+        returns, or that is an input, a parameter or a buffer: a hand-edited plan gave outputs 28 off, silently),
+        or that the operand's producer saves under its variant (``bn-from-output``); and one inside a region that
         does not compute its operand: the region's recomputation would start from the overwritten value
         (autograd's version check catches that at backward when the operand requires grad; refusing it here
-        names the node, before any step); and one the node has not got. The profile's further condition, that no node saves the operand for
-        backward, is left to autograd's version check."""
+        names the node, before any step). Whether PyTorch's own op saves the operand is left to autograd's
+        version check."""
         from memfit.variants import OPERAND, inplace_forms, saves_its_output
 
         region = {}
