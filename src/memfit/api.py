@@ -68,7 +68,6 @@ def _check_model(model) -> None:
 
 
 def _require_training(model: nn.Module) -> None:
-    _check_model(model)
     if isinstance(model, PlannedModule):
         raise TypeError("this model is already planned (a PlannedModule): to plan again, for another budget or "
                          "strategy, pass the model it wraps, planned.model")
@@ -335,7 +334,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.input_shapes = _shapes(inputs)
     result.input_dtypes = _dtypes(inputs)
     result.input_grads = [t.requires_grad for t in inputs if isinstance(t, torch.Tensor)]
-    result.input_values = input_values(captured.gm, bind_inputs(captured.gm, inputs))
+    result.input_values = input_values([n for n in captured.gm.graph.nodes if n.op == "placeholder"],
+                                       bind_inputs(captured.gm, inputs))
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
     result.state_roles = state_roles(model)

@@ -184,16 +184,16 @@ def positional_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -
     return tuple(out)
 
 
-def input_values(gm: fx.GraphModule, env: dict[str, Any]) -> dict[str, str]:
-    """The forward's arguments in ``env`` (:func:`bind_inputs`) that are plain Python values (numbers, strings,
-    booleans, ``None`` and tuples of them), as ``repr`` text by argument name: fx traces them as graph inputs, so a
-    call with another value runs the same graph with, say, another ``scale_factor``, and other activation sizes."""
+def input_values(placeholders: list[fx.Node], env: dict[str, Any]) -> dict[str, str]:
+    """The forward's arguments (of ``placeholders``) in ``env`` (:func:`bind_inputs`) that are plain Python values
+    (numbers, strings, booleans, ``None`` and tuples of them), as ``repr`` text by argument name: fx traces them as
+    graph inputs, so a call with another value runs the same graph with, say, another ``scale_factor``, and other
+    activation sizes."""
     def plain(v) -> bool:
         return v is None or isinstance(v, (bool, int, float, str)) or (
             isinstance(v, (tuple, list)) and all(plain(x) for x in v))
 
-    return {str(n.target): repr(env[n.name]) for n in gm.graph.nodes
-            if n.op == "placeholder" and n.name in env and plain(env[n.name])}
+    return {str(n.target): repr(env[n.name]) for n in placeholders if n.name in env and plain(env[n.name])}
 
 
 def bind_inputs(gm: fx.GraphModule, inputs: tuple) -> dict[str, Any]:

@@ -1326,21 +1326,21 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 # replay until its .grad exists: its gradient stays in this node's workspace (a fresh user's 1 MiB
                 # einsum weight's gradient and AccumulateGrad's copy of it were both missed)
                 by_name = {a.name: a for a in node.all_input_nodes}
-                weights = {g.untyped_storage().data_ptr() for a, g in zip(names, grads) if g is not None
-                           and by_name[a].op == "get_attr" and isinstance(_attr(gm, by_name[a].target), nn.Parameter)}
-                grad_in = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs and ptr not in weights)
+                weights = [(g, w) for a, g in zip(names, grads) if g is not None and by_name[a].op == "get_attr"
+                           and isinstance(w := _attr(gm, by_name[a].target), nn.Parameter)]
+                weight_ptrs = {g.untyped_storage().data_ptr() for g, _ in weights}
+                grad_in = sum(b for ptr, b in fresh.items() if ptr not in seed_ptrs and ptr not in weight_ptrs)
                 # the gradient of a model input that requires grad is no node's output gradient, so the replay
                 # has no other place for it: it stays in the workspace (a block in row stripes holds it from the
                 # start of its backward: 98,304 B under on a small CNN)
                 batch = sum(g.untyped_storage().nbytes() for a, g in zip(names, grads) if a in placeholders
                             and g is not None and g.untyped_storage().data_ptr() not in seed_ptrs)
                 if not grads_exist:
-                    owners = [(g, _attr(gm, by_name[a].target)) for a, g in zip(names, grads)
-                              if by_name[a].op == "get_attr"] + list(zip(grads[len(leaves):], params))
                     ptrs = [g.untyped_storage().data_ptr() for g in grads if g is not None]
-                    copies[label] = sum(g.numel() * g.element_size() for g, p in owners
-                                        if g is not None and isinstance(p, nn.Parameter) and _copied_into_grad(
-                                            g, p, {x for x in ptrs if ptrs.count(x) > 1}))
+                    shared = {x for x in ptrs if ptrs.count(x) > 1}
+                    copies[label] = sum(g.numel() * g.element_size()
+                                        for g, p in weights + list(zip(grads[len(leaves):], params))
+                                        if g is not None and _copied_into_grad(g, p, shared))
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in

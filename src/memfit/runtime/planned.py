@@ -443,6 +443,8 @@ class PlannedModule(nn.Module):
                              f"{', '.join(plan.node_inputs[k]) or 'nothing'}, this model's reads "
                              f"{', '.join(reads[k]) or 'nothing'}; solve it again for this model")
         self._placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        # the arguments that were plain values at planning (looked at every training call: see _warn_values)
+        self._value_args = [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.target) in plan.input_values]
         _watch_tree()
         self._tree_version = _TREE_VERSION[0]
         self._modules_at_build = list(self.model.named_modules()) if self.model is not gm else []
@@ -735,7 +737,7 @@ class PlannedModule(nn.Module):
             env: dict[str, Any] = bind_inputs(self.gm, args)
         except ValueError as exc:
             raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")) from None
-        values = input_values(self.gm, env) if self.plan.input_values else {}  # (the run frees env's entries)
+        values = input_values(self._value_args, env)  # (before the run, which frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
         if sum(isinstance(a, torch.Tensor) for a in args) < len(self.plan.input_shapes or []):
