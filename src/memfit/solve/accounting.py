@@ -36,7 +36,9 @@ class Accounting:
         fwd_offset: bytes to add to the activation part during the forward pass and the loss: minus the
             parameter gradients, which the fixed bytes count but which do not exist yet when the step starts
             with ``.grad`` set to ``None`` (0 when ``Costs.grads_exist``). ``grad_before`` / ``grad_during``
-            include the same offset, less the gradients completed so far.
+            include the same offset, less the gradients completed so far. ``grad_sum[i]``: the gradient bytes
+            alive when autograd adds a contribution node i's backward made out of place (the old gradient, the
+            contribution and their sum), after the node's backward has returned; ``None`` where it adds none.
         step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
         loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
             (``Costs.loss_held_bytes``).
@@ -88,6 +90,7 @@ class Accounting:
     grad_alias: list[bool]
     grad_before: list[int]
     grad_during: list[int]
+    grad_sum: list[int | None] = field(default_factory=list)
     loss_bytes: int | None = None
     needs_grad: list[bool] | None = None
     link: object | None = None
@@ -194,7 +197,9 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     released after the node's own backward; nodes that pass gradients through (``grad_alias``) share one
     storage among their inputs, except those whose gradient is a tensor of its own (``NodeCost.grad_copies``:
     under autocast, autograd casts the gradient of an input of another dtype); a second contribution to an
-    existing gradient is added into it, in place if that gradient has no other holder, else into a new tensor.
+    existing gradient is added into it, in place if that gradient has no other holder and is a dense tensor of
+    its own, else into a new tensor (a view: ``NodeCost.grad_views``), made once the node's backward has returned
+    and its output's gradient is released, beside the old gradient and the new contribution.
     A parameter several nodes use gets its gradient summed in autograd's buffer (``NodeCost.param_sum_bytes``,
     ``param_buffer_bytes``; see :func:`memfit.profile.costs._param_grads`).
     """
@@ -228,38 +233,56 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     pending = 0 if costs.grads_exist else sum(c.param_grad_bytes for c in costs.nodes)
     acc.fwd_offset = -pending
     total -= pending
+    inplace: dict[int, bool] = {}  # node -> autograd can add a further contribution into its gradient in place
     for s in acc.output_storages:
         p = acc.producer[s]
         if p >= 0 and p not in grads:
             attach(p, new_token(acc.grad_bytes[p]))
+            inplace[p] = True
     index = {c.name: i for i, c in enumerate(costs.nodes)}
     copies = [{index[a] for a in c.grad_copies if a in index} for c in costs.nodes]
     # an input's gradient made as a view of a larger storage (the real part of a complex gradient) holds it whole
     sizes = [{index[a]: b for a, b in c.grad_storage_bytes.items() if a in index} for c in costs.nodes]
+    views = [{index[a] for a in c.grad_views if a in index} for c in costs.nodes]
     before, during = [0] * n, [0] * n
+    after: list[int | None] = [None] * n
     for i in range(n - 1, -1, -1):
         before[i] = total
         t = grads.pop(i, None)
-        extra = 0
+        own_inplace = inplace.pop(i, True)
+        extra = 0  # the contributions to existing gradients, alive while the node's backward runs
+        summed = 0  # out-of-place sums: the old gradient and the new contribution beside the sum, after the node
+        unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
         for m in acc.inputs[i]:
             if not needs[m]:
                 continue
             passed = acc.grad_alias[i] and t is not None and m not in copies[i]
+            new = 0 if passed else sizes[i].get(m, acc.grad_bytes[m])
             if m in grads:
-                if token_refs[grads[m]] == 1:  # added into the existing gradient, in place
-                    if not passed:
-                        extra = max(extra, sizes[i].get(m, acc.grad_bytes[m]))  # the new contribution, until added
-                else:
-                    # the existing gradient is shared (an addition passed one tensor to several inputs): autograd
-                    # cannot add into it in place, so the sum is a new tensor, and the shared one stays with
-                    # its other holders (torch/csrc/autograd/input_buffer.cpp, accumulate)
-                    release(grads[m])
+                old = grads[m]
+                extra += new
+                if not (token_refs[old] == 1 and inplace[m]):  # (else added into the existing gradient, in place)
+                    # the existing gradient is shared (an addition passed one tensor to several inputs) or is a
+                    # view or not dense (NodeCost.grad_views): autograd cannot add into it in place, so the sum is
+                    # a new tensor, and the old one stays with its other holders or is freed once the sum is made
+                    # (torch/csrc/autograd/input_buffer.cpp, accumulate)
+                    freed = token_bytes[old] if token_refs[old] == 1 else 0
+                    release(old)
                     attach(m, new_token(acc.grad_bytes[m]))
+                    inplace[m] = True
+                    summed = max(summed, freed + new)
+                    unmade += acc.grad_bytes[m] - freed
             elif passed:
                 attach(m, t)
+                inplace[m] = own_inplace and m not in views[i]
             else:
                 attach(m, new_token(max(acc.grad_bytes[m], sizes[i].get(m, 0))))
-        during[i] = total + extra
+                inplace[m] = m not in views[i]
+        # autograd adds a contribution once the node's backward has returned, its output's gradient released
+        ends = t is not None and token_refs[t] == 1
+        summed -= token_bytes[t] if ends and summed else 0
+        during[i] = total - unmade + extra
+        after[i] = total + summed if summed > 0 else None
         if t is not None:
             release(t)
         c = costs.nodes[i]
@@ -271,6 +294,6 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
         else:  # autograd's buffer for a parameter several nodes use, until it is added into the existing .grad
             total += c.param_buffer_bytes - c.param_buffer_end_bytes
-    acc.grad_before, acc.grad_during = before, during
+    acc.grad_before, acc.grad_during, acc.grad_sum = before, during, after
     acc.needs_grad = needs
     return acc

@@ -359,11 +359,20 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                 x = o[off_of[s_]]
                 terms[x] = terms.get(x, 0.0) + nb[s_]
         const = (acc.grad_during[i] + acc.bwd_ws[i]) / UNIT
-        if minimize_peak:
-            terms[peak] = -1.0
-            m.row(terms, hi=-const)
-        else:
-            m.row(terms, hi=budget - const)
+        rows = [(terms, const)]
+        if acc.grad_sum and acc.grad_sum[i] is not None:
+            # autograd sums a contribution out of place once the node's backward has returned: its workspace is
+            # gone, what it saved is counted still (released by then; kept here, which only errs on the safe side)
+            after = {x: b for x, b in terms.items() if x != r[i]}
+            for name in options[i]:
+                after.pop(v[i][name], None)
+            rows.append((after, acc.grad_sum[i] / UNIT))
+        for terms, const in rows:
+            if minimize_peak:
+                terms[peak] = -1.0
+                m.row(terms, hi=-const)
+            else:
+                m.row(terms, hi=budget - const)
     if o and not minimize_peak:
         _copy_stream_time(m, acc, o, off_of, window, link)
     hs = _quiet_highs()

@@ -348,6 +348,10 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             if not fetched[s]:
                 del fetched[s]
                 free(acc.nbytes[s], f"bwd {i} free prefetched {s}")
+        if acc.grad_sum and acc.grad_sum[i] is not None:  # a contribution summed out of place, after the node
+            grad = acc.grad_sum[i]
+            transient(0, f"bwd {i} gradient sum")
+            grad = acc.grad_before[i - 1] if i > 0 else 0
     # the optimizer step: every gradient exists (in the fixed bytes), the activations are gone
     transient(acc.step_bytes, "optimizer step")
     return Simulation(peak_bytes=fixed + peak, fixed_bytes=fixed, activation_peak_bytes=peak,
