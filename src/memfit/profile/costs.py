@@ -1283,17 +1283,26 @@ def _copied_into_grad(g: torch.Tensor, param: torch.Tensor, shared: set[int]) ->
     return not g.is_contiguous()
 
 
+def _grad_copy(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The copy of ``g`` that ``AccumulateGrad`` makes into ``param``'s layout (``clone_obey_contract`` in
+    torch/csrc/autograd/functions/utils.h): strided like ``param`` where it is dense, else contiguous."""
+    if _dense(param):
+        return torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    return g.clone(memory_format=torch.contiguous_format)
+
+
 def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device,
                        requires: dict[str, list[bool]] | None = None, formats: dict | None = None,
                        grads_exist: bool = False) -> None:
     """Transient bytes of each node's forward and backward (and of its variants'), run in isolation under
     the memory tracker; each backward starts from gradients of the layouts ``formats`` (see
     :func:`_grad_formats`) gives. Without ``grads_exist``, a parameter gradient that autograd copies into
-    ``.grad`` (:func:`_copied_into_grad`) adds the copy's bytes to the backward's."""
+    ``.grad`` (:func:`_copied_into_grad`) adds the peak of making that copy (its bytes, and the 14,400 B buffer
+    of a transposing copy on the CPU) to the backward's."""
     cpu = device.type != "cuda"
     outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
     leaf_bytes: dict[str, int] = {}
-    copies: dict[str, int] = {}  # label -> bytes of the parameter gradients AccumulateGrad copies
+    copies: dict[str, int] = {}  # label -> peak bytes of AccumulateGrad's copies of its parameter gradients (CUDA)
     records: list[tuple[str, object]] = []
     readers = _cast_readers(costs.nodes)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
@@ -1347,9 +1356,15 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 if not grads_exist:
                     ptrs = [g.untyped_storage().data_ptr() for g in grads if g is not None]
                     shared = {x for x in ptrs if ptrs.count(x) > 1}
-                    copies[label] = sum(g.numel() * g.element_size()
-                                        for g, p in weights + list(zip(grads[len(leaves):], params))
-                                        if g is not None and _copied_into_grad(g, p, shared))
+                    copied = [(g, p) for g, p in weights + list(zip(grads[len(leaves):], params))
+                              if g is not None and _copied_into_grad(g, p, shared)]
+                    if copied:  # made as AccumulateGrad makes them: a CPU copy of a transposed one takes 14,400 B more
+                        copying = tracker.mark(f"{label}:c") if cpu else MemoryTracker(device)
+                        with copying:
+                            made = [_grad_copy(g, p) for g, p in copied]
+                        del made
+                        if not cpu:
+                            copies[label] = copying.peak_bytes
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in
@@ -1373,7 +1388,8 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             record.fwd_workspace = max(0, peak - net)
             if f"{label}:b" in tracker.ranges:
                 peak, _ = tracker.range_peak(f"{label}:b")
-                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0)) + copies.get(label, 0)
+                copy = tracker.range_peak(f"{label}:c")[0] if f"{label}:c" in tracker.ranges else 0
+                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0)) + copy
 
 
 def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, repeats: int) -> None:
