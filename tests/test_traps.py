@@ -1627,8 +1627,8 @@ def test_a_weight_gradient_autograd_copies_into_grad_is_counted(budget):
     torch.manual_seed(0)
     model, x, y = _EinsumExperts().train(), torch.randn(2, 8, 64), torch.randint(0, 5, (2,))
     planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, budget)
-    # (high by the einsum's output gradient, which the engine frees before the copy: 32,768 B here)
-    assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.1 * fig.peak_bytes
+    # (the copy is made after the einsum's backward, its output's gradient freed: 32,768 B high when it was not)
+    assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.01 * fig.peak_bytes
 
 
 def test_a_tensor_factory_sized_by_a_shape_gets_advice_about_factories():

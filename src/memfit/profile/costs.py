@@ -152,6 +152,10 @@ class NodeCost:
             in ``torch/csrc/autograd/input_buffer.cpp`` wants the only reference to a dense storage), so the sum
             is a new tensor beside both (a frozen ``Linear`` and a LoRA adapter reading one activation: a third
             activation-sized tensor, 192,512 B missed on a small model).
+        grad_copy_bytes: peak bytes of the copies ``AccumulateGrad`` makes of this node's parameter gradients that
+            break the layout contract (an ``einsum`` weight's, transposed) before they become ``.grad`` (``.grad``
+            unset), the CPU's transposing buffer included: made after the node's backward has returned, beside the
+            gradients it made. 0 with ``Costs.grads_exist`` or where nothing is copied.
     """
 
     name: str
@@ -180,6 +184,7 @@ class NodeCost:
     buffers: list[str] = field(default_factory=list)
     grad_storage_bytes: dict[str, int] = field(default_factory=dict)
     grad_views: list[str] = field(default_factory=list)
+    grad_copy_bytes: int = 0
 
 
 @dataclass
@@ -1297,12 +1302,12 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     """Transient bytes of each node's forward and backward (and of its variants'), run in isolation under
     the memory tracker; each backward starts from gradients of the layouts ``formats`` (see
     :func:`_grad_formats`) gives. Without ``grads_exist``, a parameter gradient that autograd copies into
-    ``.grad`` (:func:`_copied_into_grad`) adds the peak of making that copy (its bytes, and the 14,400 B buffer
-    of a transposing copy on the CPU) to the backward's."""
+    ``.grad`` (:func:`_copied_into_grad`) is made as autograd makes it, and the peak of making it (its bytes, and
+    the 14,400 B buffer of a transposing copy on the CPU) is the node's ``grad_copy_bytes``."""
     cpu = device.type != "cuda"
     outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
     leaf_bytes: dict[str, int] = {}
-    copies: dict[str, int] = {}  # label -> peak bytes of AccumulateGrad's copies of its parameter gradients (CUDA)
+    copies: dict[str, int] = {}  # label -> peak bytes of AccumulateGrad's copies of its parameter gradients
     records: list[tuple[str, object]] = []
     readers = _cast_readers(costs.nodes)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
@@ -1363,8 +1368,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                         with copying:
                             made = [_grad_copy(g, p) for g, p in copied]
                         del made
-                        if not cpu:
-                            copies[label] = copying.peak_bytes
+                        copies[label] = copying.peak_bytes if not cpu else -1  # (-1: in the CPU tracker's range)
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in
@@ -1379,7 +1383,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     cost.grad_views = [a for a, g in zip(names, grads)
                                        if g is not None and (g._is_view() or not _dense(g))]
                 if not cpu:
-                    record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch) + copies.get(label, 0)
+                    record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch)
                 del grads, outs, seeds, local, leaves
                 leaf_bytes[label] = grad_in - batch
     if cpu:
@@ -1388,8 +1392,16 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             record.fwd_workspace = max(0, peak - net)
             if f"{label}:b" in tracker.ranges:
                 peak, _ = tracker.range_peak(f"{label}:b")
-                copy = tracker.range_peak(f"{label}:c")[0] if f"{label}:c" in tracker.ranges else 0
-                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0)) + copy
+                record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
+                if copies.get(label) == -1:
+                    copies[label] = tracker.range_peak(f"{label}:c")[0]
+    for label, record in records:
+        # AccumulateGrad copies once the node's backward has returned (its output's gradient and what it saved
+        # released): the replay places the node's own copies there; a variant's stay in its workspace
+        if isinstance(record, NodeCost):
+            record.grad_copy_bytes = copies.get(label, 0)
+        else:
+            record.bwd_workspace += copies.get(label, 0)
 
 
 def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, repeats: int) -> None:

@@ -37,8 +37,9 @@ class Accounting:
             parameter gradients, which the fixed bytes count but which do not exist yet when the step starts
             with ``.grad`` set to ``None`` (0 when ``Costs.grads_exist``). ``grad_before`` / ``grad_during``
             include the same offset, less the gradients completed so far. ``grad_sum[i]``: the gradient bytes
-            alive when autograd adds a contribution node i's backward made out of place (the old gradient, the
-            contribution and their sum), after the node's backward has returned; ``None`` where it adds none.
+            alive after node i's backward has returned, when autograd adds a contribution it made out of place
+            (the old gradient, the contribution and their sum) or copies a parameter gradient into the
+            parameter's layout (``NodeCost.grad_copy_bytes``); ``None`` where it does neither.
         step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
         loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
             (``Costs.loss_held_bytes``).
@@ -282,7 +283,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         ends = t is not None and token_refs[t] == 1
         summed -= token_bytes[t] if ends and summed else 0
         during[i] = total - unmade + extra
-        after[i] = total + summed if summed > 0 else None
+        # (the node's parameter gradients exist by then: its outputs too)
+        after[i] = total + summed + costs.nodes[i].param_grad_bytes if summed > 0 else None
         if t is not None:
             release(t)
         c = costs.nodes[i]
@@ -292,6 +294,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         during[i] = max(during[i], total + c.param_sum_bytes)
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
+            if c.grad_copy_bytes:  # AccumulateGrad's copies of them, once the node's backward has returned
+                after[i] = max(after[i] if after[i] is not None else total, total + c.grad_copy_bytes)
         else:  # autograd's buffer for a parameter several nodes use, until it is added into the existing .grad
             total += c.param_buffer_bytes - c.param_buffer_end_bytes
     acc.grad_before, acc.grad_during, acc.grad_sum = before, during, after
