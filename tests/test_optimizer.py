@@ -162,3 +162,46 @@ def test_a_saved_plan_names_its_optimizer():
     assert memfit.optimize(model, x, plan_=plan, optimizer=sgd).plan is plan
     with pytest.raises(ValueError, match="counted the state and step of SGD, not Adam"):
         memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.Adam(model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "add_param_group"])
+def test_state_the_next_step_creates_for_parameters_unfrozen_since_the_last_is_counted(kind):
+    """A fine-tuning run's second stage: the optimizer stepped the head alone, then the body is unfrozen (or added
+    with add_param_group) and the model planned again with that optimizer. Counting only the state it held put a
+    fresh user's step 1.39x over its budget (AdamW, min)."""
+    model, x, y = _mlp().train(), torch.randn(4, 256), torch.randint(0, 10, (4,))
+    body, head = list(model[:4].parameters()), list(model[4].parameters())
+    loss_fn = nn.functional.cross_entropy
+    for p in body:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters() if kind == "adamw" else head, lr=1e-3)
+    loss_fn(model(x), y).backward()
+    opt.step()  # state for the head only
+    opt.zero_grad()
+    for p in body:
+        p.requires_grad_(True)
+    if kind == "add_param_group":
+        opt.add_param_group({"params": body})
+    planned = memfit.optimize(model, x, "min", optimizer=opt, loss_fn=lambda out: loss_fn(out, y))
+    assert planned.plan.fixed_bytes >= 2 * 2 * live_bytes(list(model.parameters()))  # weights, grads, 2 states
+    loss_fn(planned(x), y).backward()
+    opt.step()  # creates the body's state
+    opt.zero_grad()
+    start = live_bytes(list(model.parameters()) + [x, y]
+                       + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)])
+    with MemoryTracker() as tracker:
+        loss_fn(planned(x), y).backward()
+        opt.step()
+    measured = start + tracker.peak_bytes
+    assert measured <= planned.report["budget_bytes"], (measured, planned.report)
+    assert abs(planned.report["predicted_peak_bytes"] - measured) <= 0.01 * measured
+
+
+def test_a_saved_plan_is_refused_for_an_optimizer_of_its_class_that_keeps_more_state():
+    # a fresh user's plan made for AdamW and loaded with AdamW(amsgrad=True) measured 1.068x its budget
+    model, x = _mlp().train(), torch.randn(4, 256)
+    plan, _, _ = memfit.plan(model, x, "100%", optimizer=torch.optim.AdamW(model.parameters()))
+    assert plan.optimizer_state_bytes >= 2 * live_bytes(list(model.parameters()))
+    memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.AdamW(model.parameters(), weight_decay=0.1))
+    with pytest.raises(ValueError, match=r"counted \d+ bytes of AdamW state, and this AdamW will keep \d+ bytes"):
+        memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))

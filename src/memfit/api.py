@@ -310,9 +310,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     measured = measure_optimizer(optimizer, {id(p) for p in trained})
     if measured is not None:
         costs.step_bytes = measured.step_bytes
-    state = optimizer_state_bytes(optimizer, trained)
-    if measured is not None and not optimizer.state:  # before the first step: measured, not estimated
-        state = measured.state_bytes
+    state = optimizer_state_bytes(optimizer, trained, None if measured is None else measured.state_by_param)
     fixed = costs.fixed_bytes + state
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     floor = budget.minimum and strategy in ("memfit", "remat-ilp")  # that strategy's own floor
@@ -341,6 +339,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__
+    result.optimizer_state_bytes = None if optimizer is None else state
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.buffer_kinds_known = True
     result.node_ops = node_ops(captured.gm)
@@ -382,6 +381,21 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
     if held and not any(id(p) in ours for p in held):
         raise ValueError(f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: build it on "
                          "model.parameters() (the one you train this model with)")
+
+
+def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) -> None:
+    """Refuse a saved plan for an ``optimizer`` that will hold more state than the plan counted: the same class
+    with other options (``AdamW(amsgrad=True)`` keeps a third tensor per parameter: a fresh user's reloaded plan
+    measured 1.068x its budget) or parameters that have gained state since."""
+    if optimizer is None or plan_.optimizer_state_bytes is None:
+        return
+    measured = measure_optimizer(optimizer, {id(p) for p in trained})
+    now = optimizer_state_bytes(optimizer, trained, None if measured is None else measured.state_by_param)
+    if now > plan_.optimizer_state_bytes:
+        raise ValueError(f"the plan counted {plan_.optimizer_state_bytes} bytes of {plan_.optimizer} state, and this "
+                         f"{type(optimizer).__name__} will keep {now} bytes (other options, such as amsgrad or "
+                         "momentum, or more trainable parameters): the step would go over the plan's budget by the "
+                         "difference; make a new plan with optimizer= this optimizer")
 
 
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
@@ -439,6 +453,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                           f"step time no longer hold, nor does its budget ({plan_.budget_bytes} bytes). Check it "
                           "by measuring a step, or solve again", stacklevel=2)
         captured = capture(model)
+        _check_optimizer_state(plan_, optimizer, list(captured.gm.parameters()))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,

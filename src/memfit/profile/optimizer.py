@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,32 +26,44 @@ class OptimizerCost:
     Attributes:
         state_bytes: the state it keeps between steps (e.g. ``exp_avg`` and ``exp_avg_sq`` for Adam).
         step_bytes: the most ``optimizer.step()`` allocates above that while it runs (freed when it returns).
+        state_by_param: ``id()`` of each of the user's parameters measured -> the bytes of its state.
     """
 
     state_bytes: int = 0
     step_bytes: int = 0
+    state_by_param: dict[int, int] = field(default_factory=dict)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> int:
-    """Bytes of optimizer state (bytes). Uses the live state when the optimizer has stepped; before its
-    first step, estimates it as 2x ``params`` (those of them that require grad; pass the ones the step gives a
-    gradient) for Adam-style optimizers (``exp_avg``, ``exp_avg_sq``), 1x for SGD with momentum, 0 otherwise."""
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor],
+                          measured: dict[int, int] | None = None) -> int:
+    """Bytes of the optimizer state a training step holds: the state the optimizer keeps now (of every parameter
+    it has stepped), plus the state its next step creates for the parameters in ``params`` (pass the ones the
+    step gives a gradient) that the optimizer holds, that require grad and that have none yet: before its first
+    step, or unfrozen or added with ``add_param_group`` since (counting only the state that existed put a fresh
+    user's second fine-tuning stage 1.39x over its budget with AdamW). That new state is ``measured`` (parameter
+    ``id()`` -> bytes, :attr:`OptimizerCost.state_by_param`) where given, else estimated: 2x the parameter for
+    Adam-style optimizers (``exp_avg``, ``exp_avg_sq``), 1x in a group with momentum, 0 otherwise."""
     if optimizer is None:
         return 0
-    state = _state_tensors(optimizer)
-    if state:
-        return live_bytes(state)
-    pbytes = live_bytes([p for p in params if p.requires_grad])
-    name = type(optimizer).__name__.lower()
-    if "adam" in name:
-        return 2 * pbytes
-    if any(g.get("momentum", 0) for g in optimizer.param_groups):
-        return pbytes
-    return 0
+    have = {id(p) for p, st in optimizer.state.items()
+            if any(isinstance(t, torch.Tensor) for t in st.values())}
+    wanted = {id(p) for p in params if p.requires_grad} - have
+    new = 0
+    adam = "adam" in type(optimizer).__name__.lower()
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in wanted:
+                continue
+            wanted.discard(id(p))  # (once, if a parameter is in two groups)
+            if measured is not None:
+                new += measured.get(id(p), 0)
+            elif adam or g.get("momentum", 0):
+                new += (2 if adam else 1) * p.untyped_storage().nbytes()
+    return live_bytes(_state_tensors(optimizer)) + new
 
 
 def measure_optimizer(optimizer: torch.optim.Optimizer | None,
@@ -109,16 +121,19 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None,
                 twin.state.clear()
         twin.step()  # creates the state
         state = live_bytes(_state_tensors(twin))
+        by_param = {pid: live_bytes([t for t in twin.state.get(s, {}).values() if isinstance(t, torch.Tensor)])
+                    for pid, s in scratch_of.items()}
         with MemoryTracker(device) as tracker:
             twin.step()
         step = max(0, tracker.peak_bytes - max(0, tracker.net_bytes))
         del twin, groups, scratch
-        return OptimizerCost(state_bytes=state, step_bytes=step)
+        return OptimizerCost(state_bytes=state, step_bytes=step, state_by_param=by_param)
     except Exception as exc:  # noqa: BLE001 -- a custom optimizer can fail in many ways; planning must not
         params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = bool(_state_tensors(optimizer))
         guess = optimizer_state_bytes(optimizer, params)
-        what = (f"its state is counted as it is now ({guess} bytes)" if stepped else
+        what = (f"its state is counted as it is now, with an estimate for parameters that have none yet ({guess} "
+                "bytes)" if stepped else
                 f"its state is estimated at {guess} bytes (2x the trainable parameters for Adam-style optimizers, "
                 "1x with momentum, else 0), which can be too low: run one optimizer step before planning so that "
                 "memfit counts the state it really keeps")

@@ -57,6 +57,8 @@ class Plan:
         autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
         optimizer: class name of the optimizer whose state and step the plan counted (``"Adam"``), or
             ``None`` when none was given.
+        optimizer_state_bytes: the bytes of that optimizer's state the plan counted in ``fixed_bytes`` (``None``:
+            none given, or a plan saved before this was recorded).
         input_dtypes: dtypes of the example inputs (``"torch.int64"``), as ``input_shapes``.
         stats_recompute: nodes in regions whose BatchNorm is recomputed from the statistics of its forward pass
             (``bn-saved-stats``, :mod:`memfit.variants.bn_saved_stats`) rather than computing them again.
@@ -126,6 +128,7 @@ class Plan:
     input_grads: list[bool] = field(default_factory=list)
     input_values: dict[str, str] = field(default_factory=dict)
     buffer_kinds_known: bool = False
+    optimizer_state_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
