@@ -1719,3 +1719,24 @@ def test_the_copy_autograd_makes_of_a_transposed_weight_gradient_is_measured_wit
     model, x, y = _EinsumTransposed().train(), torch.randn(2, 512), torch.randint(0, 5, (2,))
     planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, "100%")
     assert planned.plan.predicted_peak_bytes - fig.peak_bytes <= 0.02 * fig.peak_bytes
+
+
+class _ScaledAdapters(nn.Module):
+    """Attention-style scaling by Python numbers (``/ 8``, ``* 0.5``): autograd saves each number as a 0-d tensor
+    of its own, without calling the saved-tensor hooks."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 5)
+
+    def forward(self, x):
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2) / 8, -1)
+        return self.head((a @ x * 0.5 + x).mean(1))
+
+
+def test_the_numbers_autograd_saves_as_tensors_are_counted():
+    # a fresh user's LoRA model, each adapter scaled by alpha / r, measured 160 B over its 100% budget
+    torch.manual_seed(0)
+    model, x, y = _ScaledAdapters().train(), torch.randn(4, 16, 32), torch.randint(0, 5, (4,))
+    planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, "100%")
+    assert planned.plan.predicted_peak_bytes == fig.peak_bytes
