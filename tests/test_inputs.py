@@ -684,3 +684,47 @@ def test_a_call_with_an_array_or_a_list_where_the_plan_had_a_tensor_names_the_ar
         with pytest.raises(TypeError, match=rf"called with {kind} for 'input', where the plan's example inputs had a "
                                             r"tensor: pass a torch.Tensor"):
             planned(value)
+
+
+@pytest.mark.parametrize("case", ["all frozen", "trainable unread", "saved plan, all frozen"])
+def test_a_model_in_which_nothing_trains_is_refused_with_the_way_out(case):
+    # a fresh user's frozen model was planned, and loss.backward() then raised autograd's "element 0 of tensors
+    # does not require grad"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    if case == "saved plan, all frozen":
+        plan, _, _ = memfit.plan(model, x, "100%")
+    model.requires_grad_(False)
+    if case == "trainable unread":
+        model.register_parameter("extra", nn.Parameter(torch.zeros(3)))
+    with pytest.raises(ValueError, match="nothing in this model trains: " + (
+            "the trainable parameters \\(extra\\) are not read" if case == "trainable unread"
+            else "every parameter has requires_grad=False")):
+        memfit.optimize(model, x, plan_=plan) if case.startswith("saved") else memfit.optimize(model, x, "100%")
+    x.requires_grad_(True)  # an input's gradient (an adversarial example) is a training step's
+    if case != "saved plan, all frozen":
+        memfit.optimize(model, x, "100%")
+
+
+def test_example_inputs_given_as_a_dict_of_keyword_arguments_are_bound_by_name():
+    # a fresh user's {"input_ids": ..., "attention_mask": ...} batch was taken as one input, and the error said
+    # the forward also needs 'attention_mask'
+    torch.manual_seed(0)
+    x, extra, y = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    plain = TwoInputs().train()
+    _ce(plain(x, extra), y).backward()
+    m = fresh_copy(plain)
+    planned = memfit.optimize(m, {"y": extra, "x": x}, "min", loss_fn=lambda out: _ce(out, y))
+    assert planned.plan.input_shapes == [[8, 16], [8, 16]]
+    batch = {"y": extra, "x": x}
+    _ce(planned(**batch), y).backward()
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    plan, _, _ = memfit.plan(ScaledMasked().train(), {"x": x, "mask": extra}, "100%")  # scale takes its default
+    assert plan.input_values == {"scale": "2.0"}
+    with pytest.raises(ValueError, match="a dict of the forward's keyword arguments without 'x'"):
+        memfit.optimize(TwoInputs().train(), {"y": extra})
+    with pytest.raises(TypeError, match=r"called with 1 inputs, .*also needs 'y'.*pass each, by position or by "
+                                        r"keyword \(the forward takes x, y\)"):
+        planned(x)

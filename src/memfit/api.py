@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -105,7 +106,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
             names the first difference.
     """
     _require_training(model)
-    here = autocast_dtype(_as_tuple(example_inputs))
+    here = autocast_dtype(_as_tuple(example_inputs, model))
     if (plan_.autocast or None) != here:
         made = f"under torch.autocast({plan_.autocast})" if plan_.autocast else "outside torch.autocast"
         now = f"under torch.autocast({here})" if here else "outside torch.autocast"
@@ -120,7 +121,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if plan_.optimizer and mine and plan_.optimizer != mine:
         raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {mine}: their memory "
                          "differs; make a new plan with optimizer= your optimizer")
-    shapes = _shapes(_as_tuple(example_inputs))
+    shapes = _shapes(_as_tuple(example_inputs, model))
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                          "memory figures would not hold; make a new plan for these shapes")
@@ -140,7 +141,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if missing and state_shapes(model):
         warnings.warn(f"the plan records no {', '.join(missing)}: memfit cannot check that it was made for this model "
                       "and these inputs, and its figures hold only if it was", stacklevel=3)
-    dtypes = _dtypes(_as_tuple(example_inputs))
+    dtypes = _dtypes(_as_tuple(example_inputs, model))
     if plan_.input_dtypes and dtypes != plan_.input_dtypes:
         raise ValueError(f"the plan was made for inputs of dtype {plan_.input_dtypes}, not {dtypes}: its memory "
                          "figures would not hold; make a new plan for these dtypes")
@@ -163,8 +164,29 @@ def _private_copy(inputs: tuple) -> tuple:
     return tree_map(lambda t: copy(t) if isinstance(t, torch.Tensor) else t, inputs)
 
 
-def _as_tuple(example_inputs) -> tuple:
-    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
+    """The example inputs as a tuple of the forward's positional inputs: a tuple or list as it is; a dict whose keys
+    all name arguments of ``model``'s forward (a Hugging Face style batch, ``model(**batch)``) by those names,
+    an argument left out before one given taking its default (a fresh user's ``{"input_ids": ..,
+    "attention_mask": ..}`` was taken as one input); anything else as a single input."""
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, dict) and example_inputs and model is not None:
+        try:
+            params = list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in named]
+        if all(isinstance(k, str) and k in names for k in example_inputs):
+            last = max(names.index(k) for k in example_inputs)
+            missing = [p.name for p in named[:last + 1] if p.name not in example_inputs and p.default is p.empty]
+            if missing:
+                raise ValueError(f"example_inputs is a dict of the forward's keyword arguments without "
+                                 f"{', '.join(repr(m) for m in missing)}, which has no default: add "
+                                 f"{'it' if len(missing) == 1 else 'them'}")
+            return tuple(example_inputs.get(p.name, p.default) for p in named[:last + 1])
+    return (example_inputs,)
 
 
 def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_dir: str | None) -> HostStore | None:
@@ -230,8 +252,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             statistics, parameters the forward updates in place and the RNG state are restored after
             profiling, also when it raises).
         example_inputs: a tensor or a tuple of the forward's positional inputs, e.g. images
-            ``[B, C, H, W]``, on the model's device. Plans are specific to these shapes. Trailing arguments
-            left out take the forward's default values (``def forward(self, x, scale=2.0)``).
+            ``[B, C, H, W]``, on the model's device, or a dict of its keyword arguments (``model(**batch)``).
+            Plans are specific to these shapes. Arguments left out take the forward's default values
+            (``def forward(self, x, scale=2.0)``).
         budget: total peak bound: bytes (``"2GiB"``, ``"512MB"``, int) or a percentage of the plain
             PyTorch peak (``"40%"``), or ``"min"`` for the least memory memfit can reach.
             See :class:`memfit.Budget`.
@@ -295,13 +318,14 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
-    inputs = _private_copy(_as_tuple(example_inputs))
+    inputs = _private_copy(_as_tuple(example_inputs, model))
     _require_training(model)
     _warn_hooks(model)
     captured = _captured or capture(model)
     check_var_positional(captured.gm, inputs)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist)
+    _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
@@ -383,6 +407,28 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
                          "model.parameters() (the one you train this model with)")
 
 
+def _check_something_trains(model: nn.Module, costs) -> None:
+    """Refuse a model whose output takes no part in a backward pass (every parameter frozen, or the trainable
+    ones unread): a fresh user's plan was returned, and ``loss.backward()`` then raised autograd's "element 0 of
+    tensors does not require grad"."""
+    if any(costs.storages[s].requires_grad for s in costs.output_ids if s is not None):
+        return
+    if any(s.requires_grad for s in costs.storages):  # (an output that is a parameter or an input itself)
+        return
+    _refuse_nothing_trains(model)
+
+
+def _refuse_nothing_trains(model: nn.Module) -> None:
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    why = (f"the trainable parameters ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''}) are not "
+           "read on the way to the output" if trainable else "every parameter has requires_grad=False")
+    raise ValueError(f"nothing in this model trains: {why}, and no input requires grad, so the output does not "
+                     "require grad and a training step's loss.backward() would raise 'element 0 of tensors does not "
+                     "require grad'. Unfreeze the parameters to train (p.requires_grad_(True)) and plan again; a "
+                     "model run without a backward pass (a frozen teacher) needs no plan: run it under "
+                     "torch.no_grad()")
+
+
 def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) -> None:
     """Refuse a saved plan for an ``optimizer`` that will hold more state than the plan counted: the same class
     with other options (``AdamW(amsgrad=True)`` keeps a third tensor per parameter: a fresh user's reloaded plan
@@ -442,7 +488,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")
-        on_cpu = all(t.device.type == "cpu" for t in _as_tuple(example_inputs) if isinstance(t, torch.Tensor))
+        on_cpu = all(t.device.type == "cpu" for t in _as_tuple(example_inputs, model) if isinstance(t, torch.Tensor))
         if plan_.offloads and offload_dir is None and offload is None and on_cpu:
             warnings.warn(f"memfit.optimize: the plan offloads {len(plan_.offloads)} nodes and no offload_dir is given: "
                           "their saved tensors go to a disk store in a fresh directory under tempfile.gettempdir() "
@@ -452,10 +498,13 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                           f"stats_recompute or tiled stripes differ): its predicted peak ({plan_.predicted_peak_bytes} bytes) and "
                           f"step time no longer hold, nor does its budget ({plan_.budget_bytes} bytes). Check it "
                           "by measuring a step, or solve again", stacklevel=2)
+        if not any(p.requires_grad for p in model.parameters()) and not any(
+                t.requires_grad for t in _as_tuple(example_inputs, model) if isinstance(t, torch.Tensor)):
+            _refuse_nothing_trains(model)
         captured = capture(model)
         _check_optimizer_state(plan_, optimizer, list(captured.gm.parameters()))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
-    store = offload_store(_as_tuple(example_inputs), strategy, offload, offload_dir)
+    store = offload_store(_as_tuple(example_inputs, model), strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
                                variants=variants, loss_fn=loss_fn, time_limit=time_limit, grads_exist=grads_exist,
                                tiling=tiling, _store=store)

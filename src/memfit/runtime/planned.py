@@ -736,7 +736,11 @@ class PlannedModule(nn.Module):
         try:  # arguments left out take the forward's defaults
             env: dict[str, Any] = bind_inputs(self.gm, args)
         except ValueError as exc:
-            raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")) from None
+            raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")
+                            .replace("pass a tuple of all of the forward's positional inputs, in order (",
+                                     "pass each, by position or by keyword (the forward takes ")
+                            .replace("pass a tuple of the forward's positional inputs, in order",
+                                     "pass only the forward's arguments")) from None
         values = input_values(self._value_args, env)  # (before the run, which frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
