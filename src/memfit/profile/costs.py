@@ -376,7 +376,8 @@ def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]], flags: list[tupl
 
 
 def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
-                  with_variants: bool = True, loss_fn=None, grads_exist: bool = False) -> Costs:
+                  with_variants: bool = True, loss_fn=None, grads_exist: bool = False,
+                  user_inputs: tuple = ()) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
 
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
@@ -407,6 +408,9 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         loss_fn: ``loss_fn(output) -> scalar tensor``, the training loss (a closure over the targets); when
             given, its memory is measured instead of assumed.
         grads_exist: parameter gradients are allocated when the backward starts (see :class:`Costs`).
+        user_inputs: the caller's own input tensors, when ``example_inputs`` are copies of them: a tensor
+            ``loss_fn`` holds that is one of them (an autoencoder's ``F.mse_loss(out, x)``) is counted once, as
+            an input (a fresh user's 4 MiB input was counted twice).
 
     Returns:
         :class:`Costs`.
@@ -452,7 +456,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     grad_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                       for p in params if p.requires_grad}.values())
     costs.fixed_bytes = sum(state.values()) + grad_bytes + sum(
-        s.nbytes for s in costs.storages if s.kind == "input") + _closure_bytes(loss_fn, fixed_ptrs, inputs)
+        s.nbytes for s in costs.storages if s.kind == "input") + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
@@ -1210,17 +1214,30 @@ def _implementations(gm: fx.GraphModule, node: fx.Node, fn, cost: NodeCost) -> l
 def _format_of(g: torch.Tensor) -> torch.memory_format | tuple[int, ...] | None:
     """The memory format of a dense gradient, or its strides where it is dense in another order (an ``einsum``'s
     backward hands on a permuted gradient: started from a contiguous one, the isolated backward of the node
-    before it missed the copy the permuted one costs, 295 KB on a fresh user's two-einsum MoE); ``None``:
-    another layout (expanded)."""
+    before it missed the copy the permuted one costs, 295 KB on a fresh user's two-einsum MoE), or with gaps (a
+    ``cat``'s backward hands each input a slice of its gradient, which an embedding's backward copies: one
+    ``[B, 32]`` tensor missed on a fresh user's recommender); ``None``: another layout (overlapping, expanded)."""
     for fmt in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
         if (g.dim() == 4 or fmt is not torch.channels_last) and (g.dim() == 5 or fmt is not torch.channels_last_3d) \
                 and g.is_contiguous(memory_format=fmt):
             return fmt
-    return tuple(g.stride()) if _dense(g) else None
+    return tuple(g.stride()) if _dense(g) or _non_overlapping(g) else None
+
+
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory (strides with gaps allowed)."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 1
+    for st, n in dims:
+        if st < reach:
+            return False
+        reach = st * n
+    return True
 
 
 def _seed(t: torch.Tensor, fmt) -> torch.Tensor:
-    """Ones of ``t``'s shape in the layout :func:`_format_of` gave (``t``'s own for ``None``)."""
+    """Ones of ``t``'s shape in the layout :func:`_format_of` gave (``t``'s own for ``None``); strides with gaps
+    leave the storage larger than ``t``, as the slice of a larger gradient it stands for."""
     if isinstance(fmt, tuple):
         return torch.empty_strided(t.shape, fmt, dtype=t.dtype, device=t.device).fill_(1)
     return torch.ones_like(t, memory_format=fmt or torch.preserve_format)
