@@ -75,6 +75,13 @@ def test_parse_fractions():
         parse_fractions("50%,,30%")
     with pytest.raises(ValueError, match="no budgets"):
         parse_fractions("")
+    # `memfit bench --budgets`: a fresh user's 0.5 was answered "e.g. '0.5%'", and 0% was accepted
+    with pytest.raises(ValueError, match="e.g. '50%'"):
+        parse_fractions("0.5", percent_only=True)
+    with pytest.raises(ValueError, match="above 0%"):
+        parse_fractions("0%", percent_only=True)
+    with pytest.raises(ValueError, match="such as '50%'$"):
+        parse_fractions("min", percent_only=True)
 
 
 def test_sweep_writes_documented_files_and_keys(swept):

@@ -728,3 +728,51 @@ def test_example_inputs_given_as_a_dict_of_keyword_arguments_are_bound_by_name()
     with pytest.raises(TypeError, match=r"called with 1 inputs, .*also needs 'y'.*pass each, by position or by "
                                         r"keyword \(the forward takes x, y\)"):
         planned(x)
+
+
+class _DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        return {"logits": h, "extra": [h.sum(), (h * 2,)]}
+
+
+def test_a_dict_output_comes_back_a_dict_the_loop_can_add_to():
+    # a fresh user's Hugging Face style `out["loss"] = loss` raised fx's "immutable_dict does not support mutation"
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    plain = _DictOut().train()
+    m = fresh_copy(plain)
+    planned = memfit.optimize(m, x, "100%")
+    for module in (plain, planned):
+        out = module(x)
+        assert type(out) is dict and type(out["extra"]) is list and type(out["extra"][1]) is tuple
+        out["loss"] = F.cross_entropy(out["logits"], y)
+        out["loss"].backward()
+    assert torch.equal(plain.l.weight.grad, m.l.weight.grad)
+
+
+def test_a_loss_target_that_is_the_input_is_counted_once():
+    # a fresh user's autoencoder, `loss_fn=lambda o: F.mse_loss(o, x)`, was predicted 4 MiB (the input) high
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 64)).train()
+    x = torch.randn(256, 64)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: F.mse_loss(out, x))
+    fig = measure_training(planned, planned, (x,), x, F.mse_loss, steps=1)
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+    assert planned.plan.predicted_peak_bytes - fig.peak_bytes < x.untyped_storage().nbytes() // 2
+
+
+def test_an_embedding_with_sparse_gradients_is_refused_with_the_way_out():
+    # a fresh user's nn.Embedding(sparse=True) failed with "Cannot access storage of SparseTensorImpl"
+    model = nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Flatten(), nn.Linear(32, 2)).train()
+    ids = torch.randint(0, 100, (4, 4))
+    with pytest.raises(ValueError, match=r"^0 has sparse=True: memfit does not plan sparse gradients.*sparse=False"):
+        memfit.optimize(model, ids)
+    model[0].weight.requires_grad_(False)  # frozen: no gradient at all
+    memfit.optimize(model, ids, "100%")

@@ -1740,3 +1740,65 @@ def test_the_numbers_autograd_saves_as_tensors_are_counted():
     model, x, y = _ScaledAdapters().train(), torch.randn(4, 16, 32), torch.randint(0, 5, (4,))
     planned, fig = _within_budget_as_pytorch(model, x, y, F.cross_entropy, "100%")
     assert planned.plan.predicted_peak_bytes == fig.peak_bytes
+
+
+class _Recommender(nn.Module):
+    """A user embedding and an item bag concatenated into an MLP: ``cat``'s backward hands each embedding a slice
+    of its gradient, which the embedding's backward copies before it runs."""
+
+    def __init__(self, users=20000, items=5000, d=32):
+        super().__init__()
+        self.users, self.items = nn.Embedding(users, d), nn.EmbeddingBag(items, d, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(2 * d, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, u, items, offsets):
+        return self.mlp(torch.cat([self.users(u), self.items(items, offsets)], -1)).squeeze(-1)
+
+
+def test_a_gradient_handed_on_as_a_slice_is_profiled_as_one():
+    # a fresh user's recommender measured one [B, 32] tensor (1 MiB at batch 8192) over its 100% and min budgets
+    torch.manual_seed(0)
+    b = 512
+    model = _Recommender().train()
+    u, items, offsets, y = (torch.randint(0, 20000, (b,)), torch.randint(0, 5000, (b * 10,)),
+                            torch.arange(0, b * 10, 10), torch.rand(b))
+    base = measure_training(*[fresh_copy(model)] * 2, (u, items, offsets), y, F.binary_cross_entropy_with_logits,
+                            steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, (u, items, offsets), "100%",
+                              optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: F.binary_cross_entropy_with_logits(out, y))
+    fig = measure_training(planned, planned, (u, items, offsets), y, F.binary_cross_entropy_with_logits, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+
+
+def test_a_recurrent_network_of_several_layers_is_named_as_one_operation():
+    # a fresh user's 2-layer LSTM could not be planned under its plain peak, without the warning a Transformer gets
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.out = nn.LSTM(8, 16, num_layers=2, batch_first=True), nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.out(self.rnn(x)[0])
+
+    with pytest.warns(UserWarning, match=r"rnn \(LSTM\) as single operations.*one single-layer nn.LSTM"):
+        memfit.optimize(Tagger().train(), torch.randn(2, 5, 8), "100%")
+
+
+def test_a_tensor_factory_sized_on_an_earlier_line_gets_advice_about_factories():
+    # a fresh user's `B = x.shape[0]` then `torch.zeros(B, 16)` got advice about data-dependent control flow
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = nn.GRUCell(8, 16)
+
+        def forward(self, x):
+            b = x.shape[0]
+            h = torch.zeros(b, 16)
+            return self.cell(x[:, 0], h)
+
+    with pytest.raises(memfit.TraceError, match=r"tensor factory sized by a traced shape") as err:
+        memfit.optimize(Loop().train(), torch.randn(2, 3, 8))
+    assert "control flow" not in str(err.value)

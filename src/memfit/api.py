@@ -320,11 +320,12 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
     inputs = _private_copy(_as_tuple(example_inputs, model))
     _require_training(model)
+    _refuse_sparse_gradients(model)
     _warn_hooks(model)
     captured = _captured or capture(model)
     check_var_positional(captured.gm, inputs)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
-                          grads_exist=grads_exist)
+                          grads_exist=grads_exist, user_inputs=_as_tuple(example_inputs, model))
     _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
@@ -405,6 +406,20 @@ def _check_optimizer(optimizer, model: nn.Module) -> None:
     if held and not any(id(p) in ours for p in held):
         raise ValueError(f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: build it on "
                          "model.parameters() (the one you train this model with)")
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """Refuse trainable embeddings with sparse gradients: their gradient's size depends on the batch's indices,
+    and the profile cannot measure it (a fresh user's ``nn.Embedding(sparse=True)`` failed with PyTorch's
+    "Cannot access storage of SparseTensorImpl")."""
+    sparse = [name for name, mod in model.named_modules()
+              if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad]
+    if sparse:
+        raise ValueError(f"{', '.join(sparse[:3])}{' ...' if len(sparse) > 3 else ''} "
+                         f"{'has' if len(sparse) == 1 else 'have'} sparse=True: memfit does not plan sparse "
+                         "gradients (their size depends on the indices of each batch). Build the embedding with "
+                         "sparse=False (a dense gradient, which memfit counts; use an optimizer for dense "
+                         "gradients, not SparseAdam), or freeze it")
 
 
 def _check_something_trains(model: nn.Module, costs) -> None:

@@ -146,7 +146,7 @@ def zoo_workload(name: str, batch_size: int, image_size: int, device: str = "cpu
 
 
 def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]:
-    """``"100%,70%,0.5"`` -> ``[1.0, 0.7, 0.5]``. Percentages or plain fractions, each >= 0; a bare number
+    """``"100%,70%,0.5"`` -> ``[1.0, 0.7, 0.5]``. Percentages or plain fractions, each above 0; a bare number
     above 1 (``"50"``) is refused, since it is almost surely a percentage without its ``%``.
 
     Raises:
@@ -167,12 +167,13 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
         try:
             value = float(s[:-1]) / 100 if s.endswith("%") else float(s)
         except ValueError:
-            raise ValueError(f"budget {s!r}: expected a percentage such as '50%' or a fraction such as 0.5")\
-                from None
-        if value < 0:
-            raise ValueError(f"budget {s!r} is negative")
+            raise ValueError(f"budget {s!r}: expected a percentage of the activation peak such as '50%'"
+                             + ("" if percent_only else " or a fraction such as 0.5")) from None
+        if value <= 0:
+            raise ValueError(f"budget {s!r}: a budget must be above 0%")
         if not s.endswith("%") and (percent_only or value > 1):
-            raise ValueError(f"budget {s!r}: write budgets as percentages of the activation peak, e.g. '{s}%'")
+            pct = f"{value * 100:g}%" if value <= 1 else f"{s}%"
+            raise ValueError(f"budget {s!r}: write budgets as percentages of the activation peak, e.g. '{pct}'")
         out.append(value)
     if not out:
         raise ValueError("no budgets given: pass e.g. --budgets 50%,33%")

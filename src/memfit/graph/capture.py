@@ -255,8 +255,9 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     if isinstance(exc, (NameError, ImportError, SyntaxError)):
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
-    factory = re.search(r"torch\.(zeros|ones|empty|full|rand|randn|randint|arange|eye)\(", _user_frame(exc)) and \
-        re.search(r"\.shape\b|\.size\(|\blen\(", _user_frame(exc))
+    # (the size may come from an earlier line, `B = x.shape[0]`, and then the call's TypeError is all there is)
+    factory = re.search(r"torch\.(zeros|ones|empty|full|rand|randn|randint|arange|eye)\(", _user_frame(exc)) and (
+        re.search(r"\.shape\b|\.size\(|\blen\(", _user_frame(exc)) or isinstance(exc, TypeError))
     if "Proxy" in str(exc) or factory:  # (zeros() says "takes 1 positional argument but 2 were given")
         return ("  a value computed from a tensor (its shape, a size) reaches a function that needs a plain "
                 "number, which torch.fx cannot pass (a tensor factory sized by a traced shape): use an operation "
@@ -472,12 +473,17 @@ def graph_of(gm: fx.GraphModule) -> Graph:
 def _warn_opaque(gm: fx.GraphModule) -> None:
     """Warn about torch.nn modules with submodules that fx keeps as one node (it does not trace into
     ``torch.nn``): memfit can keep or recompute what they save only as a whole."""
-    opaque = sorted({f"{n.target} ({type(gm.get_submodule(n.target)).__name__})" for n in gm.graph.nodes
-                     if n.op == "call_module" and any(True for _ in gm.get_submodule(n.target).children())
-                     and not has_own_hooks(gm.get_submodule(n.target))})  # (kept whole for its hooks)
+    def whole(mod: nn.Module) -> bool:  # several layers in one node (a multi-layer LSTM too: one kernel call)
+        return any(True for _ in mod.children()) or (isinstance(mod, nn.RNNBase) and mod.num_layers > 1)
+
+    mods = [(n.target, gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"]
+    opaque = sorted({f"{t} ({type(m).__name__})" for t, m in mods
+                     if whole(m) and not has_own_hooks(m)})  # (kept whole for its hooks)
     if opaque:
+        rnn = any(isinstance(m, nn.RNNBase) and m.num_layers > 1 for _, m in mods)
         warnings.warn(
             f"memfit sees {', '.join(opaque[:5])}{' ...' if len(opaque) > 5 else ''} as single operations "
             "(torch.fx does not trace into torch.nn modules): what they save for backward can only be kept "
             "or recomputed as a whole. For finer plans, write such blocks from their parts (Linear, "
-            "LayerNorm, ...) in your own module.", stacklevel=3)
+            "LayerNorm, ...) in your own module" + (", and a recurrent network of several layers as one "
+            "single-layer nn.LSTM / nn.GRU per layer" if rnn else "") + ".", stacklevel=3)
