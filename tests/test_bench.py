@@ -479,3 +479,13 @@ def test_max_batch_refuses_a_budget_that_is_not_bytes_saying_which(budget, given
     rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget", budget, "--batch-limit", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and f"needs a budget in bytes ('2GiB', '512MB'), not {given}" in err, err
+
+
+def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(capsys):
+    # a fresh user was told to try "an optimizer with less state such as SGD", which the command line cannot set
+    from memfit.cli import main
+
+    assert main(["plan", "--model", "resnet18", "--batch", "2", "--image-size", "32", "--budget", "50%",
+                 "--time-limit", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "fixed bytes alone" in err and "always trains the whole model with SGD and momentum 0.9" in err

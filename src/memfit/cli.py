@@ -25,8 +25,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     from memfit.solve.strategies import STRATEGIES
 
     p.add_argument("--model", default="resnet18", choices=zoo.MODELS, help="model from the zoo")
-    p.add_argument("--batch", type=_positive, default=None, help="batch size (default: the model's CPU default)")
-    p.add_argument("--image-size", type=_positive, default=None, help="image side in pixels")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="batch size (default: the model's CPU default; 32 for train)")
+    p.add_argument("--image-size", type=_positive, default=None,
+                   help="image side in pixels (default: the model's CPU default; 32 for train)")
     p.add_argument("--budget", default="min", help="total peak budget: '2GiB', '512MB', bytes, '40%%' of "
                    "the plain PyTorch total peak (fixed bytes included), or 'min' for the least memory memfit "
                    "can reach (default)")
@@ -488,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
         if "more than 1 value per channel" in str(exc):  # PyTorch's BatchNorm on one value per channel
             hint = (" (BatchNorm in training needs more than one value per channel: give --batch 2 or more, or a "
                     "larger --image-size)")
+        if isinstance(exc, InfeasibleBudgetError) and "optimizer" in str(exc):
+            # (the advice names an optimizer with less state, which the command line does not let you choose)
+            hint = (" (the command line always trains the whole model with SGD and momentum 0.9: raise --budget, "
+                    "or plan through the Python API, memfit.optimize(model, batch, budget, optimizer=...), with "
+                    "frozen layers or another optimizer)")
         Console(stderr=True).print(f"[red]memfit {args.command}: {exc}{hint}[/]")
         return 2
 
