@@ -106,7 +106,8 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
             names the first difference.
     """
     _require_training(model)
-    here = autocast_dtype(_as_tuple(example_inputs, model))
+    given = _as_tuple(example_inputs, model)
+    here = autocast_dtype(given)
     if (plan_.autocast or None) != here:
         made = f"under torch.autocast({plan_.autocast})" if plan_.autocast else "outside torch.autocast"
         now = f"under torch.autocast({here})" if here else "outside torch.autocast"
@@ -121,7 +122,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if plan_.optimizer and mine and plan_.optimizer != mine:
         raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {mine}: their memory "
                          "differs; make a new plan with optimizer= your optimizer")
-    shapes = _shapes(_as_tuple(example_inputs, model))
+    shapes = _shapes(given)
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
                          "memory figures would not hold; make a new plan for these shapes")
@@ -141,7 +142,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if missing and state_shapes(model):
         warnings.warn(f"the plan records no {', '.join(missing)}: memfit cannot check that it was made for this model "
                       "and these inputs, and its figures hold only if it was", stacklevel=3)
-    dtypes = _dtypes(_as_tuple(example_inputs, model))
+    dtypes = _dtypes(given)
     if plan_.input_dtypes and dtypes != plan_.input_dtypes:
         raise ValueError(f"the plan was made for inputs of dtype {plan_.input_dtypes}, not {dtypes}: its memory "
                          "figures would not hold; make a new plan for these dtypes")
@@ -318,24 +319,24 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
-    inputs = _private_copy(_as_tuple(example_inputs, model))
+    given = _as_tuple(example_inputs, model)
+    inputs = _private_copy(given)
     _require_training(model)
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
     captured = _captured or capture(model)
     check_var_positional(captured.gm, inputs)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
-                          grads_exist=grads_exist, user_inputs=_as_tuple(example_inputs, model))
+                          grads_exist=grads_exist, user_inputs=given)
     _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
     trained = list(captured.gm.parameters())  # (a parameter the step never reads gets no gradient, and no state)
-    measured = measure_optimizer(optimizer, {id(p) for p in trained})
+    state, measured = _counted_state(optimizer, trained)
     if measured is not None:
         costs.step_bytes = measured.step_bytes
-    state = optimizer_state_bytes(optimizer, trained, None if measured is None else measured.state_by_param)
     fixed = costs.fixed_bytes + state
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     floor = budget.minimum and strategy in ("memfit", "remat-ilp")  # that strategy's own floor
@@ -444,14 +445,20 @@ def _refuse_nothing_trains(model: nn.Module) -> None:
                      "torch.no_grad()")
 
 
+def _counted_state(optimizer, trained: list[torch.Tensor]):
+    """``(state bytes, OptimizerCost or None)``: the optimizer state a training step of the parameters ``trained``
+    holds (:func:`memfit.profile.optimizer.optimizer_state_bytes`), its new state measured on scratch copies."""
+    measured = measure_optimizer(optimizer, {id(p) for p in trained})
+    return optimizer_state_bytes(optimizer, trained, None if measured is None else measured.state_by_param), measured
+
+
 def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) -> None:
     """Refuse a saved plan for an ``optimizer`` that will hold more state than the plan counted: the same class
     with other options (``AdamW(amsgrad=True)`` keeps a third tensor per parameter: a fresh user's reloaded plan
     measured 1.068x its budget) or parameters that have gained state since."""
     if optimizer is None or plan_.optimizer_state_bytes is None:
         return
-    measured = measure_optimizer(optimizer, {id(p) for p in trained})
-    now = optimizer_state_bytes(optimizer, trained, None if measured is None else measured.state_by_param)
+    now, _ = _counted_state(optimizer, trained)
     if now > plan_.optimizer_state_bytes:
         raise ValueError(f"the plan counted {plan_.optimizer_state_bytes} bytes of {plan_.optimizer} state, and this "
                          f"{type(optimizer).__name__} will keep {now} bytes (other options, such as amsgrad or "
@@ -492,6 +499,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         (see :func:`check_plan_fits`).
     """
     _check_model(model)
+    given = _as_tuple(example_inputs, model)
     if plan_ is not None:
         check_plan_fits(plan_, model, example_inputs, grads_exist, optimizer)
         if budget != "min":
@@ -503,7 +511,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if plan_.offloads and offload is False:
             raise ValueError(f"the plan offloads {len(plan_.offloads)} nodes; offload=False contradicts it "
                              "(make a plan with offload=False instead)")
-        on_cpu = all(t.device.type == "cpu" for t in _as_tuple(example_inputs, model) if isinstance(t, torch.Tensor))
+        on_cpu = all(t.device.type == "cpu" for t in given if isinstance(t, torch.Tensor))
         if plan_.offloads and offload_dir is None and offload is None and on_cpu:
             warnings.warn(f"memfit.optimize: the plan offloads {len(plan_.offloads)} nodes and no offload_dir is given: "
                           "their saved tensors go to a disk store in a fresh directory under tempfile.gettempdir() "
@@ -514,12 +522,12 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                           f"step time no longer hold, nor does its budget ({plan_.budget_bytes} bytes). Check it "
                           "by measuring a step, or solve again", stacklevel=2)
         if not any(p.requires_grad for p in model.parameters()) and not any(
-                t.requires_grad for t in _as_tuple(example_inputs, model) if isinstance(t, torch.Tensor)):
+                t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
         captured = capture(model)
         _check_optimizer_state(plan_, optimizer, list(captured.gm.parameters()))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
-    store = offload_store(_as_tuple(example_inputs, model), strategy, offload, offload_dir)
+    store = offload_store(given, strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
                                variants=variants, loss_fn=loss_fn, time_limit=time_limit, grads_exist=grads_exist,
                                tiling=tiling, _store=store)

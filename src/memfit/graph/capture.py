@@ -473,14 +473,15 @@ def graph_of(gm: fx.GraphModule) -> Graph:
 def _warn_opaque(gm: fx.GraphModule) -> None:
     """Warn about torch.nn modules with submodules that fx keeps as one node (it does not trace into
     ``torch.nn``): memfit can keep or recompute what they save only as a whole."""
-    def whole(mod: nn.Module) -> bool:  # several layers in one node (a multi-layer LSTM too: one kernel call)
-        return any(True for _ in mod.children()) or (isinstance(mod, nn.RNNBase) and mod.num_layers > 1)
+    def stacked_rnn(mod: nn.Module) -> bool:  # several recurrent layers in one kernel call
+        return isinstance(mod, nn.RNNBase) and mod.num_layers > 1
 
     mods = [(n.target, gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"]
     opaque = sorted({f"{t} ({type(m).__name__})" for t, m in mods
-                     if whole(m) and not has_own_hooks(m)})  # (kept whole for its hooks)
+                     if (any(True for _ in m.children()) or stacked_rnn(m))
+                     and not has_own_hooks(m)})  # (kept whole for its hooks)
     if opaque:
-        rnn = any(isinstance(m, nn.RNNBase) and m.num_layers > 1 for _, m in mods)
+        rnn = any(stacked_rnn(m) for _, m in mods)
         warnings.warn(
             f"memfit sees {', '.join(opaque[:5])}{' ...' if len(opaque) > 5 else ''} as single operations "
             "(torch.fx does not trace into torch.nn modules): what they save for backward can only be kept "

@@ -1415,7 +1415,8 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                         with copying:
                             made = [_grad_copy(g, p) for g, p in copied]
                         del made
-                        copies[label] = copying.peak_bytes if not cpu else -1  # (-1: in the CPU tracker's range)
+                        if not cpu:  # (on the CPU, read from the tracker's range once it has stopped)
+                            copies[label] = copying.peak_bytes
                 if record is cost:
                     cost.grad_alias = any(ptr in seed_ptrs for ptr in fresh)
                     cost.grad_in_bytes = grad_in
@@ -1440,7 +1441,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             if f"{label}:b" in tracker.ranges:
                 peak, _ = tracker.range_peak(f"{label}:b")
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
-                if copies.get(label) == -1:
+                if f"{label}:c" in tracker.ranges:
                     copies[label] = tracker.range_peak(f"{label}:c")[0]
     for label, record in records:
         # AccumulateGrad copies once the node's backward has returned (its output's gradient and what it saved
