@@ -1802,3 +1802,48 @@ def test_a_tensor_factory_sized_on_an_earlier_line_gets_advice_about_factories()
     with pytest.raises(memfit.TraceError, match=r"tensor factory sized by a traced shape") as err:
         memfit.optimize(Loop().train(), torch.randn(2, 3, 8))
     assert "control flow" not in str(err.value)
+
+
+class _TinyGPT(nn.Module):
+    """Two pre-norm blocks of causal self-attention with dropout (``sdpa``: ``scaled_dot_product_attention``, which on
+    the CPU with dropout runs its math form, a chain of autograd functions; else written out with an in-place
+    ``masked_fill_``), and a feed-forward MLP."""
+
+    def __init__(self, sdpa: bool, d=32, heads=4, vocab=50, t=32):
+        super().__init__()
+        self.sdpa, self.heads = sdpa, heads
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "o": nn.Linear(d, d), "ln2": nn.LayerNorm(d),
+            "ff": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1)),
+            "drop": nn.Dropout(0.1)}) for _ in range(2))
+        self.register_buffer("mask", torch.tril(torch.ones(t, t, dtype=torch.bool)))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, t, d = x.shape
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            if self.sdpa:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=0.1)
+            else:
+                att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+                a = blk["drop"](F.softmax(att.masked_fill_(~self.mask, float("-inf")), -1)) @ v
+            x = x + blk["o"](a.transpose(1, 2).reshape(b, t, d))
+            x = x + blk["ff"](blk["ln2"](x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "written-out"])
+@pytest.mark.parametrize("budget", ["min", "85%"])
+def test_attention_with_dropout_is_predicted_as_measured(sdpa, budget):
+    # the math attention's backward frees its output's gradient after its first function, and a recomputation that
+    # ends at it stops before its output: both were counted, 131,072 B (3%) over the measured peak at min on a
+    # fresh user's GPT; the written-out form (dropout after a masked_fill_) measured 1.7% under its prediction
+    torch.manual_seed(0)
+    model = _TinyGPT(sdpa).train()
+    x, y = torch.randint(0, 50, (4, 32)), torch.randint(0, 50, (4, 32))
+    planned, fig = _within_budget_as_pytorch(model, x, y, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                             budget)
+    assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.002 * fig.peak_bytes, (
+        planned.plan.predicted_peak_bytes, fig.peak_bytes)

@@ -95,6 +95,10 @@ class NodeCost:
             its net allocation), e.g. oneDNN reorders or cuDNN workspaces.
         bwd_workspace: bytes allocated transiently by the backward beyond the gradients of its activation
             inputs: temporaries and the parameter gradients before they are added into ``.grad``.
+        bwd_workspace_grad_freed: ``bwd_workspace`` when autograd alone holds the output's gradient: a node whose
+            backward runs several of autograd's functions one after the other (the math attention, an einsum)
+            frees it once the first has consumed it, so the later ones run without it (``None``: the same as
+            ``bwd_workspace``). The replay uses it where the node's backward is the gradient's last reader.
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
@@ -122,11 +126,13 @@ class NodeCost:
         casts: storage ids of the autocast casts (kind ``"cast"``) this node reads: made by the first node that
             reads the parameter, then shared through autocast's cache until the forward pass ends; a
             recomputation under autocast makes its own (empty outside autocast).
-        saves_first: autograd saves what this node saves before the node allocates anything it keeps: the
-            node runs only PyTorch's built-in operations (no custom ``autograd.Function``, which saves after
-            its forward), modifies nothing in place, and saves only tensors made before it (and autocast
-            casts). A recomputation that ends at this node then stops before computing it (the non-reentrant
-            checkpoint stops at its last saved tensor). ``False`` when not known.
+        unmade_at_stop: storage ids this node creates after its last saved tensor: a recomputation that ends at
+            this node stops there (the non-reentrant checkpoint stops at its last saved tensor), so it never
+            makes them. A built-in operation saves its inputs before it computes (a convolution: all its
+            outputs); a composite one may save what it made first and make its outputs last (the math
+            attention saves its probabilities, then its last matrix product its operands before computing the
+            output); a custom ``autograd.Function`` saves after its forward (none). Placed by the order of the
+            saves among the operators of the node's forward (:class:`_SaveOrder`).
         recomputable: a recomputation of this node gives what its forward gave. ``False`` for a node that
             modifies a trainable parameter in place (``nn.Embedding(max_norm=...)`` renormalizes rows again,
             and the gradients differed by 1e-9) and for randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``:
@@ -168,6 +174,7 @@ class NodeCost:
     bwd_seconds: float = 0.0
     fwd_workspace: int = 0
     bwd_workspace: int = 0
+    bwd_workspace_grad_freed: int | None = None
     grad_in_bytes: int = 0
     grad_alias: bool = False
     param_grad_bytes: int = 0
@@ -176,7 +183,7 @@ class NodeCost:
     param_buffer_end_bytes: int = 0
     variants: dict[str, VariantCost] = field(default_factory=dict)
     casts: list[int] = field(default_factory=list)
-    saves_first: bool = False
+    unmade_at_stop: list[int] = field(default_factory=list)
     recomputable: bool = True
     grad_copies: list[str] = field(default_factory=list)
     recompute_seconds: float | None = None
@@ -337,7 +344,8 @@ class Costs:
             nodes.append(replace(
                 c, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves), mutates=ids(mutates),
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
-                bwd_workspace=v.bwd_workspace, variants={}, casts=casts, saves_first=False,
+                bwd_workspace=v.bwd_workspace, bwd_workspace_grad_freed=None, variants={}, casts=casts,
+                unmade_at_stop=[],
                 grad_copies=list(c.grad_copies), grad_storage_bytes=dict(c.grad_storage_bytes),
                 grad_views=list(c.grad_views)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
@@ -637,11 +645,42 @@ def _structure(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], with_var
         _break_cycles(keep_alive)
 
 
-def _recording(saved: list[torch.Tensor]):
-    """Saved-tensor hooks that append each tensor autograd saves to ``saved``. The hook hands autograd a detached
-    alias: handing it the tensor itself makes a cycle through autograd's C++ graph, which Python's garbage
-    collector cannot see, for every tensor its own node saves (a ReLU's output)."""
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t.detach())[1], lambda t: t)
+class _SaveOrder(TorchDispatchMode):
+    """Places a node's saved tensors among the operators its forward runs: ``made`` maps the address of each
+    storage an operator allocates (a result that is no view of, or in-place write to, an argument) to the
+    operator's position, and ``last_save`` is the number of operators run when autograd last saved a tensor
+    (:func:`_recording` sets it). Autograd saves a built-in operation's inputs before the operation runs below
+    it, and its outputs after, so a storage made at a position ``>= last_save`` is made after the last save."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.made: dict[int, int] = {}
+        self.last_save = -1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            aliased = k < len(returns) and returns[k].alias_info is not None
+            if isinstance(t, torch.Tensor) and not aliased and t.device.type != "meta":
+                self.made[t.untyped_storage().data_ptr()] = self.ops
+        self.ops += 1
+        return out
+
+
+def _recording(saved: list[torch.Tensor], order: _SaveOrder | None = None):
+    """Saved-tensor hooks that append each tensor autograd saves to ``saved`` (and mark the save in ``order``).
+    The hook hands autograd a detached alias: handing it the tensor itself makes a cycle through autograd's C++
+    graph, which Python's garbage collector cannot see, for every tensor its own node saves (a ReLU's output)."""
+
+    def pack(t):
+        saved.append(t)
+        if order is not None:
+            order.last_save = order.ops
+        return t.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _break_cycles(keep_alive: list) -> None:
@@ -706,7 +745,8 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         if recorder is not None:
             torch.clear_autocast_cache()
         try:
-            with recorder or contextlib.nullcontext(), finder, _recording(saved):
+            order = _SaveOrder()
+            with recorder or contextlib.nullcontext(), finder, _recording(saved, order), order:
                 out = node_fn(gm, node)(env)
         except Exception as exc:
             args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
@@ -796,9 +836,9 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
                 continue
             if sid not in cost.saves:
                 cost.saves.append(sid)
-        own = [sid for sid in cost.saves if sid not in cost.casts]
-        cost.saves_first = (bool(own) and not cost.mutates and not set(own) & set(cost.creates)
-                            and _builtin_only(tensors_in(out), ins))
+        if order.last_save >= 0 and not cost.mutates:
+            late = {by_ptr[ptr] for ptr, at in order.made.items() if at >= order.last_save and ptr in by_ptr}
+            cost.unmade_at_stop = [sid for sid in cost.creates if sid in late and sid not in cost.saves]
         if with_variants and node.op == "call_module":
             _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
         if _is_rrelu(gm, node):
@@ -856,25 +896,6 @@ def _is_rrelu(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_function":
         return getattr(node.target, "__name__", "") in ("rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_")
     return node.op == "call_method" and node.target in ("rrelu", "rrelu_")
-
-
-def _builtin_only(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:
-    """Whether the autograd graph between ``ins`` and ``outs`` (one node's operations) holds only PyTorch's
-    built-in backward functions: a custom ``autograd.Function`` (Python, or C++ ``CppNode``) saves its tensors
-    after its forward has run, where a built-in operation saves its inputs before it computes."""
-    stop = {t.grad_fn for t in ins if t.grad_fn is not None}
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
-    seen: set = set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in stop or fn in seen:
-            continue
-        seen.add(fn)
-        if (isinstance(fn, torch.autograd.function.BackwardCFunction) or type(fn).__module__ != "builtins"
-                or "CppNode" in fn.name()):
-            return False
-        stack.extend(f for f, _ in fn.next_functions)
-    return True
 
 
 def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by_ptr, register, keep_alive) -> None:
@@ -1355,6 +1376,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     outer = MemoryTracker(device) if cpu else contextlib.nullcontext()
     leaf_bytes: dict[str, int] = {}
     copies: dict[str, int] = {}  # label -> peak bytes of AccumulateGrad's copies of its parameter gradients
+    seed_bytes: dict[str, int] = {}  # label -> bytes of the output gradients its second backward made
     records: list[tuple[str, object]] = []
     readers = _cast_readers(costs.nodes)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
@@ -1432,8 +1454,26 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                                        if g is not None and (g._is_view() or not _dense(g))]
                 if not cpu:
                     record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch)
+                # (a seed with gaps stands for a slice of a larger gradient, which others hold)
+                chain = record is cost and _backward_functions(outs, leaves) > 1 and all(
+                    t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in seeds)
                 del grads, outs, seeds, local, leaves
                 leaf_bytes[label] = grad_in - batch
+                if chain:  # again, with the output's gradient held by autograd alone
+                    local, leaves = make_env(clone=clone)
+                    outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if own_casts:
+                        torch.clear_autocast_cache()
+                    root, one = _Seeded.apply(lambda outs=outs, fmts=fmts: [_seed(t, f) for t, f in zip(outs, fmts)],
+                                              *outs), torch.ones((), device=device)
+                    seed_bytes[label] = sum(t.numel() * t.element_size() for t in outs)
+                    part = tracker.mark(f"{label}:r") if cpu else MemoryTracker(device)
+                    with part, _no_autocast(device):
+                        grads = torch.autograd.grad(root, leaves + params, one, allow_unused=True)
+                    if not cpu:
+                        cost.bwd_workspace_grad_freed = min(cost.bwd_workspace, max(
+                            0, part.peak_bytes - leaf_bytes[label] - seed_bytes[label]))
+                    del grads, outs, root, local, leaves
     if cpu:
         for label, record in records:
             peak, net = tracker.range_peak(f"{label}:f")
@@ -1443,6 +1483,9 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
                 if f"{label}:c" in tracker.ranges:
                     copies[label] = tracker.range_peak(f"{label}:c")[0]
+                if f"{label}:r" in tracker.ranges:
+                    record.bwd_workspace_grad_freed = min(record.bwd_workspace, max(
+                        0, tracker.range_peak(f"{label}:r")[0] - leaf_bytes.get(label, 0) - seed_bytes[label]))
     for label, record in records:
         # AccumulateGrad copies once the node's backward has returned (its output's gradient and what it saved
         # released): the replay places the node's own copies there; a variant's stay in its workspace
@@ -1450,6 +1493,34 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             record.grad_copy_bytes = copies.get(label, 0)
         else:
             record.bwd_workspace += copies.get(label, 0)
+
+
+class _Seeded(torch.autograd.Function):
+    """A scalar whose backward makes the gradients of ``outs`` (``make()``, one per output) and hands them on, so that
+    autograd holds them alone and frees each once consumed, as in a real step, where no Python name holds an
+    output's gradient (an isolated backward started from Python-held gradients keeps them to its end)."""
+
+    @staticmethod
+    def forward(ctx, make, *outs):
+        ctx.make = make
+        return torch.zeros((), device=outs[0].device)  # (real, whatever the outputs' dtype)
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.make())
+
+
+def _backward_functions(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> int:
+    """How many of autograd's functions (``AccumulateGrad`` aside) run between ``outs`` and ``leaves``: a node's
+    backward that runs more than one may free its output's gradient before its end."""
+    stack, seen = [t.grad_fn for t in outs if t.grad_fn is not None], set()
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen or type(f).__name__ == "AccumulateGrad":
+            continue
+        seen.add(f)
+        stack.extend(g for g, _ in f.next_functions)
+    return len(seen)
 
 
 def _time_stats_recompute(cost: NodeCost, forward, setup, device: torch.device, repeats: int) -> None:

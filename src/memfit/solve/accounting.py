@@ -40,6 +40,8 @@ class Accounting:
             alive after node i's backward has returned, when autograd adds a contribution it made out of place
             (the old gradient, the contribution and their sum) or copies a parameter gradient into the
             parameter's layout (``NodeCost.grad_copy_bytes``); ``None`` where it does neither.
+        bwd_ws: node index -> its backward's workspace (``NodeCost.bwd_workspace``; where its backward is the last
+            reader of its output's gradient, ``NodeCost.bwd_workspace_grad_freed``).
         step_bytes: temporaries of ``optimizer.step()`` (``Costs.step_bytes``), after the backward pass.
         loss_held_bytes: what the loss value keeps allocated from the loss to the end of the step
             (``Costs.loss_held_bytes``).
@@ -50,8 +52,8 @@ class Accounting:
             recomputation makes its own, alive until the recomputation ends or, when saved, until the saver's
             backward.
         cast_uses: node index -> the casts it reads (``NodeCost.casts``).
-        saves_first: node index -> ``NodeCost.saves_first`` (a recomputation ending there stops before it
-            computes).
+        unmade_at_stop: node index -> ``NodeCost.unmade_at_stop`` (what a recomputation ending there stops
+            before making).
         recomputable: node index -> ``NodeCost.recomputable`` (``False``: never inside a checkpoint region).
         region_bytes: bytes each checkpoint region holds from its forward pass to its backward pass, and again
             while recomputed (``Costs.region_bytes``).
@@ -100,7 +102,7 @@ class Accounting:
     loss_held_bytes: int = 0
     casts: set[int] = field(default_factory=set)
     cast_uses: list[list[int]] = field(default_factory=list)
-    saves_first: list[bool] = field(default_factory=list)
+    unmade_at_stop: list[list[int]] = field(default_factory=list)
     recomputable: list[bool] = field(default_factory=list)
     region_bytes: int = 0
     loss_forward_bytes: int = 0
@@ -176,7 +178,7 @@ class Accounting:
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
             loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
             loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],
-            saves_first=[c.saves_first for c in costs.nodes], recomputable=[c.recomputable for c in costs.nodes],
+            unmade_at_stop=[list(c.unmade_at_stop) for c in costs.nodes], recomputable=[c.recomputable for c in costs.nodes],
             region_bytes=costs.region_bytes, loss_forward_bytes=costs.loss_forward_bytes,
             loss_keeps=set(costs.loss_keeps),
             recompute_seconds=[c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds
@@ -281,6 +283,8 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
                 inplace[m] = m not in views[i]
         # autograd adds a contribution once the node's backward has returned, its output's gradient released
         ends = t is not None and token_refs[t] == 1
+        if ends and costs.nodes[i].bwd_workspace_grad_freed is not None:  # (autograd frees it as soon as it is read)
+            acc.bwd_ws[i] = costs.nodes[i].bwd_workspace_grad_freed
         summed -= token_bytes[t] if ends and summed else 0
         during[i] = total - unmade + extra
         # (the node's parameter gradients exist by then: its outputs too)

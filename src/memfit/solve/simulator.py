@@ -11,10 +11,10 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   checkpoint region that reads it as an input (the region keeps its inputs until its backward ends);
 * backward, ``i`` from last to first: when ``i`` is the last node of a region that saves anything, the
   region's forward is rerun up to that node and every tensor its nodes save is rematerialized (it stops at
-  that node's last save: a node that saves only tensors made before it, ``NodeCost.saves_first``, saves
-  them before computing, so its outputs are not made). A storage an earlier node of the rerun makes that is
-  read after that node, through any view (a region output, or a value of a later node of the region), is
-  held by the rerun's frame until it stops, as are that node's own unsaved outputs (made before what it saves
+  that node's last save: what that node makes after it, ``NodeCost.unmade_at_stop``, is not made: all the
+  outputs of a built-in operation, which saves its inputs before computing). A storage an earlier node of the
+  rerun makes that is read after that node, through any view (a region output, or a value of a later node of
+  the region), is held by the rerun's frame until it stops, as are that node's own unsaved outputs (made before what it saves
   last); one read only by rerun nodes is freed after its last reader. Then the node's backward allocates the
   gradients of its inputs, frees the gradient of its output, and frees every storage whose last holder has
   now finished its backward;
@@ -279,12 +279,13 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                         copy_holders[(r, s)] = saved_in
                     else:
                         unsaved_casts += acc.nbytes[s]
-                # the recomputation stops once the last tensor is saved (early stop): a last saver that saves only
-                # what others made saves it before it computes, so its outputs never exist here (its workspace,
-                # from operations before the last save, is still counted)
-                stopped = j == i and acc.saves_first[i]
-                for s in [] if stopped else acc.creates[j]:
-                    if s in acc.casts:
+                # the recomputation stops once the last tensor is saved (early stop): what the last saver makes
+                # after its last save never exists here (a convolution's output; the math attention's output,
+                # made by a matrix product that saves its operands first). Its workspace, from operations before
+                # the last save, is still counted
+                unmade = acc.unmade_at_stop[i] if j == i else ()
+                for s in acc.creates[j]:
+                    if s in acc.casts or s in unmade:
                         continue
                     saved_in = {k for k in acc.savers[s] if reg[k] == r}
                     last_read = max((k for k in acc.consumers[s] if j < k <= i), default=j)
