@@ -776,3 +776,32 @@ def test_an_embedding_with_sparse_gradients_is_refused_with_the_way_out():
         memfit.optimize(model, ids)
     model[0].weight.requires_grad_(False)  # frozen: no gradient at all
     memfit.optimize(model, ids, "100%")
+
+
+def _small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).train()
+
+
+@pytest.mark.filterwarnings("ignore:memfit sees")
+def test_a_model_or_batch_in_another_memory_layout_than_planned_is_warned_about_and_a_saved_plan_refused():
+    # a fresh user's CNN planned contiguous and trained channels-last measured 10% over its budget, silently (and
+    # one planned channels-last and trained contiguous 8%); a saved plan was accepted for the converted model
+    x = torch.randn(2, 3, 16, 16)
+    model = _small_cnn()
+    planned = memfit.optimize(model, x, "100%")
+    with pytest.warns(UserWarning, match=r"inputs of memory layout \['contiguous'\], called with \['channels_last'\]"):
+        planned(x.contiguous(memory_format=torch.channels_last)).sum().backward()
+    model.to(memory_format=torch.channels_last)
+    with pytest.warns(UserWarning, match=r"made for contiguous weights and the model's are now channels_last"):
+        planned(x).sum().backward()
+    with pytest.raises(ValueError, match=r"another memory layout: 0.weight has memory layout contiguous"):
+        memfit.optimize(model, x, plan_=planned.plan)
+    with warnings.catch_warnings():  # planned as it is trained: nothing to say
+        warnings.simplefilter("error")
+        again = memfit.optimize(_small_cnn().to(memory_format=torch.channels_last),
+                                x.contiguous(memory_format=torch.channels_last), "100%")
+        again(x.contiguous(memory_format=torch.channels_last)).sum().backward()
+    with pytest.raises(ValueError, match=r"inputs of memory layout \['channels_last'\], not \['contiguous'\]"):
+        memfit.optimize(_small_cnn().to(memory_format=torch.channels_last), x, plan_=again.plan)

@@ -1847,3 +1847,59 @@ def test_attention_with_dropout_is_predicted_as_measured(sdpa, budget):
                                              budget)
     assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.002 * fig.peak_bytes, (
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
+
+
+class _LayerDrop(nn.Module):
+    """Residual blocks dropped whole at random (layer-level stochastic depth), the draw written three ways:
+    ``"torch"`` (``torch.rand(1).item() < p``), ``"python"`` (``random.random() < p``), or ``"tensor"`` (a 0-dim
+    Bernoulli mask multiplied in: the form memfit's message advises)."""
+
+    def __init__(self, how: str, p=0.5):
+        super().__init__()
+        self.how, self.p = how, p
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        import random
+
+        for f in self.blocks:
+            if self.how == "tensor":
+                x = x + f(x) * x.new_empty(()).bernoulli_(1 - self.p) / (1 - self.p)
+            elif not self.training or (torch.rand(1).item() if self.how == "torch" else random.random()) >= self.p:
+                x = x + f(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("how", ["torch", "python"])
+def test_a_random_draw_outside_the_graph_is_refused_with_its_line(how):
+    # a fresh user's `if self.training and torch.rand(1).item() < p: return x` planned silently, the branch fixed at
+    # trace time: the residual branch was used in 8 of 8 steps against 5 of 8 in plain PyTorch
+    import random
+
+    model = _LayerDrop(how).train()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 16)
+    torch.manual_seed(3)
+    random.seed(3)
+    torch_state, py_state = torch.get_rng_state(), random.getstate()
+    with pytest.raises(memfit.TraceError, match=r"draws a random number(.|\n)*failing line: .*test_traps.py:\d+ in "
+                                                r"forward(.|\n)*bernoulli_"):
+        memfit.optimize(model, x, "100%")
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == py_state
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_branch_dropped_through_a_tensor_mask_trains_as_pytorch():
+    torch.manual_seed(0)
+    model = _LayerDrop("tensor").train()
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plain, planned = fresh_copy(model), memfit.optimize(fresh_copy(model), x, "min")
+    for m in (plain, planned):
+        torch.manual_seed(5)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(6):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), planned.parameters()))

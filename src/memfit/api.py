@@ -18,7 +18,7 @@ from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
 from memfit.runtime.overhead import price_regions
-from memfit.runtime.planned import PlannedModule, autocast_dtype
+from memfit.runtime.planned import PlannedModule, autocast_dtype, memory_layout, state_layouts
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
@@ -32,6 +32,10 @@ def _shapes(inputs: tuple) -> list[list[int]]:
 
 def _dtypes(inputs: tuple) -> list[str]:
     return [str(t.dtype) for t in inputs if isinstance(t, torch.Tensor)]
+
+
+def _layouts(inputs: tuple) -> list[str]:
+    return [memory_layout(t) for t in inputs if isinstance(t, torch.Tensor)]
 
 
 def state_shapes(model: nn.Module) -> dict[str, list[int]]:
@@ -133,8 +137,12 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
              for key, role in state_roles(model).items()}
     for what, theirs, mine in (("shape", plan_.state_shapes, state_shapes(model)),
                                ("dtype", plan_.state_dtypes, state_dtypes(model)),
+                               ("memory layout", plan_.state_layouts, state_layouts(model)),
                                ("role", plan_.state_roles, roles)):
         diff = _first_difference(what, theirs, mine) if theirs else None
+        if diff and what == "memory layout":
+            raise ValueError(f"the plan was made for the model in another memory layout: {diff} "
+                             "(model.to(memory_format=...)); convert it back or make a new plan")
         if diff:
             raise ValueError(f"the plan was made for another model: {diff}; make a new plan for this model")
     missing = [name for name, got in (("input_shapes", plan_.input_shapes), ("state_shapes", plan_.state_shapes),
@@ -146,6 +154,11 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
     if plan_.input_dtypes and dtypes != plan_.input_dtypes:
         raise ValueError(f"the plan was made for inputs of dtype {plan_.input_dtypes}, not {dtypes}: its memory "
                          "figures would not hold; make a new plan for these dtypes")
+    layouts = _layouts(given)
+    if plan_.input_layouts and layouts != plan_.input_layouts:
+        raise ValueError(f"the plan was made for inputs of memory layout {plan_.input_layouts}, not {layouts}: its "
+                         "memory figures would not hold; convert the inputs as they were when it was made "
+                         "(x.contiguous(memory_format=...)) or make a new plan")
 
 
 def _private_copy(inputs: tuple) -> tuple:
@@ -362,6 +375,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                                        bind_inputs(captured.gm, inputs))
     result.state_shapes = state_shapes(model)
     result.state_dtypes = state_dtypes(model)
+    result.input_layouts = _layouts(inputs)
+    result.state_layouts = state_layouts(model)
     result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
     result.optimizer = None if optimizer is None else type(optimizer).__name__

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import has_own_hooks, record_reads
@@ -93,6 +94,64 @@ def _refuse_grad_mode_changes():
     finally:
         torch._C._set_grad_enabled = real_set
         torch.autograd.grad_mode.inference_mode.__enter__ = real_inference
+
+
+_PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "gauss", "normalvariate",
+              "shuffle", "sample", "betavariate", "expovariate", "triangular")
+
+
+class _SeededOps(TorchDispatchMode):
+    """Notes the user's line (in ``seen``) of each operator that draws from a random generator
+    (``torch.Tag.nondeterministic_seeded``) and runs while tracing: on concrete tensors, so outside the graph."""
+
+    def __init__(self, seen: list[str]):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen.append(_call_site())
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _watch_random_draws(seen: list[str]):
+    """While tracing, note where the forward draws a random number outside the graph (``torch.rand(1).item() < p``,
+    ``random.random()``): fx runs such a draw once, while tracing, and the plan keeps its value for good (a fresh
+    user's stochastic depth kept a residual branch at every step). Lines go in ``seen``; a draw the watch cannot
+    place (``numpy.random``, a ``from random import random``) is caught by the generators' states changing, noted
+    as ``"?"``. Every generator is put back as it was."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    states = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
+    real = {name: getattr(random, name) for name in _PY_RANDOM if hasattr(random, name)}
+
+    def watched(f):
+        def draw(*args, **kwargs):
+            seen.append(_call_site())
+            return f(*args, **kwargs)
+        return draw
+
+    for name, f in real.items():
+        setattr(random, name, watched(f))
+    try:
+        with _SeededOps(seen):
+            yield
+    finally:
+        for name, f in real.items():
+            setattr(random, name, f)
+        after = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
+        changed = (not torch.equal(states[0], after[0]) or states[1] != after[1]
+                   or (numpy is not None and any(not numpy.array_equal(a, b) if hasattr(a, "shape") else a != b
+                                                 for a, b in zip(states[2], after[2]))))
+        if changed and not seen:
+            seen.append("?")
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        if numpy is not None:
+            numpy.random.set_state(states[2])
 
 
 class _ReentrantCheckpoint(Exception):
@@ -387,9 +446,10 @@ def capture(model: nn.Module) -> Captured:
             flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
     checkpoints: list[str] = []
+    draws: list[str] = []
     try:
         with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-              record_reads(model) as attributes):
+              _watch_random_draws(draws), record_reads(model) as attributes):
             gm = _trace(model)
     except _ReentrantCheckpoint:
         raise TraceError(
@@ -415,6 +475,19 @@ def capture(model: nn.Module) -> Captured:
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
             f"  failing line: {_user_frame(exc)}\n" + _trace_advice(model, exc)
         ) from exc
+    if draws:
+        where = next((d for d in draws if d != "?"), None)
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} draws a random number on values torch.fx does not trace "
+            "(`torch.rand(1).item() < p`, `random.random()`, numpy.random, or random noise of a fixed size): fx ran "
+            "that draw once, while tracing, and the planned step would keep its value at every step (a branch "
+            "always taken or always skipped, the same noise).\n"
+            + (f"  failing line: {where}\n" if where else "")
+            + "  Draw it from the tensors of the step: `keep = x.new_empty(()).bernoulli_(1 - p)` then "
+            "`x + f(x) * keep / (1 - p)` for a whole branch (it is computed at every step, and zeroed when "
+            "dropped), `x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(1 - p)` per sample (as torchvision's "
+            "StochasticDepth does), `torch.randn_like(x)` for noise. Your model and random generators are as "
+            "they were.")
     if attributes.state_writes:
         names = ", ".join(attributes.state_writes[:4]) + (" ..." if len(attributes.state_writes) > 4 else "")
         raise TraceError(

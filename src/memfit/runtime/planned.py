@@ -217,6 +217,24 @@ def autocast_dtype(inputs: tuple) -> str | None:
     return str(torch.get_autocast_dtype(device_type))
 
 
+def memory_layout(t: torch.Tensor) -> str:
+    """The memory layout of ``t``: ``"contiguous"``, ``"channels_last"`` (4-D) or ``"channels_last_3d"`` (5-D), or
+    ``"strided"`` for any other strides. Activations and their gradients follow their inputs' layout, and a
+    convolution run in another layout than profiled allocates other reordered copies (a CNN planned contiguous
+    and trained channels-last measured 10% over its budget)."""
+    if t.is_contiguous():
+        return "contiguous"
+    for name, fmt in (("channels_last", torch.channels_last), ("channels_last_3d", torch.channels_last_3d)):
+        if t.dim() == (4 if fmt is torch.channels_last else 5) and t.is_contiguous(memory_format=fmt):
+            return name
+    return "strided"
+
+
+def state_layouts(model: nn.Module) -> dict[str, str]:
+    """:func:`memory_layout` of every tensor of ``model.state_dict()`` with four or more dimensions, by key."""
+    return {k: memory_layout(v) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and v.dim() >= 4}
+
+
 _TREE_VERSION = [0]  # bumped whenever any module anywhere registers a submodule, parameter or buffer
 _WATCHING: list[bool] = []
 
@@ -465,6 +483,9 @@ class PlannedModule(nn.Module):
         leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
         self._first_parameter = next(iter(self.model.named_parameters()), None)
+        # (the first whose layouts differ: a 1x1 convolution's weight is contiguous in both)
+        self._first_weight = next(((k, p) for k, p in self.model.named_parameters()
+                                   if p.dim() >= 4 and p.shape[1] > 1 and p.shape[2:].numel() > 1), None)
         self._attributes = [(path, self.model.get_submodule(path), name, kind, value)
                             for path, values in self.__dict__["_captured"].attributes.items()
                             for name, (kind, value) in values.items()]
@@ -1011,6 +1032,23 @@ class PlannedModule(nn.Module):
                                 f"{self.plan.input_dtypes}, called with {dtypes}; results are correct but "
                                 "activations differ in size, so the planned memory figures do not hold. Make a "
                                 "plan for these inputs.")
+        made, now = self.plan.state_layouts, None
+        if made and self._first_weight is not None and self._first_weight[0] in made:
+            key, weight = self._first_weight
+            now = memory_layout(weight)
+            if now != made[key]:  # (model.to(memory_format=torch.channels_last) after planning: 10% over, silently)
+                self._warn_once(f"weights {now}", f"memfit: the plan was made for {made[key]} weights and the "
+                                f"model's are now {now} (model.to(memory_format=...) after planning); results are "
+                                "correct but convolutions allocate other copies in another layout, so the planned "
+                                "memory figures do not hold. Make a plan for the model as it is now.")
+        if self.plan.input_layouts:
+            layouts = [memory_layout(a) for a in args if isinstance(a, torch.Tensor)]
+            if layouts != self.plan.input_layouts and f"weights {now}" not in self._warned:
+                self._warn_once(f"layout {layouts}", f"memfit: the plan was made for inputs of memory layout "
+                                f"{self.plan.input_layouts}, called with {layouts}; results are correct but "
+                                "activations and the convolutions' copies follow the input's layout, so the planned "
+                                "memory figures do not hold. Make a plan for these inputs (or convert them as the "
+                                "example was: x.contiguous(memory_format=...)).")
         if self.plan.input_grads and "input grad" not in self._warned:
             grads = [a.requires_grad for a in args if isinstance(a, torch.Tensor)]
             new = [k for k, (now, made) in enumerate(zip(grads, self.plan.input_grads)) if now and not made]

@@ -91,6 +91,11 @@ class Plan:
         buffer_kinds_known: ``buffer_kinds`` comes from the profile (empty: the forward pass writes no buffer);
             ``False`` (a plan made by hand, or before this was recorded): an empty ``buffer_kinds`` is not known,
             and the first training step finds the written buffers under a dispatch mode.
+        input_layouts: memory layout of each tensor of the example inputs, as ``input_shapes``
+            (:func:`memfit.runtime.planned.memory_layout`: ``"channels_last"``, ``"contiguous"``, ...); empty in plans
+            made before it was recorded.
+        state_layouts: memory layout of every parameter and buffer of four or more dimensions (a convolution's
+            weight: ``model.to(memory_format=torch.channels_last)`` changes it), by ``state_dict`` key.
         input_values: the forward's arguments that were plain Python values when the plan was made (``repr``
             text by name, :func:`memfit.graph.calls.input_values`): another value can change activation sizes.
     """
@@ -129,6 +134,8 @@ class Plan:
     input_values: dict[str, str] = field(default_factory=dict)
     buffer_kinds_known: bool = False
     optimizer_state_bytes: int | None = None
+    input_layouts: list[str] = field(default_factory=list)
+    state_layouts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiled, list) or not all(
