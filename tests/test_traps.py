@@ -1903,3 +1903,37 @@ def test_a_branch_dropped_through_a_tensor_mask_trains_as_pytorch():
             F.cross_entropy(m(x), y).backward()
             opt.step()
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), planned.parameters()))
+
+
+def _normed_critic(norm: str) -> nn.Module:
+    """A GAN critic whose layers are wrapped by old-style ``spectral_norm`` or ``weight_norm`` (forward pre-hooks
+    that set ``module.weight`` before each call and keep it until the next)."""
+    wrap = {"spectral_norm": nn.utils.spectral_norm, "weight_norm": nn.utils.weight_norm}[norm]
+    torch.manual_seed(0)
+    return nn.Sequential(wrap(nn.Conv2d(3, 16, 3, padding=1)), nn.LeakyReLU(0.2),
+                         wrap(nn.Conv2d(16, 32, 3, stride=2, padding=1)), nn.LeakyReLU(0.2),
+                         wrap(nn.Conv2d(32, 32, 3, stride=2, padding=1)), nn.LeakyReLU(0.2), nn.Flatten(),
+                         wrap(nn.Linear(32 * 4 * 4, 1))).train()
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+@pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm"])
+def test_old_style_weight_hooks_keep_their_weight_between_steps(norm, budget):
+    # the weight such a hook computes stays on the module after the step: counted as an activation, freed after its
+    # layer's backward, a fresh user's spectral-normed MLP measured 5.5% over its predicted peak at 100% and at min
+    # (weight_norm's module cannot be deep-copied after a forward: each copy is built anew)
+    x, y = torch.randn(8, 3, 16, 16), torch.rand(8, 1)
+    loss = lambda out, y: F.binary_cross_entropy_with_logits(out, y)
+    plain = _normed_critic(norm)
+    base = measure_training(plain, plain, (x,), y, loss, steps=1)
+    m = _normed_critic(norm)
+    planned = memfit.optimize(m, x, budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: loss(out, y))
+    fig = measure_training(planned, planned, (x,), y, loss, steps=1)
+    agree = compare(base, fig)
+    assert agree["gradients_match"] and agree["bn_stats_match"], agree
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.002 * fig.peak_bytes, (
+        planned.plan.predicted_peak_bytes, fig.peak_bytes)
+    if budget == "min":
+        assert "recompute" in planned.plan.decisions.values()
