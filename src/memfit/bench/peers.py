@@ -52,9 +52,10 @@ def activation_memory_budget(budget: float):
 
 
 def one_step_grads(module: nn.Module, params_of: nn.Module, inputs: tuple, target, loss_fn,
-                    seed: int) -> dict[str, torch.Tensor]:
+                   seed: int, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """One forward and backward from the current weights (RNG seeded with ``seed``), then put the module back
-    as it was (buffers restored, gradients ``None``). Returns the gradients by parameter name."""
+    as it was (buffers restored, gradients ``None``). Returns the gradients by parameter name; if ``buffers``
+    is a dict, it receives the floating-point buffers (BatchNorm statistics) as the step left them, by name."""
     saved = [(b, b.detach().clone()) for b in params_of.buffers()]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -62,6 +63,8 @@ def one_step_grads(module: nn.Module, params_of: nn.Module, inputs: tuple, targe
         loss.backward()
     del loss
     grads = {n: p.grad.detach().clone() for n, p in params_of.named_parameters() if p.grad is not None}
+    if buffers is not None:
+        buffers.update({n: b.detach().clone() for n, b in params_of.named_buffers() if b.is_floating_point()})
     with torch.no_grad():
         for buf, value in saved:
             buf.copy_(value)
@@ -71,45 +74,65 @@ def one_step_grads(module: nn.Module, params_of: nn.Module, inputs: tuple, targe
 
 
 def reference_grads(model: nn.Module, inputs: tuple, target, loss_fn, seed: int = 0):
-    """Plain PyTorch's gradients of one step from ``model``'s weights, in float32 and in float64.
+    """Plain PyTorch's gradients of one step from ``model``'s weights, in float32 and in float64, and the
+    floating-point buffers (BatchNorm statistics) that step leaves, in both.
 
     Their difference is float32's own rounding noise on this model. Deep networks at random initialisation
     amplify it (ResNet-50 at batch 8, 128 px: a max abs difference of about 0.3 on gradients of up to 24),
     so code that merely sums in another order, as compiled code does, cannot match to 1e-4 there.
 
     Returns:
-        ``(grads32, grads64)`` by parameter name.
+        ``(grads32, grads64, buffers32, buffers64)``, each by name.
     """
     m32 = fresh_copy(model)
-    g32 = one_step_grads(m32, m32, inputs, target, loss_fn, seed)
+    b32: dict[str, torch.Tensor] = {}
+    g32 = one_step_grads(m32, m32, inputs, target, loss_fn, seed, b32)
     m64 = fresh_copy(model).double()
     inputs64 = tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                      for t in inputs)
-    g64 = one_step_grads(m64, m64, inputs64, target, loss_fn, seed)
-    return g32, g64
+    b64: dict[str, torch.Tensor] = {}
+    g64 = one_step_grads(m64, m64, inputs64, target, loss_fn, seed, b64)
+    return g32, g64, b32, b64
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b), default=0.0)
 
 
-def one_step_check(grads: dict[str, torch.Tensor], reference: tuple) -> dict:
-    """Compare one step's gradients with plain PyTorch's, taking float32's noise on the model into account.
+def _strip(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names as the plain model has them (a planned or compiled module's parameters are under ``gm.`` or
+    ``_orig_mod.``)."""
+    return {k.removeprefix("gm.").removeprefix("_orig_mod."): v for k, v in values.items()}
+
+
+def one_step_check(grads: dict[str, torch.Tensor], reference: tuple,
+                   buffers: dict[str, torch.Tensor] | None = None) -> dict:
+    """Compare one step's gradients (and, if given, the buffers it left) with plain PyTorch's, taking float32's
+    noise on the model into account.
 
     Args:
         grads: the gradients to check (one step from the initial weights).
         reference: :func:`reference_grads`.
+        buffers: the floating-point buffers that step left (BatchNorm statistics), or ``None``.
 
     Returns:
         ``{"max_abs_grad_diff"`` (vs plain float32), ``"vs_float64"`` (vs plain float64),
         ``"float32_noise"`` (plain float32 vs float64), ``"within_float32_noise"``: ``vs_float64 <= 2 *
         float32_noise + 1e-5``, i.e. as close to the float64 gradients as plain PyTorch's own float32 ones,
-        within a factor of 2 (and 1e-5)``}``.
+        within a factor of 2 (and 1e-5)``}``; with ``buffers``, also ``"buffers_vs_float64"``,
+        ``"buffers_float32_noise"`` and ``"buffers_within_float32_noise"``, the same test on the buffers.
     """
-    g32, g64 = reference
+    g32, g64, b32, b64 = reference
+    grads = _strip(grads)
     noise, vs64 = _max_diff(g32, g64), _max_diff(grads, g64)
-    return {"max_abs_grad_diff": _max_diff(grads, g32), "vs_float64": vs64, "float32_noise": noise,
-            "within_float32_noise": set(grads) == set(g32) and vs64 <= 2 * noise + 1e-5}
+    out = {"max_abs_grad_diff": _max_diff(grads, g32), "vs_float64": vs64, "float32_noise": noise,
+           "within_float32_noise": set(grads) == set(g32) and vs64 <= 2 * noise + 1e-5}
+    if buffers is not None:
+        buffers = _strip(buffers)
+        b_noise, b_vs64 = _max_diff(b32, b64), _max_diff(buffers, b64)
+        out.update(buffers_vs_float64=b_vs64, buffers_float32_noise=b_noise,
+                   buffers_within_float32_noise=set(buffers) == set(b32) and b_vs64 <= 2 * b_noise + 1e-5)
+    return out
 
 
 def compiled_graph_count() -> int:
