@@ -8,12 +8,14 @@ PyTorch run, and on the shared development machine plain PyTorch's median moved 
 as much as the difference being measured. Here every plan comes from one profile (with the operator
 variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch and every plan of
 ``--setups`` (``strategy@activation budget in percent``; ``strategy-unpriced@...`` solves with the checkpoint
-regions' own cost left out, as before :mod:`memfit.runtime.overhead`) take one training step each in turn (SGD with
+regions' own cost left out, as before :mod:`memfit.runtime.overhead`; ``strategy-nonative@...`` without the
+``conv-native`` variant) take one training step each in turn (SGD with
 momentum, gradients set to ``None``) for ``--rounds`` rounds after a warm-up
 (:func:`memfit.bench.harness.interleaved_step_seconds`): the overheads are ratios of medians taken in the
 same minutes, so plans can be compared with each other directly. Memory (exact tracker), gradients and
 BatchNorm statistics come from one step of each plan from the same weights as plain PyTorch
-(:func:`measure_training`).
+(:func:`measure_training`); a plan that rounds differently (``conv-native``) is judged by the one-step
+float64 check instead (:func:`memfit.bench.job.rounding_check`: ``float32 rounding`` in the last column).
 
 Prints one row per setup: measured activation peak (fraction of plain PyTorch's), predicted and measured
 overhead, the operator variants, and whether gradients and BatchNorm statistics match plain PyTorch's.
@@ -22,6 +24,7 @@ overhead, the operator variants, and whether gradients and BatchNorm statistics 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import platform
@@ -34,6 +37,7 @@ from _spec import profile_once, zoo_setup
 
 import memfit
 from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
+from memfit.bench.job import rounding_check, rounds_differently
 from memfit.graph import capture
 from memfit.solve.simulator import simulate
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
@@ -64,8 +68,12 @@ def main() -> None:
         priced = costs
         if strategy.endswith("-unpriced"):
             priced = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
+        if strategy.endswith("-nonative"):
+            priced = copy.deepcopy(costs)
+            for c in priced.nodes:
+                c.variants.pop("conv-native", None)
         try:
-            plan = make_plan(strategy.removesuffix("-unpriced"), graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
+            plan = make_plan(strategy.removesuffix("-unpriced").removesuffix("-nonative"), graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
                              time_limit=args.time_limit, use_offload=False)
         except InfeasibleBudgetError as exc:
             print(f"{setup}: infeasible (smallest feasible {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
@@ -85,13 +93,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for k, (strategy, pct, plan, fig) in enumerate(rows, start=1):
         check = compare(base, fig)
+        if rounds_differently(plan):
+            one = rounding_check(model, plan, (x,), y, loss)
+            ok = one["within_float32_noise"] and one["buffers_within_float32_noise"]
+            check = {"gradients_match": ok, "bn_stats_match": ok, "max_abs_grad_diff": one["vs_float64"],
+                     "rounding": True}
         print(f"| {strategy} | {pct}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
               f"| {simulate(graph, costs, plan).step_seconds / plain_plan.predicted_step_seconds:.3f}x "
               f"({simulate(graph, free, plan).step_seconds / plain_free:.3f}x) "
               f"| {seconds[k] / seconds[0]:.3f}x | {len(plan.regions)} ({sum(hi - lo + 1 for lo, hi in plan.region_spans())}) "
               f"| {plan.counts()['variants'] or '-'} "
-              f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'} "
-              f"({check['max_abs_grad_diff']:.1e}) |", flush=True)
+              f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'}"
+              f"{' to float32 rounding' if check.get('rounding') else ''} ({check['max_abs_grad_diff']:.1e}) |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ import torchvision
 from torch import nn
 
 import memfit
-from _profiled import profiled
+from _profiled import agrees_with_pytorch, profiled
 from memfit import zoo
 from memfit.api import optimizer_state_bytes
 from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.bench.job import rounds_differently
 from memfit.graph import capture
 from memfit.profile import profile_graph
 from memfit.solve import simulate
@@ -33,10 +34,7 @@ def _check(model, inputs, target, loss_fn, budget, strategy="memfit", base=None)
     plan, captured, _ = memfit.plan(m, inputs, budget, strategy=strategy, optimizer=opt)
     planned = memfit.PlannedModule(captured, plan)
     fig = measure_training(planned, planned, inputs, target, loss_fn, steps=1)
-    check = compare(base, fig)
-    assert check["gradients_match"], check
-    assert check["max_abs_grad_diff"] <= 1e-5
-    assert check["bn_stats_match"]
+    agrees_with_pytorch(base, fig, plan, model, inputs, target, loss_fn)
     if isinstance(budget, int):
         assert fig.peak_bytes <= budget, (fig.peak_bytes, budget, plan.predicted_peak_bytes)
     assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (
@@ -79,8 +77,8 @@ def _three_budgets(name, size=None, grads_exist=True):
         budget = lowest + int(f * max(0, base.peak_bytes - lowest))
         plan = make_plan("memfit", captured.graph, costs, budget, fixed_bytes=fixed)
         fig = _train_plan(m, initial, plan, captured, inputs, target, loss_fn, grads_exist)
-        check = compare(base, fig)
-        assert check["gradients_match"] and check["bn_stats_match"], check
+        m.load_state_dict(initial)
+        agrees_with_pytorch(base, fig, plan, m, inputs, target, loss_fn)
         assert fig.peak_bytes <= budget, (fig.peak_bytes, budget, plan.predicted_peak_bytes)
         assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (
             plan.predicted_peak_bytes, fig.peak_bytes)
@@ -220,13 +218,23 @@ def test_a_plan_for_tied_weights_is_refused_for_untied_ones(tmp_path):
     assert memfit.optimize(LM(True).train(), idx, plan_=memfit.Plan.load(tmp_path / "p.json"))(idx).shape == (2, 8, 64)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "unet"])
-def test_every_variant_at_once_matches_pytorch(name):
+@pytest.mark.parametrize("name,conv", [("resnet18", "conv-split-backward"), ("mobilenet_v2", "conv-split-backward"),
+                                       ("unet", "conv-split-backward"), ("unet", "conv-native")])
+def test_every_variant_at_once_matches_pytorch(name, conv):
     """Force every applicable operator variant into the plan, with and without recomputation regions:
-    gradients and BatchNorm statistics still match plain PyTorch, and the replay predicts the measured peak."""
+    gradients and BatchNorm statistics still match plain PyTorch, and the replay predicts the measured peak.
+    One variant per node: ``conv`` where a convolution has it (``conv-native`` only where it pays, the
+    UNet's bottleneck at this size)."""
     m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _profiled(name)
-    choice = {c.name: min(c.variants) for c in costs.nodes if c.variants}
+    choice = {c.name: conv if conv in c.variants else min(set(c.variants) - {"conv-native"} or c.variants)
+              for c in costs.nodes if c.variants}
     assert choice, "no variant applies"
+    if conv == "conv-native":
+        assert conv in choice.values()
+    _every_variant(m, initial, inputs, target, loss_fn, base, captured, costs, fixed, choice)
+
+
+def _every_variant(m, initial, inputs, target, loss_fn, base, captured, costs, fixed, choice):
     acc = Accounting.build(captured.graph, costs.with_variants(choice))
     for strategy in ("none", "chen"):
         plan = make_plan(strategy, captured.graph, costs, fixed_bytes=fixed)
@@ -235,8 +243,19 @@ def test_every_variant_at_once_matches_pytorch(name):
         plan.variants.update(choice)
         predicted = simulate(captured.graph, costs.with_variants(choice), plan, fixed)
         fig = _train_plan(m, initial, plan, captured, inputs, target, loss_fn)
-        check = compare(base, fig)
-        assert check["gradients_match"] and check["bn_stats_match"], check
+        if rounds_differently(plan):
+            # conv-native: float32 rounding other than oneDNN's, which these tiny ill-conditioned models amplify
+            # past any tolerance (MobileNet-V2 at 2 x 32 px: plain float32 is 2.4e6 from float64 after one step);
+            # in float64 both run PyTorch's own kernels (oneDNN has none), so the plan gives plain PyTorch's values
+            m.load_state_dict(initial)
+            m64 = fresh_copy(m).double()
+            inputs64 = tuple(t.double() for t in inputs)
+            check = compare(_plain(m64, inputs64, target, loss_fn, grads_exist=True),
+                            _train_plan(m64, m64.state_dict(), plan, capture(m64), inputs64, target, loss_fn))
+            assert check["gradients_match"] and check["bn_stats_match"], check
+        else:
+            check = compare(base, fig)
+            assert check["gradients_match"] and check["bn_stats_match"], check
         assert abs(predicted.peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes, (
             strategy, predicted.peak_bytes, fig.peak_bytes)
 

@@ -44,8 +44,10 @@ Each row of the result is the ``memfit run --json`` report (README) with these k
   (within 2x). The 3-step comparison above (``gradients_match``) cannot hold to 1e-4 on deep models at
   random initialisation, where float32 rounding alone moves gradients by more than that (ResNet-50 at
   batch 8, 128 px: about 0.3 after one step) and 3 SGD steps amplify it further.
-* ``rounding_check`` (``memfit`` rows whose plan stripes blocks, ``tiled-chain``): the same one-step check
-  (:func:`memfit.bench.job.rounding_check`); ``gradients_match`` is its ``within_float32_noise`` there, and
+* ``rounding_check`` (``memfit`` rows whose plan stripes blocks, ``tiled-chain``, or runs ``conv-native``
+  convolutions: :func:`memfit.bench.job.rounds_differently`): the same one-step check
+  (:func:`memfit.bench.job.rounding_check`), on the BatchNorm statistics too; ``gradients_match`` and
+  ``bn_stats_match`` are its ``within_float32_noise`` and ``buffers_within_float32_noise`` there, and
   ``max_abs_grad_diff`` stays the 3-step difference.
 """
 
@@ -67,7 +69,7 @@ from torch import nn
 
 from memfit.api import autocast_dtype, offload_store, optimizer_state_bytes, tiled_options
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
-from memfit.bench.job import measure_plain, rounding_check
+from memfit.bench.job import measure_plain, rounding_check, rounds_differently
 from memfit.budget import fmt_bytes
 from memfit.graph.capture import capture
 from memfit.profile.costs import profile_graph
@@ -418,12 +420,13 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                                                                        row_store, grads_exist)
                 _fill(row, figures, baseline, plain_s, planned_s, RUNTIME_GRAD_TOLERANCE,
                       plan.predicted_peak_bytes, plan.fixed_bytes, plan.predicted_step_seconds, host_peak)
-                if plan.tiled:  # gradients to float32 rounding: judged against float32's own noise
+                if rounds_differently(plan):  # float32 rounding: judged against float32's own noise
                     if reference is None:
                         reference = peers.reference_grads(work.model, work.inputs, work.target, work.loss_fn, seed)
                     one = rounding_check(work.model, plan, work.inputs, work.target, work.loss_fn, seed, row_store,
                                          reference)
-                    row.update(gradients_match=one["within_float32_noise"], rounding_check=one)
+                    row.update(gradients_match=one["within_float32_noise"],
+                               bn_stats_match=one["buffers_within_float32_noise"], rounding_check=one)
                 row.update(solve_seconds=plan.solve_seconds,
                            profile_and_solve_seconds=profile_s + plan.solve_seconds, mip_gap=plan.mip_gap,
                            decisions=plan.counts(), regions=len(plan.regions))

@@ -1111,8 +1111,11 @@ def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register,
     from memfit.variants import variant_call, variants_for
 
     module = gm.get_submodule(node.target)
+    args = tuple(env.get(a.name) if isinstance(a, fx.Node) else a for a in node.args)
     for spec in variants_for(module):
         if not spec.offered:  # bn-from-output: its rounding is amplified over steps (VariantSpec.offered)
+            continue
+        if spec.pays is not None and not spec.pays(module, args):  # conv-native on a full-resolution layer
             continue
         inplace = bool(getattr(spec.make(module), "inplace", False))
         overwrite = tuple(a.name for a in node.all_input_nodes) if inplace else ()

@@ -9,9 +9,11 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
 * ``conv-split-backward``: Conv1d/2d/3d saves what PyTorch saves but computes its weight and input
   gradients in two calls, so their workspaces never coexist (bit-exact gradients; MONeT's
   convolution-algorithm choice, on the CPU);
-* ``conv-native``: Conv2d on CUDA with cuDNN off (PyTorch's im2col + GEMM kernels), split backward: a
-  workspace of one sample's columns instead of cuDNN's (MONeT's algorithm choice, the one per-call form
-  PyTorch allows; float rounding against cuDNN's TF32);
+* ``conv-native``: Conv2d with cuDNN (CUDA) or oneDNN (CPU) off, so that PyTorch's own im2col + GEMM
+  kernels run, split backward: a workspace of columns instead of the vendor library's (MONeT's algorithm
+  choice, the one per-call form PyTorch allows; float rounding against cuDNN's TF32 and oneDNN's
+  blocked kernels). On the CPU it drops oneDNN's weight-sized reorders (a 1024-channel 3x3 convolution
+  at 6x6: 72 MiB of backward workspace to 38 MiB, the weight's gradient included);
 * ``bn-saved-stats``: a BatchNorm that a plan recomputes normalizes with its forward pass's statistics
   instead of computing them again (:mod:`memfit.variants.bn_saved_stats`; bit-exact on the CPU). It
   changes the recomputation only, so it is not a registry entry: the profile times it per node
@@ -60,6 +62,7 @@ from .conv_split_backward import (
 from .conv_split_backward import applies as _conv_split_applies
 from .conv_split_backward import from_module as conv_split_from_module
 from .conv_split_backward import native_applies as _conv_native_applies
+from .conv_split_backward import native_pays as _conv_native_pays
 from .inplace import INPLACE_VARIANTS, OPERAND, inplace_forms, saves_its_output
 from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
 from .relu_mask import (
@@ -138,6 +141,9 @@ class VariantSpec:
             ill-conditioned BatchNorm layers amplify over steps; ``conv-native`` is offered although not
             bit-exact: it rounds like cuDNN's own algorithms do against each other (PyTorch's default,
             ``torch.backends.cudnn.deterministic=False``, is not bit-reproducible either).
+        pays: ``pays(module, inputs) -> bool``, where the profile should measure it on this call's input
+            values (``inputs``: the node's positional arguments): a shape test, so that a variant that cannot
+            lower a peak there is not timed at all (``None``: everywhere ``applies`` says).
     """
 
     name: str
@@ -148,6 +154,7 @@ class VariantSpec:
     make: Callable[[nn.Module], nn.Module]
     caveat: str = ""
     offered: bool = True
+    pays: Callable[[nn.Module, tuple], bool] | None = None
 
 
 _ACT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
@@ -176,10 +183,11 @@ def _make_checked(spec_name: str, applies: Callable[[nn.Module], bool],
     return make
 
 
-def _spec(name, types, saves, exact, applies, build, caveat="", offered=True) -> VariantSpec:
+def _spec(name, types, saves, exact, applies, build, caveat="", offered=True, pays=None) -> VariantSpec:
     def checked(m: nn.Module, applies=applies) -> bool:
         return replaceable(m) and applies(m)
-    return VariantSpec(name, types, saves, exact, checked, _make_checked(name, checked, build), caveat, offered)
+    return VariantSpec(name, types, saves, exact, checked, _make_checked(name, checked, build), caveat, offered,
+                       pays)
 
 
 VARIANTS: dict[str, VariantSpec] = {
@@ -201,9 +209,9 @@ VARIANTS: dict[str, VariantSpec] = {
               "calls, so their workspaces never coexist",
               True, _conv_split_applies, conv_split_from_module),
         _spec("conv-native", (nn.Conv2d,),
-              "the same as PyTorch (input and weight); runs with cuDNN off, so its workspace is one sample's "
-              "im2col columns instead of cuDNN's",
-              False, _conv_native_applies, Conv2dNative.from_module),
+              "the same as PyTorch (input and weight); runs with cuDNN (CUDA) or oneDNN (CPU) off, so its "
+              "workspace is PyTorch's im2col columns instead of the vendor library's",
+              False, _conv_native_applies, Conv2dNative.from_module, pays=_conv_native_pays),
     )
 }
 

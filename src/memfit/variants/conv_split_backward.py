@@ -1,5 +1,5 @@
 """Convolution whose backward computes the weight and the input gradients in two separate calls (and the
-same with cuDNN off, on CUDA).
+same with cuDNN or oneDNN off).
 
 PyTorch's convolution backward (``aten.convolution_backward`` with ``output_mask=[True, True, True]``)
 computes the input gradient and the weight gradient in one call. On the CPU, oneDNN then holds, at
@@ -18,17 +18,26 @@ expose a per-call cuDNN algorithm choice from Python (only the global ``torch.ba
 so on CUDA this is the only convolution choice available; there the split backward runs cuDNN's
 backward-data and backward-filter one after the other, as the joint call does.
 
-``conv-native`` (CUDA only) is the same split convolution with cuDNN switched off around its forward and
-both backward calls, so that PyTorch's own CUDA kernels run (im2col + GEMM, one sample at a time). Their
-workspace is one sample's column buffer (``C_in * prod(kernel) * prod(spatial_out)`` elements), against
-cuDNN's, which PyTorch sizes by its algorithm heuristics and can be gigabytes: 4.5 GB for VGG-16's second
-convolution at batch 176, 224x224, on an H200, in deterministic and default modes alike, beside 2.3 GB
-activations. It is slower, and its results differ from cuDNN's by rounding (cuDNN's convolutions use TF32
-by default, ``torch.backends.cudnn.allow_tf32``; the GEMM path follows ``torch.backends.cuda.matmul``).
+``conv-native`` is the same split convolution with the vendor library switched off around its forward and
+both backward calls, so that PyTorch's own kernels run (im2col + GEMM). On CUDA that is cuDNN: the
+native kernels' workspace is one sample's column buffer (``C_in * prod(kernel) * prod(spatial_out)``
+elements), against cuDNN's, which PyTorch sizes by its algorithm heuristics and can be gigabytes: 4.5 GB
+for VGG-16's second convolution at batch 176, 224x224, on an H200, in deterministic and default modes
+alike, beside 2.3 GB activations. It is slower, and its results differ from cuDNN's by rounding (cuDNN's
+convolutions use TF32 by default, ``torch.backends.cudnn.allow_tf32``; the GEMM path follows
+``torch.backends.cuda.matmul``). On the CPU it is oneDNN (``torch.backends.mkldnn``), whose kernels
+reorder the weight (and its gradient) into a blocked layout at every call: a weight-sized transient in
+the forward and the backward pass, which dominates where channels are many and the image small (a
+UNet's bottleneck: ``[2, 1024, 6, 6]`` through a 1024-channel 3x3 convolution, 36 MiB of weights, took
+72 MiB of backward workspace with oneDNN, the weight's gradient included, and 38 MiB natively). The native
+CPU kernels hold the whole batch's im2col columns instead, nine times the input for a 3x3 convolution, so
+they cost more memory and time at full resolution: the profile measures both per node and the solver
+picks. Its results differ from oneDNN's by float rounding (another summation order), and are PyTorch's
+own bit for bit with ``torch.backends.mkldnn.enabled = False``.
 
 The forward is ``F.conv1d/2d/3d`` and the backward is PyTorch's own kernel with a partial
-``output_mask``, so outputs and gradients are bit-for-bit PyTorch's (``conv-native``: on the CPU, where
-there is no cuDNN, too). What is saved (input and
+``output_mask``, so outputs and gradients are bit-for-bit PyTorch's (``conv-native``: PyTorch's with the vendor library
+off). What is saved (input and
 weight) is what PyTorch saves. Only ``padding_mode="zeros"`` and numeric padding are handled (other
 modes pad in a separate op; ``padding="same"`` is resolved by the caller of ``F.conv*d``).
 """
@@ -53,23 +62,26 @@ __all__ = [
     "conv_split_backward",
     "from_module",
     "native_applies",
+    "native_pays",
 ]
 
 _FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 @contextlib.contextmanager
-def _cudnn_off(native: bool):
-    """cuDNN switched off (``torch.backends.cudnn.enabled``) while the body runs, if ``native``."""
+def _vendor_kernels_off(native: bool):
+    """cuDNN and oneDNN switched off (``torch.backends.cudnn.enabled``, ``torch.backends.mkldnn.enabled``)
+    while the body runs, if ``native``, so that PyTorch's own im2col + GEMM kernels run on either device."""
     if not native:
         yield
         return
-    before = torch.backends.cudnn.enabled
+    before = torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled
     torch.backends.cudnn.enabled = False
+    torch.backends.mkldnn.enabled = False
     try:
         yield
     finally:
-        torch.backends.cudnn.enabled = before
+        torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled = before
 
 
 class ConvSplitBackwardFn(torch.autograd.Function):
@@ -77,14 +89,14 @@ class ConvSplitBackwardFn(torch.autograd.Function):
 
     ``x``: ``[N, C_in, *spatial]`` (1, 2 or 3 spatial dimensions); ``weight``: ``[C_out, C_in / groups,
     *kernel]``; ``bias``: ``[C_out]`` or ``None``; ``stride``, ``padding``, ``dilation``: tuples of ints
-    of the spatial rank; ``native``: run the forward and both backward calls with cuDNN off (PyTorch's own
-    kernels). Returns ``[N, C_out, *spatial_out]``.
+    of the spatial rank; ``native``: run the forward and both backward calls with cuDNN and oneDNN off
+    (PyTorch's own kernels). Returns ``[N, C_out, *spatial_out]``.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
                 groups: int, native: bool = False) -> Tensor:
-        with _cudnn_off(native):
+        with _vendor_kernels_off(native):
             out = _FORWARD[x.dim() - 2](x, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.args = (list(stride), list(padding), list(dilation), groups)
@@ -101,7 +113,7 @@ class ConvSplitBackwardFn(torch.autograd.Function):
         zeros = [0] * len(stride)
 
         def call(mask):
-            with _cudnn_off(ctx.native):
+            with _vendor_kernels_off(ctx.native):
                 return torch.ops.aten.convolution_backward(
                     grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
 
@@ -116,7 +128,7 @@ class ConvSplitBackwardFn(torch.autograd.Function):
 def conv_split_backward(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
                         dilation=1, groups: int = 1, native: bool = False) -> Tensor:
     """``F.conv1d/2d/3d`` (chosen by ``x.dim()``: 3, 4 or 5) whose backward computes the weight and input
-    gradients in two calls; with ``native``, all three run with cuDNN off (``conv-native``). ``stride``,
+    gradients in two calls; with ``native``, all three run with cuDNN and oneDNN off (``conv-native``). ``stride``,
     ``padding``, ``dilation``: ints or tuples; string padding is not accepted (``TypeError``); an input of
     another rank raises ``ValueError``."""
     rank = x.dim() - 2
@@ -178,8 +190,9 @@ class Conv3dSplitBackward(_SplitMixin, nn.Conv3d):
 
 
 class Conv2dNative(_SplitMixin, nn.Conv2d):
-    """``nn.Conv2d`` subclass that runs with cuDNN off (PyTorch's own kernels: a small workspace, slower)
-    and computes its weight and input gradients in two calls (``conv-native``)."""
+    """``nn.Conv2d`` subclass that runs with cuDNN and oneDNN off (PyTorch's own im2col + GEMM kernels: no
+    vendor workspace or weight reorder, im2col columns instead) and computes its weight and input gradients
+    in two calls (``conv-native``)."""
 
     native = True
 
@@ -196,10 +209,38 @@ def applies(m: nn.Module) -> bool:
 
 def native_applies(m: nn.Module) -> bool:
     """True for an ``nn.Conv2d`` (exact type) that :func:`applies` to, with ``groups == 1``, whose weight is on
-    a CUDA device where cuDNN is available and enabled (elsewhere cuDNN is not used, so there is nothing to
-    switch off)."""
-    return (type(m) is nn.Conv2d and applies(m) and m.groups == 1 and m.weight.is_cuda
-            and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled)
+    a CUDA device where cuDNN is available and enabled, or on the CPU where oneDNN (``torch.backends.mkldnn``)
+    is (elsewhere PyTorch's own kernels run already, so there is nothing to switch off)."""
+    if not (type(m) is nn.Conv2d and applies(m) and m.groups == 1):
+        return False
+    if m.weight.is_cuda:
+        return torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+    return (m.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled)
+
+
+def native_pays(m: nn.Conv2d, inputs: tuple) -> bool:
+    """Whether ``conv-native`` can lower a peak for ``m`` called on ``inputs`` (``(x, ...)``, ``x`` of shape
+    ``[N, C_in, H, W]``). On CUDA, always (cuDNN's workspace depends on its algorithm, so it is measured). On
+    the CPU, where the step computes in float32 (oneDNN also runs bfloat16 under autocast, which PyTorch's
+    own CPU kernels are much slower at) and where the im2col columns of the whole batch that PyTorch's
+    own kernels hold (``N * C_in * kh * kw * H_out * W_out`` elements) are smaller than the weight, which
+    oneDNN reorders at every call: a wide convolution on a small image. Elsewhere (a full-resolution layer:
+    columns nine times the input for a 3x3 kernel) the native kernels cost more memory and time, and
+    measuring them would only slow the profile down (2x for the test suite's models)."""
+    x = inputs[0] if inputs else None
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        return False
+    if m.weight.is_cuda:
+        return True
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    if dtype != torch.float32:
+        return False
+    kh, kw = m.kernel_size
+    out = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+           zip(x.shape[2:], m.padding, m.dilation, m.kernel_size, m.stride, strict=True)]
+    columns = x.shape[0] * m.in_channels * kh * kw * out[0] * out[1]
+    return columns < m.weight.numel()
 
 
 def from_module(conv: nn.Module) -> nn.Module:
