@@ -29,17 +29,23 @@ def profiled(model, inputs: tuple, target, loss_fn, grads_exist: bool = True):
     return m, initial, base, captured, costs, fixed
 
 
-def agrees_with_pytorch(base, fig, plan, model, inputs: tuple, target, loss_fn, store=None) -> dict:
+def agrees_with_pytorch(base, fig, plan, model, inputs: tuple, target, loss_fn, store=None,
+                        cache: dict | None = None) -> dict:
     """Assert that a plan's gradients and BatchNorm statistics are plain PyTorch's: to 1e-5 after the measured
     steps (``base`` against ``fig``), or, for a plan that rounds differently (``conv-native``, striped blocks:
     :func:`memfit.bench.job.rounds_differently`), over one step from ``model``'s current weights, within plain
     float32's own distance from float64 (the zoo's tiny models are ill-conditioned: ResNet-50 at 2 x 32 px,
-    plain float32 is 3.7e8 from float64 after one step). Returns the check's dict."""
+    plain float32 is 3.7e8 from float64 after one step). ``cache``: a dict kept between calls for the same
+    model, weights and batch, which then share plain PyTorch's reference steps. Returns the check's dict."""
+    from memfit.bench import peers
     from memfit.bench.harness import compare
     from memfit.bench.job import rounding_check, rounds_differently
 
     if rounds_differently(plan):
-        one = rounding_check(model, plan, inputs, target, loss_fn, store=store)
+        cache = {} if cache is None else cache
+        if "reference" not in cache:
+            cache["reference"] = peers.reference_grads(model, inputs, target, loss_fn)
+        one = rounding_check(model, plan, inputs, target, loss_fn, store=store, reference=cache["reference"])
         assert one["within_float32_noise"] and one["buffers_within_float32_noise"], one
         return one
     check = compare(base, fig)

@@ -142,6 +142,32 @@ def test_torch_budget_gradients_match_plain(swept):
     assert functorch_config.activation_memory_budget == 1.0  # reset after the sweep
 
 
+def test_the_rounding_check_tells_float32_rounding_from_an_error():
+    """The one-step check of plans that round differently: another float32 computation of the same step (from the
+    batch moved by float32's precision) is within its noise, gradients and BatchNorm statistics; a gradient 1% off
+    or statistics moved by 1e-3 are not. Its noise is at least plain float32's own distance from float64."""
+    import torch.nn.functional as F
+
+    from memfit.bench.harness import fresh_copy
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 10)).train()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    ref = peers.reference_grads(model, (x,), y, F.cross_entropy)
+    plain = max(float((ref.grads32[k].double() - ref.grads64[k]).abs().max()) for k in ref.grads32)
+    assert ref.grads_noise >= plain and ref.buffers_noise > 0
+    m = fresh_copy(model)
+    buffers: dict = {}
+    grads = peers.one_step_grads(m, m, (x * (1 + 1.2e-7 * torch.randn_like(x)),), y, F.cross_entropy, 0, buffers)
+    check = peers.one_step_check(grads, ref, buffers)
+    assert check["within_float32_noise"] and check["buffers_within_float32_noise"], check
+    wrong = dict(grads, **{"4.weight": grads["4.weight"] * 1.01})
+    assert not peers.one_step_check(wrong, ref, buffers)["within_float32_noise"]
+    moved = dict(buffers, **{"1.running_mean": buffers["1.running_mean"] + 1e-3})
+    assert not peers.one_step_check(grads, ref, moved)["buffers_within_float32_noise"]
+
+
 def test_rockmate_row_says_why(swept):
     _, rows, _ = swept
     ok, why = peers.rockmate_status("cpu")

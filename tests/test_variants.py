@@ -706,23 +706,31 @@ def test_conv_native_matches_torch_and_restores_the_vendor_switches(name, make, 
     assert _flags() == before
 
 
-def test_conv_native_is_offered_where_cudnn_or_onednn_runs():
+def test_conv_native_applies_to_plain_convolutions_and_pays_where_a_vendor_library_runs():
+    """It applies to any ungrouped Conv2d (with cuDNN or oneDNN off already it runs PyTorch's own kernels, as the
+    default does, so a plan made with them on still applies); the profile measures it only where cuDNN (CUDA) or
+    oneDNN (CPU) is on to be switched off."""
+    from memfit.variants.conv_split_backward import native_pays
+
     spec = VARIANTS["conv-native"]
-    assert spec.offered and not spec.exact
-    conv = nn.Conv2d(3, 4, 3)
-    assert spec.applies(conv) == torch.backends.mkldnn.is_available()  # the CPU: oneDNN to switch off
+    assert spec.offered and not spec.exact and spec.pays is native_pays
+    conv = nn.Conv2d(256, 256, 3, padding=1)
+    x = (torch.randn(2, 256, 4, 4),)
+    assert spec.applies(conv) and isinstance(spec.make(conv), Conv2dNative)
+    assert native_pays(conv, x) == torch.backends.mkldnn.is_available()
     with _onednn(False):
-        assert not spec.applies(conv)  # PyTorch's own kernels run already
-        with pytest.raises(TypeError):
-            spec.make(conv)
+        assert spec.applies(conv) and not native_pays(conv, x)  # PyTorch's own kernels run already
+        y = spec.make(conv)(x[0].requires_grad_())
+        with _onednn(False):
+            ref = conv(x[0])
+        assert same(y, ref)
     assert not spec.applies(nn.Conv2d(4, 4, 3, groups=2)) and not spec.applies(nn.Conv1d(3, 4, 3))
-    if torch.backends.mkldnn.is_available():
-        assert isinstance(spec.make(conv), Conv2dNative)
+    with pytest.raises(TypeError):
+        spec.make(nn.Conv2d(4, 4, 3, groups=2))
     if torch.cuda.is_available() and torch.backends.cudnn.is_available():
-        conv = nn.Conv2d(3, 4, 3).cuda()
-        assert spec.applies(conv)
+        conv = conv.cuda()
+        assert spec.applies(conv) and native_pays(conv, (x[0].cuda(),))
         assert not spec.applies(nn.Conv2d(4, 4, 3, groups=2).cuda())
-        assert not spec.applies(nn.Conv1d(3, 4, 3).cuda())
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -1003,3 +1011,30 @@ def test_a_plan_at_min_runs_wide_convolutions_natively_within_its_budget():
     assert fig.activation_peak_bytes <= base.activation_peak_bytes // 2, (fig, base)  # measured: 0.14x
     check = compare(base, fig)
     assert check["bn_stats_match"] and check["max_abs_grad_diff"] <= 1e-4, check
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_conv_native_plan_applied_with_onednn_off_runs_and_warns(tmp_path):
+    """Found by a fresh user: a saved plan with conv-native was refused with oneDNN off ("which memfit cannot
+    apply"), and a plan made with oneDNN off trained with it on went 6.6% over its budget, silently. The plan
+    records the libraries' switches; either change after planning is warned about at the first step, and the
+    step's values stay plain PyTorch's (with oneDNN off, the same kernels)."""
+    import memfit
+
+    torch.manual_seed(14)
+    model = _Bottleneck().train()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    planned = memfit.optimize(model, x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
+    assert planned.plan.conv_libraries == {"cudnn": torch.backends.cudnn.enabled, "mkldnn": True}
+    assert "conv-native" in planned.plan.variants.values()
+    planned.plan.save(tmp_path / "plan.json")
+    with _onednn(False):
+        again = memfit.optimize(copy.deepcopy(plain), x, plan_=memfit.Plan.load(tmp_path / "plan.json"))
+        with pytest.warns(UserWarning, match=r"torch.backends.mkldnn.enabled=True and it is now False"):
+            loss = F.cross_entropy(again(x), y)
+        loss.backward()
+        ref = copy.deepcopy(plain)
+        F.cross_entropy(ref(x), y).backward()
+    for (n, p), q in zip(ref.named_parameters(), again.model.parameters()):
+        assert same(p.grad, q.grad), n

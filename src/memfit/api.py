@@ -18,7 +18,7 @@ from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
 from memfit.runtime.overhead import price_regions
-from memfit.runtime.planned import PlannedModule, autocast_dtype, memory_layout, state_layouts
+from memfit.runtime.planned import PlannedModule, autocast_dtype, conv_libraries, memory_layout, state_layouts
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
@@ -379,6 +379,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.state_layouts = state_layouts(model)
     result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
+    result.conv_libraries = conv_libraries()
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.optimizer_state_bytes = None if optimizer is None else state
     result.buffer_kinds = dict(costs.buffer_kinds)

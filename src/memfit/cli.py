@@ -143,11 +143,11 @@ def _report_table(r: dict) -> Table:
     t.add_row("gradients", "", f"{ok} (max abs diff {r['max_abs_grad_diff']:.2e})", "")
     if "rounding_check" in r:  # row stripes or conv-native: float32 rounding, judged against a float64 step
         one = r["rounding_check"]
-        t.add_row("  one step vs float64", "", f"{one['vs_float64']:.2e} (plain PyTorch's float32: "
+        t.add_row("  one step vs float64", "", f"{one['vs_float64']:.2e} (plain PyTorch's float32 noise: "
                   f"{one['float32_noise']:.2e})", "")
         if "buffers_vs_float64" in one:
             t.add_row("  its BatchNorm statistics", "", f"{one['buffers_vs_float64']:.2e} (plain PyTorch's "
-                      f"float32: {one['buffers_float32_noise']:.2e})", "")
+                      f"float32 noise: {one['buffers_float32_noise']:.2e})", "")
     t.add_row("BatchNorm statistics", "", "[green]match[/]" if r["bn_stats_match"] else "[red]DIFFER[/]", "")
     return t
 

@@ -35,7 +35,7 @@ def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, se
 
 
 def rounding_check(model: nn.Module, plan, inputs: tuple, target, loss_fn: Callable, seed: int = 0,
-                   store=None, reference: tuple | None = None) -> dict:
+                   store=None, reference=None) -> dict:
     """For a plan whose gradients are not bit-for-bit PyTorch's (:func:`rounds_differently`: row stripes sum
     the weight gradients in another order, ``conv-native`` convolves with other kernels): one step's
     gradients and BatchNorm statistics from ``model``'s weights under the plan, compared with plain PyTorch's

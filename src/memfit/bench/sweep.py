@@ -456,7 +456,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
 
 
 def _torch_budget_row(work: Workload, baseline: StepFigures, knob: float, backend: str, steps: int,
-                      seed: int, reference: tuple, grads_exist: bool = False) -> dict:
+                      seed: int, reference: peers.Reference, grads_exist: bool = False) -> dict:
     row = _row(work, baseline, "torch-budget", backend, knob, None, grads_exist=grads_exist)
     row["torch_activation_memory_budget"] = knob
     try:
@@ -556,6 +556,14 @@ def _short_error(r: dict) -> str:
 
 def _one_step_note(r: dict) -> str:
     c = r.get("one_step_grad_check")
+    rc = r.get("rounding_check")
+    if rc:  # a memfit plan that rounds differently: judged by one step against float64
+        verdict = "[green]within[/]" if rc["within_float32_noise"] else "[red]beyond[/]"
+        bn = ""
+        if "buffers_vs_float64" in rc:
+            ok = "[green]within[/]" if rc["buffers_within_float32_noise"] else "[red]beyond[/]"
+            bn = f"; BN statistics {rc['buffers_vs_float64']:.1e}, {ok} f32 noise {rc['buffers_float32_noise']:.1e}"
+        return f"; 1 step vs float64: {rc['vs_float64']:.1e}, {verdict} f32 noise {rc['float32_noise']:.1e}" + bn
     if not c:
         return ""
     verdict = "[green]within[/]" if c["within_float32_noise"] else "[red]beyond[/]"
@@ -609,8 +617,9 @@ def results_table(rows: list[dict], baseline: StepFigures, title: str | None = N
         pred = "" if p.get("predicted_activation_peak_bytes") is None else fmt_bytes(
             p["predicted_activation_peak_bytes"])
         ok = "[green]match[/]" if r["gradients_match"] else "[red]DIFFER[/]"
-        if r.get("rounding_check"):
-            ok += " to float32 rounding"
+        if r.get("rounding_check"):  # (the figure in brackets stays the difference after the measured steps)
+            ok = ("[green]match to float32 rounding[/]" if r["gradients_match"] and r["bn_stats_match"]
+                  else "[red]DIFFER beyond float32 rounding[/]")
         host = f"; host {fmt_bytes(p['host_peak_bytes'])}" if p.get("host_peak_bytes") else ""
         solve = "" if r["solve_seconds"] is None else f"{r['solve_seconds']:.2f} s"
         if r["strategy"] == "torch-budget":

@@ -207,6 +207,12 @@ class _RegionCall:
         return tuple(env[o] for o in region.outputs)
 
 
+def conv_libraries() -> dict[str, bool]:
+    """The switches of the vendor convolution libraries now: ``{"cudnn": torch.backends.cudnn.enabled,
+    "mkldnn": torch.backends.mkldnn.enabled}`` (``Plan.conv_libraries``)."""
+    return {"cudnn": bool(torch.backends.cudnn.enabled), "mkldnn": bool(torch.backends.mkldnn.enabled)}
+
+
 def autocast_dtype(inputs: tuple) -> str | None:
     """The dtype ``torch.autocast`` casts to on the inputs' device right now (``"torch.bfloat16"``), or ``None``
     outside autocast."""
@@ -1057,6 +1063,17 @@ class PlannedModule(nn.Module):
                                 "example that did not (a discriminator called on a generator's output, D(G(z))): the "
                                 "backward pass computes its gradient too, which the plan does not count, so the step "
                                 "can exceed its budget. Plan with an example that requires grad (x.requires_grad_()).")
+        made = self.plan.conv_libraries
+        if made:  # (oneDNN switched on or off after planning: 6.6% over a budget, silently)
+            now = conv_libraries()
+            changed = [k for k in ("mkldnn", "cudnn") if k in made and made[k] != now[k]]
+            if changed:
+                k = changed[0]
+                flag = f"torch.backends.{k}.enabled"
+                self._warn_once(f"library {k} {now[k]}", f"memfit: the plan was made with {flag}={made[k]} and it "
+                                f"is now {now[k]}: results are correct but every convolution runs other kernels "
+                                "with other workspaces, so the planned memory figures do not hold. Make the plan "
+                                f"with the {flag} you train with.")
         here = autocast_dtype(args)
         if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"

@@ -55,6 +55,10 @@ class Plan:
             or accumulation) rather than PyTorch's default ``zero_grad()``.
         state_dtypes: dtype of every parameter and buffer (``"torch.float32"``), by ``state_dict`` key.
         autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
+        conv_libraries: the vendor convolution libraries' switches when the plan was profiled,
+            ``{"cudnn": torch.backends.cudnn.enabled, "mkldnn": torch.backends.mkldnn.enabled}`` (oneDNN on the
+            CPU): with another setting every convolution holds other workspaces (empty for plans made before
+            it was recorded).
         optimizer: class name of the optimizer whose state and step the plan counted (``"Adam"``), or
             ``None`` when none was given.
         optimizer_state_bytes: the bytes of that optimizer's state the plan counted in ``fixed_bytes`` (``None``:
@@ -119,6 +123,7 @@ class Plan:
     grads_exist: bool = False
     state_dtypes: dict[str, str] = field(default_factory=dict)
     autocast: str | None = None
+    conv_libraries: dict[str, bool] = field(default_factory=dict)
     optimizer: str | None = None
     state_roles: dict[str, str] = field(default_factory=dict)
     input_dtypes: list[str] = field(default_factory=list)

@@ -208,31 +208,29 @@ def applies(m: nn.Module) -> bool:
 
 
 def native_applies(m: nn.Module) -> bool:
-    """True for an ``nn.Conv2d`` (exact type) that :func:`applies` to, with ``groups == 1``, whose weight is on
-    a CUDA device where cuDNN is available and enabled, or on the CPU where oneDNN (``torch.backends.mkldnn``)
-    is (elsewhere PyTorch's own kernels run already, so there is nothing to switch off)."""
-    if not (type(m) is nn.Conv2d and applies(m) and m.groups == 1):
-        return False
-    if m.weight.is_cuda:
-        return torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
-    return (m.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled)
+    """True for an ``nn.Conv2d`` (exact type) that :func:`applies` to, with ``groups == 1``, on any device: with
+    cuDNN or oneDNN off already, it runs the same kernels as PyTorch's own convolution, its backward in two
+    calls (a plan made with them on still applies). Where it can lower a peak is :func:`native_pays`."""
+    return type(m) is nn.Conv2d and applies(m) and m.groups == 1
 
 
 def native_pays(m: nn.Conv2d, inputs: tuple) -> bool:
     """Whether ``conv-native`` can lower a peak for ``m`` called on ``inputs`` (``(x, ...)``, ``x`` of shape
-    ``[N, C_in, H, W]``). On CUDA, always (cuDNN's workspace depends on its algorithm, so it is measured). On
-    the CPU, where the step computes in float32 (oneDNN also runs bfloat16 under autocast, which PyTorch's
-    own CPU kernels are much slower at) and where the im2col columns of the whole batch that PyTorch's
-    own kernels hold (``N * C_in * kh * kw * H_out * W_out`` elements) are smaller than the weight, which
-    oneDNN reorders at every call: a wide convolution on a small image. Elsewhere (a full-resolution layer:
-    columns nine times the input for a 3x3 kernel) the native kernels cost more memory and time, and
-    measuring them would only slow the profile down (2x for the test suite's models)."""
+    ``[N, C_in, H, W]``), so that the profile measures it there. On CUDA, wherever cuDNN is on (its
+    workspace depends on its algorithm, so it is measured). On the CPU, where oneDNN is on, the step computes
+    in float32 (oneDNN also runs bfloat16 under autocast, which PyTorch's own CPU kernels are much slower at),
+    and the im2col columns of the whole batch that PyTorch's own kernels hold (``N * C_in * kh * kw * H_out *
+    W_out`` elements) are smaller than the weight, which oneDNN reorders at every call: a wide convolution on
+    a small image. Elsewhere (a full-resolution layer: columns nine times the input for a 3x3 kernel) the
+    native kernels cost more memory and time, and measuring them would only slow the profile down (2x for
+    the test suite's models)."""
     x = inputs[0] if inputs else None
     if not isinstance(x, Tensor) or x.dim() != 4:
         return False
     if m.weight.is_cuda:
-        return True
+        return torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+    if not (m.weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False  # PyTorch's own kernels run already: nothing to switch off
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     if dtype != torch.float32:
         return False
