@@ -1038,3 +1038,14 @@ def test_a_conv_native_plan_applied_with_onednn_off_runs_and_warns(tmp_path):
         F.cross_entropy(ref(x), y).backward()
     for (n, p), q in zip(ref.named_parameters(), again.model.parameters()):
         assert same(p.grad, q.grad), n
+    import warnings
+
+    before = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = not before  # no say over CPU convolutions: not warned about
+    try:
+        third = memfit.optimize(copy.deepcopy(plain), x, plan_=memfit.Plan.load(tmp_path / "plan.json"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            F.cross_entropy(third(x), y).backward()
+    finally:
+        torch.backends.cudnn.enabled = before

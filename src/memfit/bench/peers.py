@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from memfit.bench.harness import StepFigures, fresh_copy, interleaved_step_seconds, measure_training
+from memfit.variants.conv_split_backward import _vendor_kernels_off
 
 #: knob values of ``activation_memory_budget`` measured by default.
 TORCH_BUDGETS = (1.0, 0.5, 0.3, 0.1, 0.0)
@@ -86,8 +87,9 @@ class Reference:
         grads32, grads64: gradients by parameter name in float32 and float64.
         buffers32, buffers64: floating-point buffers (BatchNorm statistics) the step left, by name.
         grads_noise, buffers_noise: float32's own rounding noise on this model and batch: the largest max
-            abs difference from the float64 figures among plain float32's step and :data:`NOISE_RUNS` more
-            from inputs perturbed at float32's precision.
+            abs difference from the float64 figures among plain float32's step, :data:`NOISE_RUNS` more
+            from inputs perturbed at float32's precision, and one with PyTorch's own kernels (cuDNN and oneDNN
+            off).
     """
 
     grads32: dict[str, torch.Tensor]
@@ -121,8 +123,11 @@ def reference_grads(model: nn.Module, inputs: tuple, target, loss_fn, seed: int 
     noise of float32 in general: where a ReLU's input is within rounding of zero, another summation order
     flips it and moves a gradient by a fixed amount (a UNet at batch 2, 32 px: plain float32 2.7e-8 from
     float64, the same float32 step with one convolution's output moved by 1e-7 relative 4.6e-5 in 5 tries of
-    8). So the noise is the largest distance among plain float32's run and ``noise_runs`` more, each from the
-    inputs moved by their dtype's machine epsilon (:func:`_perturbed`: the same batch to float32's precision).
+    8). So the noise is the largest distance among plain float32's run, ``noise_runs`` more, each from the
+    inputs moved by their dtype's machine epsilon (:func:`_perturbed`: the same batch to float32's precision),
+    and one with cuDNN and oneDNN off: PyTorch's own float32 kernels, which sum in other orders (a
+    1024-channel 3x3 convolution on 8 x 8 maps: a whole step 1.8e-4 from float64 with them, 7.4e-8 with
+    oneDNN's).
 
     Returns:
         :class:`Reference`.
@@ -138,9 +143,13 @@ def reference_grads(model: nn.Module, inputs: tuple, target, loss_fn, seed: int 
     del m64
     g_noise, b_noise = _max_diff(g32, g64), _max_diff(b32, b64)
     generator = torch.Generator().manual_seed(seed + 1)
-    for _ in range(noise_runs):
+    for k in range(noise_runs + 1):
         b: dict[str, torch.Tensor] = {}
-        g = one_step_grads(m32, m32, _perturbed(inputs, generator), target, loss_fn, seed, b)
+        if k < noise_runs:
+            g = one_step_grads(m32, m32, _perturbed(inputs, generator), target, loss_fn, seed, b)
+        else:  # PyTorch's own kernels, as float32 as the vendor libraries' (and less accurate on wide layers)
+            with _vendor_kernels_off(True):
+                g = one_step_grads(m32, m32, inputs, target, loss_fn, seed, b)
         g_noise, b_noise = max(g_noise, _max_diff(g, g64)), max(b_noise, _max_diff(b, b64))
     return Reference(g32, g64, b32, b64, g_noise, b_noise)
 

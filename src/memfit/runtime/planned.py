@@ -1064,9 +1064,10 @@ class PlannedModule(nn.Module):
                                 "backward pass computes its gradient too, which the plan does not count, so the step "
                                 "can exceed its budget. Plan with an example that requires grad (x.requires_grad_()).")
         made = self.plan.conv_libraries
-        if made:  # (oneDNN switched on or off after planning: 6.6% over a budget, silently)
+        if made and self._first_parameter is not None:  # (oneDNN switched after planning: 6.6% over, silently)
             now = conv_libraries()
-            changed = [k for k in ("mkldnn", "cudnn") if k in made and made[k] != now[k]]
+            lib = "cudnn" if self._first_parameter[1].is_cuda else "mkldnn"  # (cuDNN has no say on the CPU)
+            changed = [k for k in (lib,) if k in made and made[k] != now[k]]
             if changed:
                 k = changed[0]
                 flag = f"torch.backends.{k}.enabled"
