@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import memfit
@@ -18,6 +20,14 @@ def zoo_setup(spec: str):
     model = zoo.build_model(name).train()
     x, y = zoo.example_batch(name, int(batch), int(px))
     return model, x, y, zoo.loss_for(name)
+
+
+def without_variant(costs, name: str):
+    """A copy of ``costs`` in which no node offers operator variant ``name`` (e.g. ``"conv-native"``)."""
+    out = copy.deepcopy(costs)
+    for c in out.nodes:
+        c.variants.pop(name, None)
+    return out
 
 
 def profile_once(model, x, y, loss):

@@ -24,7 +24,6 @@ overhead, the operator variants, and whether gradients and BatchNorm statistics 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import platform
@@ -33,11 +32,11 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from _spec import profile_once, zoo_setup
+from _spec import profile_once, without_variant, zoo_setup
 
 import memfit
 from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
-from memfit.bench.job import rounding_check, rounds_differently
+from memfit.bench.job import rounding_check, rounding_verdict, rounds_differently
 from memfit.graph import capture
 from memfit.solve.simulator import simulate
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
@@ -69,9 +68,7 @@ def main() -> None:
         if strategy.endswith("-unpriced"):
             priced = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
         if strategy.endswith("-nonative"):
-            priced = copy.deepcopy(costs)
-            for c in priced.nodes:
-                c.variants.pop("conv-native", None)
+            priced = without_variant(costs, "conv-native")
         try:
             plan = make_plan(strategy.removesuffix("-unpriced").removesuffix("-nonative"), graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
                              time_limit=args.time_limit, use_offload=False)
@@ -95,16 +92,14 @@ def main() -> None:
         check = compare(base, fig)
         if rounds_differently(plan):
             one = rounding_check(model, plan, (x,), y, loss)
-            ok = one["within_float32_noise"] and one["buffers_within_float32_noise"]
-            check = {"gradients_match": ok, "bn_stats_match": ok, "max_abs_grad_diff": one["vs_float64"],
-                     "rounding": True}
+            check = rounding_verdict(one) | {"max_abs_grad_diff": one["vs_float64"]}
         print(f"| {strategy} | {pct}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
               f"| {simulate(graph, costs, plan).step_seconds / plain_plan.predicted_step_seconds:.3f}x "
               f"({simulate(graph, free, plan).step_seconds / plain_free:.3f}x) "
               f"| {seconds[k] / seconds[0]:.3f}x | {len(plan.regions)} ({sum(hi - lo + 1 for lo, hi in plan.region_spans())}) "
               f"| {plan.counts()['variants'] or '-'} "
               f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'}"
-              f"{' to float32 rounding' if check.get('rounding') else ''} ({check['max_abs_grad_diff']:.1e}) |",
+              f"{' to float32 rounding' if 'rounding_check' in check else ''} ({check['max_abs_grad_diff']:.1e}) |",
               flush=True)
 
 

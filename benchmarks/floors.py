@@ -7,11 +7,11 @@ predicted activation peak.
     OMP_WAIT_POLICY=PASSIVE python benchmarks/floors.py resnet50:8:128 vgg16:2:128 unet:2:96
 """
 
-import copy
 import sys
 import time
 
 import torch
+from _spec import without_variant
 
 import memfit
 from memfit import zoo
@@ -32,9 +32,7 @@ def main(specs: list[str]) -> None:
         plain = make_plan("none", captured.graph, costs)
         act = plain.predicted_peak_bytes - costs.fixed_bytes
         row = [f"{name} {batch}x{px}: plain activation peak {act / 2**20:.1f} MiB"]
-        no_native = copy.deepcopy(costs)
-        for c in no_native.nodes:
-            c.variants.pop("conv-native", None)
+        no_native = without_variant(costs, "conv-native")
         for label, variants, cs in (("remat-ilp", False, costs), ("memfit without conv-native", True, no_native),
                                     ("memfit", True, costs)):
             floor = smallest_feasible(captured.graph, cs, cs.fixed_bytes, 20, use_variants=variants,

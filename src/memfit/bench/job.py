@@ -58,6 +58,13 @@ def rounding_check(model: nn.Module, plan, inputs: tuple, target, loss_fn: Calla
     return peers.one_step_check(grads, reference, buffers)
 
 
+def rounding_verdict(one: dict) -> dict:
+    """The report keys a :func:`rounding_check` decides: ``gradients_match`` and ``bn_stats_match`` (its
+    ``within_float32_noise`` and ``buffers_within_float32_noise``), and ``rounding_check`` itself."""
+    return {"gradients_match": one["within_float32_noise"], "bn_stats_match": one["buffers_within_float32_noise"],
+            "rounding_check": one}
+
+
 def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable, baseline: StepFigures,
                      strategy: str, budget, steps: int = 5, time_limit: float = 20.0, seed: int = 0,
                      plan_out: str | None = None, variants: bool = True, offload: bool | None = None,
@@ -111,9 +118,7 @@ def measure_strategy(model: nn.Module, inputs: tuple, target, loss_fn: Callable,
     host_peak = store.peak_bytes if store is not None else 0
     check = compare(baseline, figures)
     if rounds_differently(plan):
-        one = rounding_check(model, plan, inputs, target, loss_fn, seed, store)
-        check.update(gradients_match=one["within_float32_noise"],
-                     bn_stats_match=one["buffers_within_float32_noise"], rounding_check=one)
+        check.update(rounding_verdict(rounding_check(model, plan, inputs, target, loss_fn, seed, store)))
     del planned, captured, planned_model
     plain_copy, timed_copy = fresh_copy(model), fresh_copy(model)
     timed = PlannedModule(capture(timed_copy), plan, offload_store=store)

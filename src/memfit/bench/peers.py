@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from memfit.bench.harness import StepFigures, fresh_copy, interleaved_step_seconds, measure_training
-from memfit.variants.conv_split_backward import _vendor_kernels_off
+from memfit.variants.conv_split_backward import vendor_kernels_off
 
 #: knob values of ``activation_memory_budget`` measured by default.
 TORCH_BUDGETS = (1.0, 0.5, 0.3, 0.1, 0.0)
@@ -148,7 +148,7 @@ def reference_grads(model: nn.Module, inputs: tuple, target, loss_fn, seed: int 
         if k < noise_runs:
             g = one_step_grads(m32, m32, _perturbed(inputs, generator), target, loss_fn, seed, b)
         else:  # PyTorch's own kernels, as float32 as the vendor libraries' (and less accurate on wide layers)
-            with _vendor_kernels_off(True):
+            with vendor_kernels_off(True):
                 g = one_step_grads(m32, m32, inputs, target, loss_fn, seed, b)
         g_noise, b_noise = max(g_noise, _max_diff(g, g64)), max(b_noise, _max_diff(b, b64))
     return Reference(g32, g64, b32, b64, g_noise, b_noise)

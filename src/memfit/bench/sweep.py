@@ -69,7 +69,7 @@ from torch import nn
 
 from memfit.api import autocast_dtype, offload_store, optimizer_state_bytes, tiled_options
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
-from memfit.bench.job import measure_plain, rounding_check, rounds_differently
+from memfit.bench.job import measure_plain, rounding_check, rounding_verdict, rounds_differently
 from memfit.budget import fmt_bytes
 from memfit.graph.capture import capture
 from memfit.profile.costs import profile_graph
@@ -425,8 +425,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                         reference = peers.reference_grads(work.model, work.inputs, work.target, work.loss_fn, seed)
                     one = rounding_check(work.model, plan, work.inputs, work.target, work.loss_fn, seed, row_store,
                                          reference)
-                    row.update(gradients_match=one["within_float32_noise"],
-                               bn_stats_match=one["buffers_within_float32_noise"], rounding_check=one)
+                    row.update(rounding_verdict(one))
                 row.update(solve_seconds=plan.solve_seconds,
                            profile_and_solve_seconds=profile_s + plan.solve_seconds, mip_gap=plan.mip_gap,
                            decisions=plan.counts(), regions=len(plan.regions))

@@ -1065,14 +1065,12 @@ class PlannedModule(nn.Module):
                                 "can exceed its budget. Plan with an example that requires grad (x.requires_grad_()).")
         made = self.plan.conv_libraries
         if made and self._first_parameter is not None:  # (oneDNN switched after planning: 6.6% over, silently)
-            now = conv_libraries()
-            lib = "cudnn" if self._first_parameter[1].is_cuda else "mkldnn"  # (cuDNN has no say on the CPU)
-            changed = [k for k in (lib,) if k in made and made[k] != now[k]]
-            if changed:
-                k = changed[0]
+            k = "cudnn" if self._first_parameter[1].is_cuda else "mkldnn"  # (cuDNN has no say on the CPU)
+            now = conv_libraries()[k]
+            if k in made and made[k] != now:
                 flag = f"torch.backends.{k}.enabled"
-                self._warn_once(f"library {k} {now[k]}", f"memfit: the plan was made with {flag}={made[k]} and it "
-                                f"is now {now[k]}: results are correct but every convolution runs other kernels "
+                self._warn_once(f"library {k} {now}", f"memfit: the plan was made with {flag}={made[k]} and it "
+                                f"is now {now}: results are correct but every convolution runs other kernels "
                                 "with other workspaces, so the planned memory figures do not hold. Make the plan "
                                 f"with the {flag} you train with.")
         here = autocast_dtype(args)

@@ -63,15 +63,18 @@ __all__ = [
     "from_module",
     "native_applies",
     "native_pays",
+    "vendor_kernels_off",
 ]
 
 _FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 @contextlib.contextmanager
-def _vendor_kernels_off(native: bool):
+def vendor_kernels_off(native: bool):
     """cuDNN and oneDNN switched off (``torch.backends.cudnn.enabled``, ``torch.backends.mkldnn.enabled``)
-    while the body runs, if ``native``, so that PyTorch's own im2col + GEMM kernels run on either device."""
+    while the body runs, if ``native``, so that PyTorch's own im2col + GEMM kernels run on either device.
+    (``torch.backends.cudnn.flags`` and ``torch.backends.mkldnn.flags`` would also reset the libraries' other
+    settings, ``benchmark``, ``deterministic`` and TF32, to their defaults.)"""
     if not native:
         yield
         return
@@ -96,7 +99,7 @@ class ConvSplitBackwardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
                 groups: int, native: bool = False) -> Tensor:
-        with _vendor_kernels_off(native):
+        with vendor_kernels_off(native):
             out = _FORWARD[x.dim() - 2](x, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.args = (list(stride), list(padding), list(dilation), groups)
@@ -113,7 +116,7 @@ class ConvSplitBackwardFn(torch.autograd.Function):
         zeros = [0] * len(stride)
 
         def call(mask):
-            with _vendor_kernels_off(ctx.native):
+            with vendor_kernels_off(ctx.native):
                 return torch.ops.aten.convolution_backward(
                     grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, zeros, groups, mask)
 
