@@ -11,26 +11,15 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
+from memfit.profile.timing import median_seconds
 from memfit.profile.tracker import MemoryTracker
 from memfit.variants.conv_split_backward import vendor_kernels_off
 
 #: (N, C_in, C_out, H = W, kernel): a UNet bottleneck, ResNet-50's layer4 at 128 px, a UNet full-resolution layer
 SHAPES = [(2, 1024, 1024, 6, 3), (8, 512, 512, 4, 3), (8, 2048, 512, 4, 1), (2, 64, 64, 96, 3)]
-
-
-def _median_seconds(fn, rounds: int = 7) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _one(x, w, native: bool) -> tuple[float, float, int]:
@@ -40,8 +29,9 @@ def _one(x, w, native: bool) -> tuple[float, float, int]:
         g = torch.randn_like(y)
         with MemoryTracker("cpu") as t:
             torch.autograd.grad(y, (x, w), g, retain_graph=True)
-        fwd = _median_seconds(lambda: F.conv2d(x.detach(), w.detach(), None, 1, pad))
-        bwd = _median_seconds(lambda: torch.autograd.grad(y, (x, w), g, retain_graph=True))
+        cpu = torch.device("cpu")
+        fwd = median_seconds(lambda: F.conv2d(x.detach(), w.detach(), None, 1, pad), cpu, 7)
+        bwd = median_seconds(lambda: torch.autograd.grad(y, (x, w), g, retain_graph=True), cpu, 7)
     return fwd, bwd, t.peak_bytes
 
 
