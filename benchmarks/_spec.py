@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
 import memfit
 from memfit import zoo
 from memfit.bench.harness import fresh_copy
+from memfit.profile.timing import retain_freed_memory
 
 
 def zoo_setup(spec: str):
-    """Seed 0 and one intra-op thread, then the zoo model of ``spec`` in training mode, its example batch
+    """Seed 0, one intra-op thread and a C allocator that keeps freed memory
+    (:func:`memfit.profile.timing.retain_freed_memory`, unless ``MEMFIT_SYSTEM_ALLOCATOR=1``), then the zoo model of ``spec`` in training mode, its example batch
     ``x`` (``[batch, 3, size, size]``), targets ``y`` and loss ``loss(out, y)``: ``(model, x, y, loss)``."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    if os.environ.get("MEMFIT_SYSTEM_ALLOCATOR") != "1":
+        retain_freed_memory()
     name, batch, px = spec.split(":")
     model = zoo.build_model(name).train()
     x, y = zoo.example_batch(name, int(batch), int(px))

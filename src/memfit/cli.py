@@ -45,6 +45,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         "memfit strategy: never run blocks of convolutions, pooling and activations in row stripes "
         "(tiled-chain; on by default with variants, for models with such blocks)"))
     p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--system-allocator", action="store_true", help=(
+        "CPU: leave the C allocator as it is. By default memfit keeps the memory PyTorch frees in the process "
+        "(glibc: no mmap per allocation, no trimming), so that steps pay no page faults, as on CUDA with its "
+        "caching allocator; with this flag a step's time includes them (a third of plain MobileNet-V2's)"))
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -131,6 +135,8 @@ def _report_table(r: dict) -> Table:
     t.add_row("step time", f"{b['step_seconds']:.3f} s", f"{p['step_seconds']:.3f} s",
               f"{p['predicted_step_seconds']:.3f} s")
     t.add_row("overhead", "1.00x", f"{r['overhead']:.2f}x", "")
+    if r.get("cpu_allocator"):
+        t.add_row("CPU allocator", r["cpu_allocator"], r["cpu_allocator"], "")
     d = r["decisions"]
     t.add_row("decisions", "", f"keep {d['keep']} / recompute {d['recompute']} / offload {d['offload']}", "")
     if d["variants"]:
@@ -164,6 +170,10 @@ def cmd_run(args) -> int:
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
                          args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
                          offload_dir=args.offload_dir, grads_exist=args.grads_exist, tiling=not args.no_tiling)
+    if args.device == "cpu":
+        from memfit.profile.timing import cpu_allocator
+
+        report["cpu_allocator"] = cpu_allocator()
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -345,6 +355,10 @@ def _bench_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (CPU; default 1)")
+    p.add_argument("--system-allocator", action="store_true", help=(
+        "CPU: leave the C allocator as it is. By default memfit keeps the memory PyTorch frees in the process "
+        "(glibc: no mmap per allocation, no trimming), so that steps pay no page faults, as on CUDA with its "
+        "caching allocator; with this flag a step's time includes them (a third of plain MobileNet-V2's)"))
     p.add_argument("--seed", type=int, default=0)
     _offload_flags(p)
     _grads_flag(p)
@@ -486,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cpu" and not args.system_allocator:
+        from memfit.profile.timing import retain_freed_memory
+
+        retain_freed_memory()
     from memfit.graph.capture import TraceError
     from memfit.solve.strategies import InfeasibleBudgetError
 

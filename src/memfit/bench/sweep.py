@@ -540,9 +540,12 @@ def write_results(rows: list[dict], baseline: StepFigures, out_dir: str | Path, 
 
 
 def machine_line() -> str:
-    """Where the figures come from: processor, threads, torch version, date."""
+    """Where the figures come from: processor, threads, the C allocator's setting
+    (:func:`memfit.profile.timing.cpu_allocator`), torch version, date."""
+    from memfit.profile.timing import cpu_allocator
+
     return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
-            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+            f"C allocator {cpu_allocator()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
 
 
 def _short_error(r: dict) -> str:

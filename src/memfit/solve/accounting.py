@@ -59,6 +59,12 @@ class Accounting:
             while recomputed (``Costs.region_bytes``).
         recompute_seconds: node index -> time of its recomputation (``NodeCost.recompute_seconds``, else its
             forward time).
+        stop_seconds: node index -> time of its recomputation when a region's recomputation ends there (the
+            node is the region's last saver): 0 where the node saves its tensors before it computes anything
+            (everything it creates is ``unmade_at_stop``: a convolution or a linear layer saves its input and
+            weight, then the non-reentrant checkpoint stops before the kernel runs), else
+            ``recompute_seconds``. A recomputation of ReLU then a 3x3 convolution on ``[32, 96, 32, 32]`` took
+            8-30 ms more than the plain step, the convolution's forward alone 95 ms.
         stats_bytes: node index -> statistics held from its forward pass to its recomputation when it is in a
             region (``NodeCost.stats_bytes``).
         buffers: node index -> the written buffers a region holding it copies for its recomputation
@@ -108,6 +114,7 @@ class Accounting:
     loss_forward_bytes: int = 0
     loss_keeps: set[int] = field(default_factory=set)
     recompute_seconds: list[float] = field(default_factory=list)
+    stop_seconds: list[float] = field(default_factory=list)
     stats_bytes: list[int] = field(default_factory=list)
     buffers: list[list[str]] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
@@ -183,12 +190,22 @@ class Accounting:
             loss_keeps=set(costs.loss_keeps),
             recompute_seconds=[c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds
                                for c in costs.nodes],
+            stop_seconds=[0.0 if _saves_before_computing(c) else
+                          (c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds)
+                          for c in costs.nodes],
             stats_bytes=[c.stats_bytes for c in costs.nodes],
             buffers=[list(c.buffers) for c in costs.nodes], buffer_bytes=dict(costs.buffer_bytes),
             stateful={b for b, kind in costs.buffer_kinds.items() if kind == "stateful"},
             region_seconds=costs.region_seconds, region_node_seconds=costs.region_node_seconds,
         )
         return _with_gradients(acc, costs)
+
+
+def _saves_before_computing(c) -> bool:
+    """A node whose recomputation, when it is the last saver of a region, stops before it makes anything: it
+    saves something and every storage it creates is made after its last save (``NodeCost.unmade_at_stop``)."""
+    made = set(c.creates) - set(c.casts)
+    return bool(c.saves) and bool(made) and made <= set(c.unmade_at_stop)
 
 
 def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:

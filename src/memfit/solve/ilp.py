@@ -176,6 +176,20 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             v[i][name] = m.var(integer=True, cost=0.0 if minimize_peak else dt + 1e-6)
         if v[i]:
             m.row({x: 1.0 for x in v[i].values()}, hi=1.0)
+    # the early stop: a region whose last node saves before it computes (a convolution) never runs that node's
+    # forward again (acc.stop_seconds); e_i <= r_i, e_i <= 1 - r_(i+1) + c_(i+1) (the region ends at i), and
+    # PyTorch's own implementation (a variant's autograd.Function saves after its forward)
+    if not minimize_peak:
+        for i in range(n):
+            gain = acc.recompute_seconds[i] - acc.stop_seconds[i] if acc.stop_seconds else 0.0
+            if gain <= 0:
+                continue
+            e = m.var(cost=-gain)
+            m.row({e: 1.0, r[i]: -1.0}, hi=0.0)
+            if i + 1 < n:
+                m.row({e: 1.0, r[i + 1]: 1.0, c[i + 1]: -1.0}, hi=1.0)
+            if v[i]:
+                m.row({e: 1.0, **{x: 1.0 for x in v[i].values()}}, hi=1.0)
     link = acc.link if offload else None
     o: dict[int, int] = {}
     off_of: dict[int, int] = {}  # offloadable storage -> its node
