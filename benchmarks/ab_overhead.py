@@ -9,7 +9,8 @@ as much as the difference being measured. Here every plan comes from one profile
 variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch and every plan of
 ``--setups`` (``strategy@activation budget in percent``; ``strategy-unpriced@...`` solves with the checkpoint
 regions' own cost left out, as before :mod:`memfit.runtime.overhead`; ``strategy-nonative@...`` without the
-``conv-native`` variant) take one training step each in turn (SGD with
+``conv-native`` variant; ``strategy-nostop@...`` solved as before the early stop was priced: a region's last
+convolution charged its forward time, which the non-reentrant checkpoint never spends) take one training step each in turn (SGD with
 momentum, gradients set to ``None``) for ``--rounds`` rounds after a warm-up
 (:func:`memfit.bench.harness.interleaved_step_seconds`): the overheads are ratios of medians taken in the
 same minutes, so plans can be compared with each other directly. Memory (exact tracker), gradients and
@@ -28,6 +29,8 @@ import dataclasses
 import os
 import platform
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -69,9 +72,14 @@ def main() -> None:
             priced = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
         if strategy.endswith("-nonative"):
             priced = without_variant(costs, "conv-native")
+        # (the ablation of the early stop's price: every node's recomputation charged in full again)
+        nostop = (mock.patch("memfit.solve.accounting._saves_before_computing", return_value=False)
+                  if strategy.endswith("-nostop") else nullcontext())
+        base_strategy = strategy.removesuffix("-unpriced").removesuffix("-nonative").removesuffix("-nostop")
         try:
-            plan = make_plan(strategy.removesuffix("-unpriced").removesuffix("-nonative"), graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
-                             time_limit=args.time_limit, use_offload=False)
+            with nostop:
+                plan = make_plan(base_strategy, graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
+                                 time_limit=args.time_limit, use_offload=False)
         except InfeasibleBudgetError as exc:
             print(f"{setup}: infeasible (smallest feasible {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
             continue

@@ -39,14 +39,15 @@ def agrees_with_pytorch(base, fig, plan, model, inputs: tuple, target, loss_fn, 
     model, weights and batch, which then share plain PyTorch's reference steps. Returns the check's dict."""
     from memfit.bench import peers
     from memfit.bench.harness import compare
-    from memfit.bench.job import rounding_check, rounds_differently
+    from memfit.bench.job import rounding_check, rounding_verdict, rounds_differently
 
     if rounds_differently(plan):
         cache = {} if cache is None else cache
         if "reference" not in cache:
             cache["reference"] = peers.reference_grads(model, inputs, target, loss_fn)
         one = rounding_check(model, plan, inputs, target, loss_fn, store=store, reference=cache["reference"])
-        assert one["within_float32_noise"] and one["buffers_within_float32_noise"], one
+        verdict = rounding_verdict(one)
+        assert verdict["gradients_match"] and verdict["bn_stats_match"], one
         return one
     check = compare(base, fig)
     assert check["gradients_match"] and check["bn_stats_match"], check

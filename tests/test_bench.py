@@ -515,3 +515,42 @@ def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(caps
                  "--time-limit", "2"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "fixed bytes alone" in err and "always trains the whole model with SGD and momentum 0.9" in err
+
+
+def test_the_float64_step_decides_where_float32_is_beyond_its_noise(monkeypatch):
+    """Where a plan's float32 step is beyond plain float32's noise (rounding amplified: the zoo's ResNet-50 at
+    2 x 32 px, gradients of 1e10), the step is run in float64 under the plan: a correct plan equals plain
+    PyTorch's float64 step there, and a gradient 1% off does not."""
+    import torch.nn.functional as F
+
+    import memfit
+    from memfit.bench.harness import fresh_copy
+    from memfit.bench.job import rounding_check, rounding_verdict
+    from memfit.runtime.planned import PlannedModule
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).train()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    plan, _, _ = memfit.plan(fresh_copy(model), x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
+    check = peers.one_step_check
+
+    def unlucky(*args, **kwargs):  # float32 as if amplified beyond its noise runs
+        return dict(check(*args, **kwargs), within_float32_noise=False)
+
+    monkeypatch.setattr(peers, "one_step_check", unlucky)
+    one = rounding_check(model, plan, (x,), y, F.cross_entropy)
+    assert one["float64_gradients_match"] and one["float64_buffers_match"], one
+    assert one["float64_grads_rel"] <= 1e-12, one
+    assert rounding_verdict(one)["gradients_match"] and rounding_verdict(one)["bn_stats_match"]
+    step = peers.one_step_grads
+
+    def off(module, *args, **kwargs):  # the plan's weight gradient 1% off, in float32 and float64 alike
+        grads = step(module, *args, **kwargs)
+        if isinstance(module, PlannedModule):
+            grads = {k: v * 1.01 if k.endswith("6.weight") else v for k, v in grads.items()}
+        return grads
+
+    monkeypatch.setattr(peers, "one_step_grads", off)
+    wrong = rounding_check(model, plan, (x,), y, F.cross_entropy)
+    assert not wrong["float64_gradients_match"] and not rounding_verdict(wrong)["gradients_match"], wrong

@@ -157,6 +157,11 @@ def _report_table(r: dict) -> Table:
         if "buffers_vs_float64" in one:
             t.add_row("  its BatchNorm statistics", "", f"{one['buffers_vs_float64']:.2e} (plain PyTorch's "
                       f"float32 noise: {one['buffers_float32_noise']:.2e})", "")
+        if "float64_grads_rel" in one:  # float32 beyond its noise: the step in float64 under the plan decided
+            t.add_row("  the step in float64", "", f"gradients {one['float64_grads_rel']:.1e}, BatchNorm statistics "
+                      f"{one['float64_buffers_rel']:.1e} (relative to plain PyTorch's float64 step)", "")
+        elif "float64_error" in one:
+            t.add_row("  the step in float64", "", f"did not run: {escape(one['float64_error'])}", "")
     t.add_row("BatchNorm statistics", "", "[green]match[/]" if r["bn_stats_match"] else "[red]DIFFER[/]", "")
     return t
 

@@ -565,7 +565,12 @@ def _one_step_note(r: dict) -> str:
         if "buffers_vs_float64" in rc:
             ok = "[green]within[/]" if rc["buffers_within_float32_noise"] else "[red]beyond[/]"
             bn = f"; BN statistics {rc['buffers_vs_float64']:.1e}, {ok} f32 noise {rc['buffers_float32_noise']:.1e}"
-        return f"; 1 step vs float64: {rc['vs_float64']:.1e}, {verdict} f32 noise {rc['float32_noise']:.1e}" + bn
+        f64 = ""
+        if "float64_grads_rel" in rc:
+            ok = "[green]equal[/]" if rc["float64_gradients_match"] and rc["float64_buffers_match"] else "[red]differ[/]"
+            f64 = f"; in float64 {ok} ({rc['float64_grads_rel']:.1e} relative)"
+        return (f"; 1 step vs float64: {rc['vs_float64']:.1e}, {verdict} f32 noise {rc['float32_noise']:.1e}" + bn
+                + f64)
     if not c:
         return ""
     verdict = "[green]within[/]" if c["within_float32_noise"] else "[red]beyond[/]"
