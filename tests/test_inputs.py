@@ -301,7 +301,8 @@ def test_a_parameter_replaced_after_planning_is_trained_by_the_operator_variants
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(),
                           nn.Linear(8 * 8 * 8, 4)).train()
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
-    plan, _, costs = memfit.plan(fresh_copy(model), x, "min", loss_fn=lambda out: _ce(out, y))
+    # (tiling=False: at "min" the three layers can be one striped block, which has no Conv2d node left)
+    plan, _, costs = memfit.plan(fresh_copy(model), x, "min", loss_fn=lambda out: _ce(out, y), tiling=False)
     plan.variants.update({c.name: "conv-split-backward" for c in costs.nodes if "conv-split-backward" in c.variants})
     assert "conv-split-backward" in plan.variants.values()
     planned = memfit.optimize(model, x, plan_=plan)

@@ -13,6 +13,7 @@ import memfit
 from _profiled import agrees_with_pytorch, profiled
 from memfit import zoo
 from memfit.bench.harness import fresh_copy, measure_training
+from memfit.bench.job import rounding_check, rounding_verdict, rounds_differently
 from memfit.graph import capture
 from memfit.graph.calls import compute_nodes
 from memfit.profile import MemoryTracker, profile_graph
@@ -135,7 +136,10 @@ def test_store_released_when_the_graph_is_dropped(tmp_path):
     model = zoo.build_model("resnet18").train()
     images, _ = zoo.example_batch("resnet18", 4, 32)
     store = DiskStore(tmp_path)
-    plan, captured, _ = memfit.plan(fresh_copy(model), images, "min", _store=store, loss_fn=lambda o: o.sum())
+    # vdnn-all offloads whatever the profile: budget="min" offloaded here on Intel hosts, and on an AMD EPYC one
+    # (no AVX-512: oneDNN's reorders differ, and conv-native lowered the floor instead) it did not
+    plan, captured, _ = memfit.plan(fresh_copy(model), images, "100%", strategy="vdnn-all", _store=store,
+                                    loss_fn=lambda o: o.sum())
     assert plan.offloads
     planned = memfit.PlannedModule(captured, plan, offload_store=store)
     for _ in range(3):
@@ -279,15 +283,22 @@ def test_optimize_with_offload_dir(tmp_path):
     torch.manual_seed(0)
     model = zoo.build_model("resnet18").train()
     images, target = zoo.example_batch("resnet18", 4, 32)
-    ref = fresh_copy(model)
+    ref, initial = fresh_copy(model), fresh_copy(model)
     planned = memfit.optimize(model, images, budget="min", offload_dir=str(tmp_path))
     assert planned.offload_store is not None and planned.offload_store.kind == "disk"
     torch.nn.functional.cross_entropy(planned(images), target).backward()
     torch.nn.functional.cross_entropy(ref(images), target).backward()
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=n)
+    if rounds_differently(planned.plan):  # conv-native at the floor (an AMD EPYC host: 7 of them)
+        verdict = rounding_verdict(rounding_check(initial, planned.plan, (images,), target,
+                                                  torch.nn.functional.cross_entropy, store=planned.offload_store))
+        assert verdict["gradients_match"] and verdict["bn_stats_match"], verdict
+    else:
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=n)
     # the saved plan applied without offload_dir: a temporary store, said out loud (found by a fresh-user run)
     plan = planned.plan
+    if not plan.offloads:  # (the floor offloaded nothing on an AMD EPYC host, where conv-native lowered it instead)
+        plan, _, _ = memfit.plan(fresh_copy(ref), images, "100%", strategy="vdnn-all", offload_dir=str(tmp_path))
     assert plan.offloads
     with pytest.warns(UserWarning, match="no offload_dir is given: .* tempfile.gettempdir"):
         again = memfit.optimize(fresh_copy(ref), images, plan_=plan)

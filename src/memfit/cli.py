@@ -192,6 +192,7 @@ def cmd_plan(args) -> int:
 
     from memfit import zoo
     from memfit.api import offload_store, plan
+    from memfit.profile.timing import cpu_allocator
 
     batch, size = _sizes(args)
     model = zoo.build_model(args.model, seed=args.seed).to(args.device).train()
@@ -212,7 +213,8 @@ def cmd_plan(args) -> int:
                     f" offload {c['offload']}{'' if store is None else ' (to ' + store.describe() + ')'};"
                     f" {len(result.regions)} checkpoint region(s)"
                     f"{f'; {len(result.tiled)} block(s) in row stripes' if result.tiled else ''}"
-                    f"{'; gradients kept allocated' if args.grads_exist else ''}; wrote {args.out}")
+                    f"{'; gradients kept allocated' if args.grads_exist else ''}"
+                    f"{'; CPU allocator ' + cpu_allocator() if args.device == 'cpu' else ''}; wrote {args.out}")
     return 0
 
 

@@ -458,6 +458,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
             consider_low(low)
     if best is not None:
         best.solve_seconds = time.perf_counter() - prob.t0
+        best.budget_bytes = budget_bytes  # (a lowest-memory plan carries the budget of the call that first solved it)
         if id(best) in fallbacks and best.predicted_peak_bytes < fixed + 0.8 * (limit - fixed):
             warn_user(f"memfit: the integer program found no plan for this budget within time_limit={time_limit:g} s, "
                       f"so the plan is a lowest-memory one, which recomputes more than this budget needs (its "
