@@ -27,8 +27,8 @@ from memfit.solve.plan import Plan
 from memfit.solve.strategies import make_plan, smallest_feasible
 
 
-def _setup(name, store):
-    batch, size = zoo.tiny_size(name)
+def _setup(name, store, size=None):
+    batch, size = size or zoo.tiny_size(name)
     model = zoo.build_model(name).train()
     images, target = zoo.example_batch(name, batch, size)
     loss_fn = zoo.loss_for(name)
@@ -419,7 +419,9 @@ def test_joint_plan_is_no_slower_than_recompute_only_when_the_joint_program_find
     from memfit.solve.ilp import IlpResult
 
     store = DiskStore(tmp_path)
-    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _setup("resnet18", store)
+    # 4 x 64 px: at the zoo's tiny size on an AMD EPYC host Chen's peak was 0.67 MB under plain PyTorch's, less
+    # than the planner's safety margin (0.92 MB), so no plan fitted halfway between them
+    m, initial, inputs, target, loss_fn, base, captured, costs, fixed = _setup("resnet18", store, (4, 64))
     chen = make_plan("chen", captured.graph, costs, fixed_bytes=fixed)
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     budget = (chen.predicted_peak_bytes + plain.predicted_peak_bytes) // 2
