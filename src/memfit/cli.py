@@ -45,11 +45,15 @@ def _common(p: argparse.ArgumentParser) -> None:
         "memfit strategy: never run blocks of convolutions, pooling and activations in row stripes "
         "(tiled-chain; on by default with variants, for models with such blocks)"))
     p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
+    _allocator_flag(p)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _allocator_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-allocator", action="store_true", help=(
         "CPU: leave the C allocator as it is. By default memfit keeps the memory PyTorch frees in the process "
         "(glibc: no mmap per allocation, no trimming), so that steps pay no page faults, as on CUDA with its "
         "caching allocator; with this flag a step's time includes them (a third of plain MobileNet-V2's)"))
-    p.add_argument("--seed", type=int, default=0)
 
 
 def _offload_flags(p: argparse.ArgumentParser) -> None:
@@ -175,10 +179,6 @@ def cmd_run(args) -> int:
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
                          args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
                          offload_dir=args.offload_dir, grads_exist=args.grads_exist, tiling=not args.no_tiling)
-    if args.device == "cpu":
-        from memfit.profile.timing import cpu_allocator
-
-        report["cpu_allocator"] = cpu_allocator()
     console.print(_report_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -362,10 +362,7 @@ def _bench_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (CPU; default 1)")
-    p.add_argument("--system-allocator", action="store_true", help=(
-        "CPU: leave the C allocator as it is. By default memfit keeps the memory PyTorch frees in the process "
-        "(glibc: no mmap per allocation, no trimming), so that steps pay no page faults, as on CUDA with its "
-        "caching allocator; with this flag a step's time includes them (a third of plain MobileNet-V2's)"))
+    _allocator_flag(p)
     p.add_argument("--seed", type=int, default=0)
     _offload_flags(p)
     _grads_flag(p)

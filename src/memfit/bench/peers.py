@@ -100,6 +100,11 @@ class Reference:
     buffers_noise: float
 
 
+def as_float64(inputs: tuple) -> tuple:
+    """``inputs`` with every floating-point tensor in float64 (others as they are)."""
+    return tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
+
+
 def _perturbed(inputs: tuple, generator: torch.Generator) -> tuple:
     """The floating-point tensors of ``inputs`` each times ``1 + eps * N(0, 1)``, ``eps`` their dtype's machine
     epsilon: the same batch to within the rounding of one float32 operation."""
@@ -136,8 +141,7 @@ def reference_grads(model: nn.Module, inputs: tuple, target, loss_fn, seed: int 
     b32: dict[str, torch.Tensor] = {}
     g32 = one_step_grads(m32, m32, inputs, target, loss_fn, seed, b32)
     m64 = fresh_copy(model).double()
-    inputs64 = tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                     for t in inputs)
+    inputs64 = as_float64(inputs)
     b64: dict[str, torch.Tensor] = {}
     g64 = one_step_grads(m64, m64, inputs64, target, loss_fn, seed, b64)
     del m64
@@ -158,7 +162,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b), default=0.0)
 
 
-def _strip(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_names(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Names as the plain model has them (a planned or compiled module's parameters are under ``gm.`` or
     ``_orig_mod.``)."""
     return {k.removeprefix("gm.").removeprefix("_orig_mod."): v for k, v in values.items()}
@@ -183,12 +187,12 @@ def one_step_check(grads: dict[str, torch.Tensor], reference: Reference,
         ``"buffers_within_float32_noise"``, the same test on the buffers.
     """
     g32, g64 = reference.grads32, reference.grads64
-    grads = _strip(grads)
+    grads = strip_names(grads)
     noise, vs64 = reference.grads_noise, _max_diff(grads, g64)
     out = {"max_abs_grad_diff": _max_diff(grads, g32), "vs_float64": vs64, "float32_noise": noise,
            "within_float32_noise": set(grads) == set(g32) and vs64 <= 2 * noise + 1e-5}
     if buffers is not None:
-        buffers = _strip(buffers)
+        buffers = strip_names(buffers)
         b_noise, b_vs64 = reference.buffers_noise, _max_diff(buffers, reference.buffers64)
         out.update(buffers_vs_float64=b_vs64, buffers_float32_noise=b_noise,
                    buffers_within_float32_noise=set(buffers) == set(reference.buffers32)

@@ -190,14 +190,12 @@ class Accounting:
             loss_keeps=set(costs.loss_keeps),
             recompute_seconds=[c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds
                                for c in costs.nodes],
-            stop_seconds=[0.0 if _saves_before_computing(c) else
-                          (c.fwd_seconds if c.recompute_seconds is None else c.recompute_seconds)
-                          for c in costs.nodes],
             stats_bytes=[c.stats_bytes for c in costs.nodes],
             buffers=[list(c.buffers) for c in costs.nodes], buffer_bytes=dict(costs.buffer_bytes),
             stateful={b for b, kind in costs.buffer_kinds.items() if kind == "stateful"},
             region_seconds=costs.region_seconds, region_node_seconds=costs.region_node_seconds,
         )
+        acc.stop_seconds = [0.0 if _saves_before_computing(c) else t for c, t in zip(costs.nodes, acc.recompute_seconds)]
         return _with_gradients(acc, costs)
 
 

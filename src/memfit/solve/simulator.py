@@ -265,8 +265,9 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             alloc(acc.region_bytes + buffer_copies[r], f"recompute {i} rng state and buffer copies")
             cast: set[int] = set()  # casts of this recomputation (autocast's cache, cleared when it ends)
             unsaved_casts = 0
+            spent = sum(acc.recompute_seconds[lo:i]) + acc.stop_seconds[i]  # (the early stop: node i's saves)
+            recompute_seconds += spent
             for j in range(lo, i + 1):
-                recompute_seconds += acc.stop_seconds[j] if j == i else acc.recompute_seconds[j]
                 free(acc.stats_bytes[j], f"recompute {j} statistics")  # now its saved statistics again
                 for s in acc.cast_uses[j]:
                     if s in cast:
@@ -310,7 +311,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                     free(acc.nbytes[s], f"recompute {j} free {s}")
             free(unsaved_casts + to_end + acc.region_bytes + buffer_copies[r], f"recompute {i} end")
             recomputed[r] = copies
-            clock += sum(acc.recompute_seconds[lo:i]) + acc.stop_seconds[i]  # (the early stop)
+            clock += spent
         if r >= 0 and i == spans[r][0]:  # the region's own cost (checkpoint frames, hooks), paid once per step
             extra = acc.region_seconds + acc.region_node_seconds * (spans[r][1] - spans[r][0] + 1)
             clock += extra
