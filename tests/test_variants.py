@@ -204,7 +204,8 @@ def test_activation_mask_temporaries_stay_within_a_chunk():
         g = torch.randn_like(y)
         with MemoryTracker() as t:
             (gx,) = torch.autograd.grad(y, x, g)
-        assert t.peak_bytes - gx.untyped_storage().nbytes() <= 3 * chunk + 4096, name
+        # the unpacked mask (1 byte per element) and the mask read in the gradient's dtype by PyTorch's kernel (4)
+        assert t.peak_bytes - gx.untyped_storage().nbytes() <= 5 * chunk + 4096, name
 
 
 def test_hardtanh_nan_is_deterministic():
