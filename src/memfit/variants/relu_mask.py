@@ -42,6 +42,7 @@ All functions are ``once_differentiable`` (no double backward).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -239,9 +240,15 @@ def _backward_stride(kind: str, grad: Tensor, shape, stride) -> tuple[int, ...]:
     bfloat16 and float16, ignoring size-1 dimensions). The meta tensors are float32 whatever ``grad``'s dtype:
     in bfloat16 or float16 they disagree with the CPU where an operand is broadcast, and so do the kernels'
     own meta functions."""
+    return _layout(kind == "hardtanh", tuple(grad.shape), grad.stride(), tuple(shape), tuple(stride))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(grad_first: bool, grad_shape, grad_stride, shape, stride) -> tuple[int, ...]:
+    # (cached: the meta-device addition takes 0.17 ms on the CPU, 15 times a small mask's whole backward)
     meta = {"device": "meta", "dtype": torch.float32}
-    g, saved = torch.empty_strided(grad.shape, grad.stride(), **meta), torch.empty_strided(shape, stride, **meta)
-    return (torch.add(g, saved) if kind == "hardtanh" else torch.add(saved, g)).stride()
+    g, saved = torch.empty_strided(grad_shape, grad_stride, **meta), torch.empty_strided(shape, stride, **meta)
+    return (torch.add(g, saved) if grad_first else torch.add(saved, g)).stride()
 
 
 def _by_kernel(m: Tensor, grad: Tensor, kind: str, slope: float, out: Tensor) -> Tensor:
