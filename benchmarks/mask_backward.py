@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import memfit
+from memfit.profile.timing import median_seconds
 from memfit.variants.relu_mask import _masked, hardtanh_mask, leaky_relu_mask, relu_mask, unpack_mask
 
 KINDS = {  # name -> (PyTorch's op, the mask variant, the variant's kind for the torch.where backward)
@@ -32,13 +31,9 @@ KINDS = {  # name -> (PyTorch's op, the mask variant, the variant's kind for the
 
 
 def median_ms(fn, repeats: int) -> float:
+    """Median of ``repeats`` calls of ``fn`` after one warm-up call (milliseconds)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, torch.device("cpu"), repeats)
 
 
 def main() -> None:

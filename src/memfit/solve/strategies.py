@@ -89,6 +89,11 @@ class _Lows:
         return self.stopped and time_limit > self.time_limit
 
 
+def _stopped_at_limit(res: IlpResult) -> bool:
+    """Whether a solve stopped at its time limit."""
+    return "time limit" in res.status.lower()
+
+
 class _Problem:
     """One planning problem: the graph, its profile, the fixed bytes and the variants allowed."""
 
@@ -118,7 +123,6 @@ class _Problem:
         activation = self.plain.peak_bytes - fixed if self.exact_plain else costs.headroom_of
         self.margin = _margin(activation, costs.device)
         self._lows: dict[tuple, _Lows] = lows  # (recompute_only, fastest) -> the lowest-memory plans
-        self._stopped = False  # whether a peak-minimizing solve of the current _solve_lows stopped at its limit
 
     def keep_everything(self) -> Plan:
         """Keeping every activation: plain PyTorch's plan, or, where the variants are allowed, that plan with
@@ -193,23 +197,23 @@ class _Problem:
             if known is not None and not known.could_improve(time_limit):
                 return copy.deepcopy(known.plans)  # (callers set a plan's budget and solve time)
         known = self._lows.get((recompute_only, fastest))
-        self._stopped = False
-        plans = self._solve_lows(time_limit, recompute_only, fastest) + (known.plans if known else [])
-        self._lows[recompute_only, fastest] = _Lows(plans, time_limit, self._stopped)
-        return copy.deepcopy(plans)
+        plans, stopped = self._solve_lows(time_limit, recompute_only, fastest)
+        lows = self._lows[recompute_only, fastest] = _Lows(plans + (known.plans if known else []), time_limit, stopped)
+        return copy.deepcopy(lows.plans)
 
-    def _solve_lows(self, time_limit: float, recompute_only: bool, fastest: bool) -> list[Plan]:
+    def _solve_lows(self, time_limit: float, recompute_only: bool, fastest: bool) -> tuple[list[Plan], bool]:
+        """The lowest-memory plans, and whether a peak-minimizing program stopped at its time limit (before its
+        node limit: the floor found may then be above the one a longer search would find)."""
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
                  self.finish([(0, self.acc.n - 1)])]
         if recompute_only:
             res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True)
-            self._note_time_limit(res, time_limit)
             if res.spans is None:
-                return plans
+                return plans, _stopped_at_limit(res)
             lows = [self.finish(res.spans)]
             if fastest:
                 lows += self.fastest_at(res, None, False, time_limit)
-            return [*lows, *plans]
+            return [*lows, *plans], _stopped_at_limit(res)
         if self.offload:
             plans.append(self.finish([], offloads=candidates(self.acc)))
         # with offloading, or with the in-place forms (whose legality rows tie regions together), the search
@@ -224,6 +228,7 @@ class _Problem:
         # each program is also solved without a starting point: with one, HiGHS (1.16) has returned a
         # "solution" that ignored every in-place form and reported a peak below the program's optimum (a
         # one-ReLU model: budget="min" got plain PyTorch's 51.1 MB, a 40 MB budget a 35.7 MB plan)
+        stopped = False
         for offload in sorted({False, self.offload}):
             start = None
             for options in option_sets:
@@ -232,19 +237,13 @@ class _Problem:
                                         offload=offload, start_spans=begin and begin.spans,
                                         start_variants=begin and begin.variants,
                                         start_offloads=begin and begin.offloads)
-                    self._note_time_limit(res, time_limit)
+                    stopped |= _stopped_at_limit(res)
                     if res.spans is not None:
                         plans.insert(0, self.finish(res.spans, variants=res.variants, offloads=res.offloads))
                         if fastest:
                             plans[1:1] = self.fastest_at(res, options, offload, time_limit)
                         start = res
-        return plans
-
-    def _note_time_limit(self, res: IlpResult, time_limit: float) -> None:
-        """Remember that a peak-minimizing program stopped at its time limit (before its node limit): the floor
-        found may then be above the one a longer search would find."""
-        if "time limit" in res.status.lower():
-            self._stopped = True
+        return plans, stopped
 
     def stopped_at(self) -> float | None:
         """The longest time limit (seconds) at which a lowest-memory search stopped, or ``None``."""
