@@ -1927,8 +1927,11 @@ def test_old_style_weight_hooks_keep_their_weight_between_steps(norm, budget):
     plain = _normed_critic(norm)
     base = measure_training(plain, plain, (x,), y, loss, steps=1)
     m = _normed_critic(norm)
+    # at "min" recomputation only: with the 1-bit masks the least memory can be a plan that recomputes nothing
+    # (a LeakyReLU's mask, 840,536 B against 841,492 B for recomputing the first layer), and the hooks' weights
+    # must be seen through a region's recomputation
     planned = memfit.optimize(m, x, budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: loss(out, y))
+                              loss_fn=lambda out: loss(out, y), variants=budget != "min")
     fig = measure_training(planned, planned, (x,), y, loss, steps=1)
     agree = compare(base, fig)
     assert agree["gradients_match"] and agree["bn_stats_match"], agree
