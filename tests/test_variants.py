@@ -7,6 +7,7 @@ import contextlib
 import copy
 import importlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,20 @@ def test_pack_unpack_roundtrip(n, seed):
     assert torch.equal(unpack_mask(p, n).bool(), m)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 2**31 - 1), st.integers(0, 9))
+def test_torch_packing_equals_numpy_packing(n, seed, offset):
+    """The torch-op packing (what CUDA runs) gives the same bytes as NumPy's (what the CPU runs), also from a
+    slice that starts mid-word."""
+    rm = importlib.import_module("memfit.variants.relu_mask")  # (the package exports a function of that name)
+    g = torch.Generator().manual_seed(seed)
+    m = (torch.rand(n + offset, generator=g) > 0.5)[offset:]
+    p = pack_mask(m)
+    assert torch.equal(rm._pack_torch(m), p)
+    assert torch.equal(rm._unpack_torch(p, n), unpack_mask(p, n))
+    assert torch.equal(p, torch.from_numpy(np.packbits(m.numpy(), bitorder="little")))
+
+
 def test_pack_bit_order_and_noncontiguous():
     m = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
     assert pack_mask(m).tolist() == [1 + 128, 3]
@@ -145,7 +160,7 @@ def _transposed(g):
     return g.permute(*dims).contiguous().permute(*dims)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("name,make,specials", ACTS, ids=[a[0] for a in ACTS])
 def test_activation_mask_matches_torch(name, make, specials, inplace, dtype):
@@ -182,14 +197,17 @@ def test_activation_mask_in_chunks_matches_torch(name, make, specials, inplace, 
     torch.manual_seed(0)
     ref = make(inplace)
     var = VARIANTS["relu-mask"].make(ref)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
         _check_mask_activation(name, ref, var, specials, dtype)
 
 
 def test_activation_mask_temporaries_stay_within_a_chunk():
     """Packing a whole activation at once allocated 3/4 of it in temporaries (24 MiB for 32 MiB; 425 MB for
     590 MB on an H200); in chunks the forward and backward temporaries are bounded by a few chunks.
-    Memory, measured by the exact tracker, not time."""
+    Memory, not time: torch's allocations by the exact tracker, NumPy's (the CPU's masks and packing) by
+    ``tracemalloc``, which NumPy reports its array buffers to."""
+    import tracemalloc
+
     from memfit.profile.tracker import MemoryTracker
     rm = importlib.import_module("memfit.variants.relu_mask")  # (the package exports a function of that name)
 
@@ -197,15 +215,27 @@ def test_activation_mask_temporaries_stay_within_a_chunk():
     for name, make, _ in ACTS:
         var = VARIANTS["relu-mask"].make(make(False))
         x = torch.randn(16 * chunk, requires_grad=True) * 1.0  # 16 chunks, 4 bytes per element
-        with MemoryTracker() as t:
-            y = var(x)
-        packed = (x.numel() + 7) // 8
-        assert t.peak_bytes - y.untyped_storage().nbytes() - packed <= 3 * chunk + 4096, name  # (+ small tensors)
-        g = torch.randn_like(y)
-        with MemoryTracker() as t:
-            (gx,) = torch.autograd.grad(y, x, g)
+        w = torch.randn(9, requires_grad=True)
+        torch.autograd.grad(var(w * 1), w, torch.ones(9))  # (the first backward imports modules: not traced)
+        tracemalloc.start()
+        try:
+            with MemoryTracker() as t:
+                y = var(x)
+            fwd_numpy = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            packed = (x.numel() + 7) // 8
+            assert t.peak_bytes - y.untyped_storage().nbytes() - packed <= 3 * chunk + 4096, name  # (+ small)
+            g = torch.randn_like(y)
+            with MemoryTracker() as t:
+                (gx,) = torch.autograd.grad(y, x, g)
+            bwd_numpy = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
         # the unpacked mask (1 byte per element) and the mask read in the gradient's dtype by PyTorch's kernel (4)
         assert t.peak_bytes - gx.untyped_storage().nbytes() <= 5 * chunk + 4096, name
+        # NumPy: the comparisons' bool arrays (3 for hardtanh) and the packed chunk; the unpacked chunk
+        assert fwd_numpy <= 3 * chunk + chunk // 8 + 65536, (name, fwd_numpy)
+        assert bwd_numpy <= chunk + 65536, (name, bwd_numpy)
 
 
 def test_hardtanh_nan_is_deterministic():

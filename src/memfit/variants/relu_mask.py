@@ -25,10 +25,14 @@ marked dirty, so autograd's version checks and view handling behave as for PyTor
 The mask is computed from the input before it is overwritten, so in-place ``leaky_relu`` also works
 with a negative slope (PyTorch refuses that case in its backward).
 
-Packing (:func:`pack_mask`) uses pure torch ops: the boolean mask is laid out in the input's logical
-(row-major) order, padded with zeros to a multiple of 8 elements, and each group of 8 bytes (one
-``int64`` word, little-endian) is folded into one byte with three shift-or steps. :func:`unpack_mask`
-is the inverse. A portable (slower) multiply-and-sum path is used on big-endian hosts.
+Packing (:func:`pack_mask`): the boolean mask is laid out in the input's logical (row-major) order,
+padded with zeros to a multiple of 8 elements. On the CPU, NumPy's ``packbits`` / ``unpackbits``
+(``bitorder="little"``) do the work, writing into torch-allocated tensors; they are about 10x faster than
+torch ops (``[32, 96, 64, 64]``, one thread: 0.5 ms against 5.6 to pack, 0.6 against 5.4 to unpack), and
+for float32 and float64 inputs NumPy's comparisons make the mask too (ReLU's forward with the mask 5.6 ms
+instead of 8.5, ReLU6's 6.8 instead of 14.4; ``benchmarks/mask_backward.py``). Elsewhere (CUDA) each group of
+8 bytes (one ``int64`` word, little-endian) is folded into one byte with three shift-or steps, and
+:func:`unpack_mask` is the inverse; a portable (slower) multiply-and-sum path is used on big-endian hosts.
 
 Chunking: packing a whole tensor at once allocates 3 bytes per element of temporaries (the boolean mask
 and two shifted words), 3/4 of a float32 activation; unpacking, 1 byte per element (measured on the CPU:
@@ -45,6 +49,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import numpy as np
 import torch
 import torch.fx
 from torch import Tensor, nn
@@ -78,18 +83,28 @@ def _chunk(t: Tensor) -> int:
     return CHUNK_ELEMENTS.get(t.device.type, 1 << 22)
 
 
-def packed_mask_of(src: Tensor, mask_fn) -> Tensor:
+def packed_mask_of(src: Tensor, mask_fn, np_mask_fn=None) -> Tensor:
     """``pack_mask(mask_fn(src))``, made in chunks of :data:`CHUNK_ELEMENTS` elements when ``src`` is
     contiguous, so the boolean mask and the packing's temporaries never exist for the whole tensor.
 
     Args:
         src: the tensor the mask is computed from (any shape, dtype).
         mask_fn: elementwise ``mask_fn(t) -> bool Tensor`` of ``t``'s shape.
+        np_mask_fn: the same mask as ``mask_fn`` on a NumPy array (float32 or float64), or ``None``; used for
+            contiguous CPU tensors of those dtypes, chunk by chunk.
 
     Returns:
         1-D ``uint8`` tensor of ``ceil(src.numel() / 8)`` bytes, as :func:`pack_mask`.
     """
     n, chunk = src.numel(), _chunk(src)
+    if np_mask_fn is not None and src.dtype in (torch.float32, torch.float64) and _numpy_ok(src):
+        flat = src.detach().view(-1).numpy()
+        out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+        dst = out.numpy()
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            dst[lo // 8:(hi + 7) // 8] = np.packbits(np_mask_fn(flat[lo:hi]), bitorder="little")
+        return out
     if n <= chunk or not src.is_contiguous():
         return pack_mask(mask_fn(src))
     flat = src.view(-1)
@@ -98,6 +113,12 @@ def packed_mask_of(src: Tensor, mask_fn) -> Tensor:
         hi = min(n, lo + chunk)
         out[lo // 8:(hi + 7) // 8] = pack_mask(mask_fn(flat[lo:hi]))
     return out
+
+
+def _numpy_ok(t: Tensor) -> bool:
+    """Whether NumPy can read ``t`` in place: a plain contiguous CPU tensor (not a subclass such as a fake
+    or functional tensor, whose data NumPy cannot see)."""
+    return type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous() and not t.is_neg()
 
 
 def pack_mask(mask: Tensor) -> Tensor:
@@ -109,6 +130,18 @@ def pack_mask(mask: Tensor) -> Tensor:
     flat = mask.reshape(-1)
     if flat.dtype != torch.bool:
         flat = flat.ne(0)
+    if _numpy_ok(flat):  # NumPy's packbits, a chunk at a time (its temporaries stay a chunk's eighth)
+        n, chunk = flat.numel(), _chunk(flat)
+        out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+        src, dst = flat.detach().numpy(), out.numpy()
+        for lo in range(0, n, chunk):
+            dst[lo // 8:(min(n, lo + chunk) + 7) // 8] = np.packbits(src[lo:lo + chunk], bitorder="little")
+        return out
+    return _pack_torch(flat)
+
+
+def _pack_torch(flat: Tensor) -> Tensor:
+    """:func:`pack_mask` of a 1-D bool tensor by torch ops (for CUDA, where NumPy cannot reach)."""
     n = flat.numel()
     if n % 8:
         flat = torch.cat([flat, flat.new_zeros(8 - n % 8)])
@@ -126,6 +159,18 @@ def pack_mask(mask: Tensor) -> Tensor:
 
 def unpack_mask(packed: Tensor, numel: int) -> Tensor:
     """Inverse of :func:`pack_mask`: a 1-D ``uint8`` tensor of ``numel`` zeros and ones."""
+    if _numpy_ok(packed):  # NumPy's unpackbits into a torch tensor, a chunk at a time
+        out, chunk = torch.empty(numel, dtype=torch.uint8), _chunk(packed)
+        src, dst = packed.detach().numpy(), out.numpy()
+        for lo in range(0, numel, chunk):
+            hi = min(numel, lo + chunk)
+            dst[lo:hi] = np.unpackbits(src[lo // 8:(hi + 7) // 8], count=hi - lo, bitorder="little")
+        return out
+    return _unpack_torch(packed, numel)
+
+
+def _unpack_torch(packed: Tensor, numel: int) -> Tensor:
+    """:func:`unpack_mask` by torch ops (for CUDA, where NumPy cannot reach)."""
     if _LITTLE:
         v = packed.to(torch.int64)
         v = v.bitwise_or(v << 28)
@@ -167,9 +212,10 @@ class MaskedActivationFn(torch.autograd.Function):
                 out = torch.relu_(x)
             else:
                 out = torch.relu(x)
-            packed = packed_mask_of(out, Tensor.bool)  # == not (out <= 0): out is >= 0 or NaN
+            # == not (out <= 0): out is >= 0, -0.0 or NaN
+            packed = packed_mask_of(out, Tensor.bool, lambda t: t != 0)
         elif kind == "leaky_relu":
-            packed = packed_mask_of(x, lambda t: t > 0)
+            packed = packed_mask_of(x, lambda t: t > 0, lambda t: t > 0)
             if inplace:
                 out = torch.nn.functional.leaky_relu_(x, a)
             else:
@@ -182,7 +228,11 @@ class MaskedActivationFn(torch.autograd.Function):
             def passes(t: Tensor) -> Tensor:  # NaN -> 0 everywhere (torch: 0 on its vectorised path only)
                 return torch.ops.aten.hardtanh_backward(t.new_ones(()).expand(t.shape), _nan_below(t), a, b).bool()
 
-            packed = packed_mask_of(x, passes)
+            def np_passes(t):  # the bounds rounded to t's dtype, as torch's kernel does; NaN -> 0
+                lo, hi = t.dtype.type(a), t.dtype.type(b)
+                return np.logical_and(t > lo, t < hi)
+
+            packed = packed_mask_of(x, passes, np_passes)
             if inplace:
                 out = torch.nn.functional.hardtanh_(x, a, b)
             else:
