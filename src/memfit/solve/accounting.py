@@ -272,7 +272,12 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
         summed = 0  # out-of-place sums: the old gradient and the new contribution beside the sum, after the node
         unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
         for m in acc.inputs[i]:
-            if not needs[m]:
+            # (no gradient reaches node i, an out-of-place node no later node reads on a path to the loss, so
+            # autograd never runs its backward: ``h.detach().mean()`` into a buffer reads ``h`` but gives it no
+            # gradient, and a fresh user's EMA buffer was priced as a second contribution to ``h``'s gradient, an
+            # activation's size above plain PyTorch's measured peak. An in-place node, ``h.mul_(0.5)`` whose result
+            # goes unread, rewrites ``h``'s autograd history, so its backward runs whether or not it is read)
+            if not needs[m] or (t is None and not costs.nodes[i].mutates):
                 continue
             passed = acc.grad_alias[i] and t is not None and m not in copies[i]
             new = 0 if passed else sizes[i].get(m, acc.grad_bytes[m])
