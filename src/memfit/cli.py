@@ -153,7 +153,7 @@ def _report_table(r: dict) -> Table:
     if "rounding_check" in r:
         ok = "[green]match to float32 rounding[/]" if r["gradients_match"] else "[red]DIFFER beyond float32 rounding[/]"
     t.add_row("gradients", "", f"{ok} (max abs diff {r['max_abs_grad_diff']:.2e}"
-              f"{' after the measured steps; judged by one step:' if 'rounding_check' in r else ''})", "")
+              f"{' after the measured steps; judged by the one step below' if 'rounding_check' in r else ''})", "")
     if "rounding_check" in r:  # row stripes or conv-native: float32 rounding, judged against a float64 step
         one = r["rounding_check"]
         t.add_row("  one step vs float64", "", f"{one['vs_float64']:.2e} (plain PyTorch's float32 noise: "
