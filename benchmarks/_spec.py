@@ -53,3 +53,16 @@ def profiled_spec(spec: str):
     captured, costs = profile_once(model, x, y, loss)
     plain = make_plan("none", captured.graph, costs)
     return captured, costs, plain, plain.predicted_peak_bytes - costs.fixed_bytes
+
+
+def timed_plans(model, plans, x, y, loss, rounds: int) -> list[float]:
+    """Median step seconds of plain PyTorch and of each plan of ``plans`` (each run on its own copy of ``model``),
+    taken round-robin (:func:`memfit.bench.harness.interleaved_step_seconds`): ``[plain, *plans]``."""
+    from memfit.bench.harness import fresh_copy, interleaved_step_seconds
+    from memfit.graph import capture
+
+    setups = [(plain := fresh_copy(model), plain)]
+    for plan in plans:
+        m = memfit.PlannedModule(capture(fresh_copy(model)), plan)
+        setups.append((m, m))
+    return interleaved_step_seconds(setups, (x,), y, loss, rounds=rounds)

@@ -20,11 +20,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-from _spec import profile_once, zoo_setup
+from _spec import profile_once, timed_plans, zoo_setup
 
-import memfit
-from memfit.bench.harness import fresh_copy, interleaved_step_seconds
-from memfit.graph import capture
 from memfit.solve import simulate
 from memfit.solve.accounting import Accounting
 from memfit.solve.legal import legalize
@@ -56,11 +53,7 @@ def main() -> None:
              "the same, from saved statistics": own_stats,
              f"memfit at {args.budget:g}%, BatchNorm by PyTorch's kernel": emptied,
              f"memfit at {args.budget:g}% as solved ({len(solved.stats_recompute)} from saved statistics)": solved}
-    setups = [(p := fresh_copy(model), p)]
-    for plan in plans.values():
-        m = memfit.PlannedModule(capture(fresh_copy(model)), plan)
-        setups.append((m, m))
-    seconds = interleaved_step_seconds(setups, (x,), y, loss, rounds=args.rounds)
+    seconds = timed_plans(model, plans.values(), x, y, loss, args.rounds)
     print(f"{args.spec}: plain PyTorch {seconds[0]:.3f} s per step (median of {args.rounds}), "
           f"{plain.predicted_step_seconds:.3f} s predicted")
     print("| plans | predicted overhead | measured overhead | predicted recomputation |")

@@ -28,11 +28,8 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from _spec import profile_once, zoo_setup
+from _spec import profile_once, timed_plans, zoo_setup
 
-import memfit
-from memfit.bench.harness import fresh_copy, interleaved_step_seconds
-from memfit.graph import capture
 from memfit.solve.simulator import simulate
 from memfit.solve.strategies import make_plan
 
@@ -65,11 +62,8 @@ def main() -> None:
     act = plain_plan.predicted_peak_bytes - fixed
     plan = make_plan("memfit", graph, costs, budget_bytes=int(fixed + args.budget / 100 * act),
                      time_limit=args.time_limit, use_offload=False)
-    rows, setups = parts(plan), [(plain := fresh_copy(model), plain)]
-    for _, p in rows:
-        timed = memfit.PlannedModule(capture(fresh_copy(model)), p)
-        setups.append((timed, timed))
-    seconds = interleaved_step_seconds(setups, (x,), y, loss, rounds=args.rounds)
+    rows = parts(plan)
+    seconds = timed_plans(model, [p for _, p in rows], x, y, loss, args.rounds)
     print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds}); plan: {len(plan.regions)} regions, "
           f"variants {plan.counts()['variants']}")
     print("| setup | predicted overhead | measured overhead | measured - predicted |")
