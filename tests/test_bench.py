@@ -298,12 +298,29 @@ def test_cli_run_memfit_with_and_without_offload(tmp_path):
     off = tmp_path / "offload"
     rc, r = _run(tmp_path, "--strategy", "memfit", "--offload-dir", str(off))
     assert rc == 0 and r["gradients_match"] and r["bn_stats_match"], r
+    assert r["buffers_compared"] > 0  # ResNet-18's BatchNorm statistics were compared
     assert r["offload_store"] == f"disk:{off}"
     host = r["planned"]["host_peak_bytes"]
     assert isinstance(host, int) and (host > 0) == (r["decisions"]["offload"] > 0)
     rc, r = _run(tmp_path, "--strategy", "chen", "--no-offload")
     assert rc == 0 and r["offload_store"] is None and r["planned"]["host_peak_bytes"] == 0
     assert r["decisions"]["offload"] == 0
+
+
+def test_cli_run_says_there_were_no_buffers_to_compare_rather_than_match(tmp_path, capsys, monkeypatch):
+    # fresh-user finding: VGG-16 (no BatchNorm, no buffers) was reported "BatchNorm statistics: match"
+    from memfit import zoo
+
+    monkeypatch.setenv("COLUMNS", "240")  # rich wraps the table's cells to the terminal's width
+
+    batch, size = zoo.tiny_size("vgg16")
+    js = tmp_path / "vgg.json"
+    rc = main(["run", "--model", "vgg16", "--batch", str(batch), "--image-size", str(size), "--steps", "1",
+               "--strategy", "chen", "--json", str(js)])
+    r = json.loads(js.read_text())
+    assert rc == 0 and r["gradients_match"] and r["buffers_compared"] == 0, r
+    rows = [line for line in capsys.readouterr().out.splitlines() if "BatchNorm statistics" in line]
+    assert len(rows) == 1 and "none (the model has no buffers)" in rows[0] and "match" not in rows[0], rows
 
 
 def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):

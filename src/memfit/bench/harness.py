@@ -172,8 +172,10 @@ def compare(reference: StepFigures, other: StepFigures) -> dict:
     """Gradient and BatchNorm-statistics agreement of ``other`` with ``reference`` (plain PyTorch).
 
     Returns:
-        ``{"gradients_match", "max_abs_grad_diff", "bn_stats_match"}``; matching means max abs diff
-        <= 1e-5 (float32) and the same parameter and buffer names.
+        ``{"gradients_match", "max_abs_grad_diff", "bn_stats_match", "buffers_compared"}``; matching means max
+        abs diff <= 1e-5 (float32) and the same parameter and buffer names; ``buffers_compared`` is how many of
+        plain PyTorch's buffers were compared (0 for a model without any: ``bn_stats_match`` is then trivially
+        true, and the report says so).
     """
     def strip(name: str) -> str:  # names as the plain model has them (torch.compile adds _orig_mod.)
         return name.removeprefix("gm.").removeprefix("_orig_mod.")
@@ -187,7 +189,7 @@ def compare(reference: StepFigures, other: StepFigures) -> dict:
         float((ref_b[k].double() - oth_b[k].double()).abs().max()) <= 1e-5 if ref_b[k].numel() else True
         for k in ref_b)
     return {"gradients_match": set(ref_g) == set(oth_g) and diff <= 1e-5, "max_abs_grad_diff": diff,
-            "bn_stats_match": bn}
+            "bn_stats_match": bn, "buffers_compared": len(ref_b)}
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
