@@ -345,6 +345,27 @@ def test_a_budget_below_the_fixed_bytes_is_told_so_not_to_lower_the_batch():
     assert "lower the batch size" not in str(err.value) and "time_limit" not in str(err.value)
 
 
+@pytest.mark.parametrize("make, advice, not_advised", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), "a frozen one has no gradient, no state and no step", "such as SGD"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "SGD without momentum (no state; yours holds", "such as SGD"),
+    (lambda p: torch.optim.Adam(p), "an optimizer with less state than Adam's", "SGD without momentum"),
+])
+def test_the_infeasible_budget_advice_names_a_lighter_optimizer_only_where_there_is_one(make, advice, not_advised):
+    """Found by a fresh user: training with SGD, the refusal advised "an optimizer with less state such as SGD"."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make(model.parameters())
+    with pytest.raises(memfit.InfeasibleBudgetError, match="below the fixed bytes alone") as err:
+        memfit.optimize(model, torch.randn(1, 256), budget="100KB", optimizer=opt, time_limit=2)
+    message = " ".join(str(err.value).split())
+    assert advice in message and not_advised not in message, message
+    assert err.value.optimizer == type(opt).__name__ and not opt.state  # the optimizer is as it was
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model is as it was
+
+
 def test_lowest_memory_plans_cut_short_by_the_budgeted_search_are_solved_again_with_the_whole_time_limit(monkeypatch):
     """The budgeted search, out of time without a plan, asks for the lowest-memory plans with what is left of its
     time (down to 1 s), and they were kept for the profile: with ``time_limit=8`` ResNet-50 at 8 x 128 and 33% was

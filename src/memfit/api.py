@@ -21,7 +21,7 @@ from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import PlannedModule, autocast_dtype, conv_libraries, memory_layout, state_layouts
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
-from memfit.solve.strategies import OFFLOAD_STRATEGIES, make_plan, plan_at_floor
+from memfit.solve.strategies import OFFLOAD_STRATEGIES, InfeasibleBudgetError, make_plan, plan_at_floor
 from memfit.solve.tiling import Option, best_plan, share_timings, tiling_candidates
 from memfit.warn import warn_user
 
@@ -365,7 +365,12 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     options = [Option(captured, costs)]
     if tiling and strategy == "memfit" and variants and (floor or budget_bytes < plain.predicted_peak_bytes):
         options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
-    result, chosen = best_plan(options, solve, minimum=floor)
+    try:
+        result, chosen = best_plan(options, solve, minimum=floor)
+    except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given
+        if optimizer is None:
+            raise
+        raise exc.for_optimizer(type(optimizer).__name__, state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
     result.input_shapes = _shapes(inputs)

@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         if "more than 1 value per channel" in str(exc):  # PyTorch's BatchNorm on one value per channel
             hint = (" (BatchNorm in training needs more than one value per channel: give --batch 2 or more, or a "
                     "larger --image-size)")
-        if isinstance(exc, InfeasibleBudgetError) and "optimizer" in str(exc):
+        if isinstance(exc, InfeasibleBudgetError) and ("fixed bytes alone" in str(exc) or "temporaries" in str(exc)):
             # (the advice names an optimizer with less state, which the command line does not let you choose)
             hint = (" (the command line always trains the whole model with SGD and momentum 0.9: raise --budget, "
                     "or plan through the Python API, memfit.optimize(model, batch, budget, optimizer=...), with "

@@ -28,25 +28,40 @@ Spans = list[tuple[int, int]]
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the budget. ``smallest_feasible_bytes`` is the lowest peak memfit found a plan for; ``stopped_at``
-    the time limit (seconds) that its search for it had and reached, or ``None`` (it ran to its node limit)."""
+    the time limit (seconds) that its search for it had and reached, or ``None`` (it ran to its node limit);
+    ``optimizer`` the class name of the optimizer the plan was solved for (``"SGD"``, ``"Adam"``), or ``None``
+    (not given), and ``optimizer_state_bytes`` the state it holds (bytes): the advice names an optimizer with
+    less state only where one has less."""
 
     def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0,
-                 stopped_at: float | None = None):
+                 stopped_at: float | None = None, optimizer: str | None = None, optimizer_state_bytes: int = 0):
         self.budget_bytes = budget_bytes
         self.stopped_at = stopped_at
         self.smallest_feasible_bytes = smallest_feasible_bytes
         self.fixed_bytes = fixed_bytes
         self.step_bytes = step_bytes
+        self.optimizer = optimizer
+        self.optimizer_state_bytes = optimizer_state_bytes
         # the optimizer step's temporaries are most of the floor above the fixed bytes: no plan changes
         # them, and a smaller batch barely does
         by_step = step_bytes > (smallest_feasible_bytes - fixed_bytes) // 2
         below_fixed = budget_bytes < fixed_bytes
-        hint = ("; the budget is below the fixed bytes alone, which no plan and no batch size lowers: raise it, or "
-                "make them smaller (fewer trainable parameters, an optimizer with less state such as SGD)"
+        if optimizer is not None and optimizer_state_bytes == 0:  # no state to lose: fewer trained parameters
+            lighter = "fewer trainable parameters (a frozen one has no gradient, no state and no step)"
+        elif optimizer == "SGD":  # its state is the momentum buffers
+            lighter = (f"fewer trainable parameters, or SGD without momentum (no state; yours holds "
+                       f"{fmt_bytes(optimizer_state_bytes)})")
+        elif optimizer is not None:
+            lighter = (f"fewer trainable parameters, or an optimizer with less state than {optimizer}'s "
+                       f"{fmt_bytes(optimizer_state_bytes)}, such as SGD")
+        else:
+            lighter = "fewer trainable parameters, an optimizer with less state such as SGD"
+        hint = (f"; the budget is below the fixed bytes alone, which no plan and no batch size lowers: raise it, or "
+                f"make them smaller ({lighter})"
                 if below_fixed else
                 f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
-                "which set this floor: no plan and hardly any batch size changes them (a smaller model, or "
-                "an optimizer with less state, such as SGD, does)" if by_step else
+                f"which set this floor: no plan and hardly any batch size changes them (a smaller model, {lighter}, "
+                "does)" if by_step else
                 ". Raise the budget, or lower the batch size")
         stopped = ("" if stopped_at is None or below_fixed else
                    " (the search for the lowest-memory plan stopped at its time limit, so a longer time_limit / "
@@ -56,6 +71,11 @@ class InfeasibleBudgetError(ValueError):
             f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}){stopped}, "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
             f"buffers, optimizer state, inputs){hint}.")
+
+    def for_optimizer(self, optimizer: str, state_bytes: int) -> InfeasibleBudgetError:
+        """The same error, its advice for ``optimizer`` (a class name) holding ``state_bytes`` of state."""
+        return InfeasibleBudgetError(self.budget_bytes, self.smallest_feasible_bytes, self.fixed_bytes,
+                                     self.step_bytes, self.stopped_at, optimizer, state_bytes)
 
 
 #: extra headroom on CUDA (bytes): on an H200, a ResNet-18 plan at batch 8, 64 px measured 2.0 MB above its
