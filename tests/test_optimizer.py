@@ -203,3 +203,38 @@ def test_a_saved_plan_is_refused_for_an_optimizer_of_its_class_that_keeps_more_s
     memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.AdamW(model.parameters(), weight_decay=0.1))
     with pytest.raises(ValueError, match=r"counted \d+ bytes of AdamW state, and this AdamW will keep \d+ bytes"):
         memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
+
+
+def test_a_plan_solved_without_an_optimizer_is_refused_for_one_with_state_and_measured_why():
+    """A plan solved with ``optimizer=None`` counts no optimizer state: applied for Adam it was accepted silently,
+    and the step measured above its budget by Adam's state."""
+    model, x, y = _mlp().train(), torch.randn(4, 256), torch.randint(0, 10, (4,))
+    loss_fn = nn.functional.cross_entropy
+    plan, _, _ = memfit.plan(model, x, "100%", loss_fn=lambda out: loss_fn(out, y))
+    assert plan.optimizer is None and plan.optimizer_state_bytes is None
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"solved without an optimizer.*this Adam will keep \d+ bytes of state"):
+        memfit.optimize(model, x, plan_=plan, optimizer=adam)
+    assert not adam.state  # the optimizer is as it was
+    memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # no state
+    # why: the same plan, trained with Adam anyway, goes over its budget
+    planned = memfit.optimize(model, x, plan_=plan)
+    loss_fn(planned(x), y).backward()
+    adam.step()  # Adam's state, made
+    adam.zero_grad()
+    start = live_bytes(list(model.parameters()) + [x, y] + [t for s in adam.state.values() for t in s.values()])
+    with MemoryTracker() as tracker:
+        loss_fn(planned(x), y).backward()
+        adam.step()
+    assert start + tracker.peak_bytes > plan.budget_bytes
+
+
+def test_a_plan_that_counted_an_optimizer_warns_when_applied_without_one():
+    model, x = _mlp().train(), torch.randn(4, 256)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plan, _, _ = memfit.plan(model, x, "100%", optimizer=sgd)
+    with pytest.warns(UserWarning, match=r"counted \d+ bytes of SGD state and its step; pass optimizer="):
+        memfit.optimize(model, x, plan_=plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memfit.optimize(model, x, plan_=plan, optimizer=sgd)

@@ -476,10 +476,23 @@ def _counted_state(optimizer, trained: list[torch.Tensor]):
 def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) -> None:
     """Refuse a saved plan for an ``optimizer`` that will hold more state than the plan counted: the same class
     with other options (``AdamW(amsgrad=True)`` keeps a third tensor per parameter: a fresh user's reloaded plan
-    measured 1.068x its budget) or parameters that have gained state since."""
-    if optimizer is None or plan_.optimizer_state_bytes is None:
+    measured 1.068x its budget), parameters that have gained state since, or any optimizer with state where the
+    plan was solved without one (it counted none). Warn where the plan counted an optimizer and none is given
+    now: nothing checks the one trained with."""
+    if optimizer is None:
+        if plan_.optimizer is not None:
+            warnings.warn(f"memfit.optimize: the plan counted {plan_.optimizer_state_bytes} bytes of "
+                          f"{plan_.optimizer} state and its step; pass optimizer= the optimizer you train with to have "
+                          "it checked (one that keeps more state takes the step over the budget)", stacklevel=3)
         return
     now, _ = _counted_state(optimizer, trained)
+    if plan_.optimizer_state_bytes is None:
+        if now > 0:
+            raise ValueError(f"the plan was solved without an optimizer, so its budget counts no optimizer state and "
+                             f"no optimizer step, and this {type(optimizer).__name__} will keep {now} bytes of state: "
+                             "the step would go over the plan's budget; make a new plan with optimizer= this "
+                             "optimizer (or apply this one with optimizer=None, knowing that)")
+        return
     if now > plan_.optimizer_state_bytes:
         raise ValueError(f"the plan counted {plan_.optimizer_state_bytes} bytes of {plan_.optimizer} state, and this "
                          f"{type(optimizer).__name__} will keep {now} bytes (other options, such as amsgrad or "
