@@ -726,9 +726,37 @@ def test_example_inputs_given_as_a_dict_of_keyword_arguments_are_bound_by_name()
     assert plan.input_values == {"scale": "2.0"}
     with pytest.raises(ValueError, match="a dict of the forward's keyword arguments without 'x'"):
         memfit.optimize(TwoInputs().train(), {"y": extra})
+    with pytest.raises(ValueError, match="a dict of the forward's keyword arguments without 'y'"):  # after the last
+        memfit.optimize(TwoInputs().train(), {"x": x})
     with pytest.raises(TypeError, match=r"called with 1 inputs, .*also needs 'y'.*pass each, by position or by "
                                         r"keyword \(the forward takes x, y\)"):
         planned(x)
+
+
+class _TakesTheDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 4)
+
+    def forward(self, batch):
+        return self.l(batch["x"] + batch["z"])
+
+
+def test_a_dict_with_a_key_that_names_no_argument_is_told_so():
+    # fresh-user finding: {"x": ..., "z": ...} for forward(x, y=None) was taken as one input (x), and the error
+    # was the traced forward failing on "'dict' + 'NoneType'" (for forward(x, z): "also needs 'z'", which it had)
+    x, z = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"whose key 'z' names no argument of the forward \(x, y\).*\(batch,\)"):
+        memfit.optimize(TwoInputs().train(), {"x": x, "z": z})
+    # a forward that takes the dict itself: no key names its argument, so the dict is its one input
+    torch.manual_seed(0)
+    plain = _TakesTheDict().train()
+    m = fresh_copy(plain)
+    planned = memfit.optimize(m, {"x": x, "z": z}, "100%")
+    _ce(plain({"x": x, "z": z}), torch.zeros(8, dtype=torch.long)).backward()
+    _ce(planned({"x": x, "z": z}), torch.zeros(8, dtype=torch.long)).backward()
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 class _DictOut(nn.Module):

@@ -182,7 +182,13 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     """The example inputs as a tuple of the forward's positional inputs: a tuple or list as it is; a dict whose keys
     all name arguments of ``model``'s forward (a Hugging Face style batch, ``model(**batch)``) by those names,
     an argument left out before one given taking its default (a fresh user's ``{"input_ids": ..,
-    "attention_mask": ..}`` was taken as one input); anything else as a single input."""
+    "attention_mask": ..}`` was taken as one input); anything else as a single input.
+
+    Raises:
+        ValueError: a dict that leaves out an argument without a default, or one whose keys name some of the
+            forward's arguments and not others (a misspelt or extra key: it would otherwise be taken as one
+            input, and the forward fail on it far from the cause).
+    """
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs)
     if isinstance(example_inputs, dict) and example_inputs and model is not None:
@@ -192,14 +198,24 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
             params = []
         named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         names = [p.name for p in named]
+        keys = [k for k in example_inputs if isinstance(k, str)]
         if all(isinstance(k, str) and k in names for k in example_inputs):
-            last = max(names.index(k) for k in example_inputs)
-            missing = [p.name for p in named[:last + 1] if p.name not in example_inputs and p.default is p.empty]
+            missing = [p.name for p in named if p.name not in example_inputs and p.default is p.empty]
             if missing:
                 raise ValueError(f"example_inputs is a dict of the forward's keyword arguments without "
                                  f"{', '.join(repr(m) for m in missing)}, which has no default: add "
                                  f"{'it' if len(missing) == 1 else 'them'}")
+            last = max(names.index(k) for k in example_inputs)
             return tuple(example_inputs.get(p.name, p.default) for p in named[:last + 1])
+        if any(k in names for k in keys):
+            strays = [k for k in example_inputs if k not in names]
+            which = (f"key {strays[0]!r} names" if len(strays) == 1 else
+                     f"keys {', '.join(repr(k) for k in strays)} name")
+            raise ValueError(f"example_inputs is a dict whose {which} no argument of the forward "
+                             f"({', '.join(names)}), and the others do: a dict is read as "
+                             "the forward's keyword arguments only when every key names one. Rename or drop "
+                             f"{'it' if len(strays) == 1 else 'them'}, or, for a forward that takes the dict itself, "
+                             "pass it inside a tuple: (batch,)")
     return (example_inputs,)
 
 
