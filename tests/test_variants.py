@@ -509,13 +509,17 @@ POOLS = [
 ]
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch"])
 @pytest.mark.parametrize("chunk", [None, 8, 40], ids=["whole", "chunk8", "chunk40"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", POOLS, ids=[str(i) for i in range(len(POOLS))])
-def test_maxpool_compact_matches_torch(cfg, dtype, chunk, monkeypatch):
-    """Also with the planes pooled a group at a time (groups of about ``chunk`` output elements)."""
+def test_maxpool_compact_matches_torch(cfg, dtype, chunk, path, monkeypatch):
+    """Also with the planes pooled a group at a time (groups of about ``chunk`` output elements), and with the
+    index conversions in NumPy (the CPU's) and in torch operations (CUDA's, and a window wider than the input)."""
     if chunk is not None:
         monkeypatch.setitem(importlib.import_module("memfit.variants.relu_mask").CHUNK_ELEMENTS, "cpu", chunk)
+    if path == "torch":
+        monkeypatch.setattr(importlib.import_module("memfit.variants.maxpool_compact"), "numpy_ok", lambda t: False)
     torch.manual_seed(3)
     ref = nn.MaxPool2d(**cfg)
     var = VARIANTS["maxpool-compact"].make(ref)
@@ -536,21 +540,36 @@ def test_maxpool_compact_matches_torch(cfg, dtype, chunk, monkeypatch):
 def test_maxpool_compact_temporaries_stay_within_a_chunk():
     """The int64 indices and their arithmetic took up to 24 bytes per output element at once (on an H200,
     0.85 GB forward and 1.18 GB backward for ResNet-50's stem at batch 184); pooled a group of planes at a
-    time they are bounded by a few chunks. Memory, measured by the exact tracker, not time."""
+    time they are bounded by a few chunks. Memory, measured by the exact tracker, not time; NumPy's own
+    allocations (the CPU's index conversions write into PyTorch's tensors) by ``tracemalloc``."""
+    import tracemalloc
+
     from memfit.profile.tracker import MemoryTracker
 
     chunk = importlib.import_module("memfit.variants.relu_mask").CHUNK_ELEMENTS["cpu"]
     var = VARIANTS["maxpool-compact"].make(nn.MaxPool2d(3, 2, 1))
     x = torch.randn(8, 64, 128, 128, requires_grad=True) * 1.0  # output: 8 * 64 * 64 * 64 = 8 chunks
-    with MemoryTracker() as t:
-        y = var(x)
-    kept = y.untyped_storage().nbytes() + y.numel()  # the output and the uint8 offsets
-    # per group: its output (4 bytes per element), the indices and two int64 temporaries (24 bytes)
-    assert t.peak_bytes - kept <= 28 * chunk + 4096
-    g = torch.randn_like(y)
-    with MemoryTracker() as t:
-        (gx,) = torch.autograd.grad(y, x, g)
+    w = torch.randn(1, 1, 8, 8, requires_grad=True)
+    with MemoryTracker():  # (the first tracker and backward import modules: not traced)
+        torch.autograd.grad(var(w * 1).sum(), w)
+    tracemalloc.start()
+    try:
+        with MemoryTracker() as t:
+            y = var(x)
+        fwd_numpy = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        kept = y.untyped_storage().nbytes() + y.numel()  # the output and the uint8 offsets
+        # per group: its output (4 bytes per element), the indices and two int64 temporaries (24 bytes)
+        assert t.peak_bytes - kept <= 28 * chunk + 4096
+        g = torch.randn_like(y)
+        with MemoryTracker() as t:
+            (gx,) = torch.autograd.grad(y, x, g)
+        bwd_numpy = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert t.peak_bytes - gx.untyped_storage().nbytes() <= 28 * chunk + 4096
+    # NumPy: the forward's subtraction buffers 64 KiB; the backward's lookup reads a chunk of offsets as intp
+    assert fwd_numpy <= 2 * 65536 and bwd_numpy <= 8 * chunk + 65536, (fwd_numpy, bwd_numpy)
 
 
 def test_maxpool_compact_saves_uint8_offsets():

@@ -97,7 +97,7 @@ def packed_mask_of(src: Tensor, mask_fn, np_mask_fn=None) -> Tensor:
         1-D ``uint8`` tensor of ``ceil(src.numel() / 8)`` bytes, as :func:`pack_mask`.
     """
     n, chunk = src.numel(), _chunk(src)
-    if np_mask_fn is not None and src.dtype in (torch.float32, torch.float64) and _numpy_ok(src):
+    if np_mask_fn is not None and src.dtype in (torch.float32, torch.float64) and numpy_ok(src):
         flat = src.detach().view(-1).numpy()
         out = torch.empty((n + 7) // 8, dtype=torch.uint8)
         dst = out.numpy()
@@ -115,7 +115,7 @@ def packed_mask_of(src: Tensor, mask_fn, np_mask_fn=None) -> Tensor:
     return out
 
 
-def _numpy_ok(t: Tensor) -> bool:
+def numpy_ok(t: Tensor) -> bool:
     """Whether NumPy can read ``t`` in place: a plain contiguous CPU tensor (not a subclass such as a fake
     or functional tensor, whose data NumPy cannot see)."""
     return type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous() and not t.is_neg()
@@ -130,7 +130,7 @@ def pack_mask(mask: Tensor) -> Tensor:
     flat = mask.reshape(-1)
     if flat.dtype != torch.bool:
         flat = flat.ne(0)
-    if _numpy_ok(flat):  # NumPy's packbits, a chunk at a time (its temporaries stay a chunk's eighth)
+    if numpy_ok(flat):  # NumPy's packbits, a chunk at a time (its temporaries stay a chunk's eighth)
         n, chunk = flat.numel(), _chunk(flat)
         out = torch.empty((n + 7) // 8, dtype=torch.uint8)
         src, dst = flat.detach().numpy(), out.numpy()
@@ -159,7 +159,7 @@ def _pack_torch(flat: Tensor) -> Tensor:
 
 def unpack_mask(packed: Tensor, numel: int) -> Tensor:
     """Inverse of :func:`pack_mask`: a 1-D ``uint8`` tensor of ``numel`` zeros and ones."""
-    if _numpy_ok(packed):  # NumPy's unpackbits into a torch tensor, a chunk at a time
+    if numpy_ok(packed):  # NumPy's unpackbits into a torch tensor, a chunk at a time
         out, chunk = torch.empty(numel, dtype=torch.uint8), _chunk(packed)
         src, dst = packed.detach().numpy(), out.numpy()
         for lo in range(0, numel, chunk):
