@@ -158,7 +158,7 @@ def _report_table(r: dict) -> Table:
         one = r["rounding_check"]
         t.add_row("  one step vs float64", "", f"{one['vs_float64']:.2e} (plain PyTorch's float32 noise: "
                   f"{one['float32_noise']:.2e})", "")
-        if "buffers_vs_float64" in one:
+        if "buffers_vs_float64" in one and r.get("buffers_compared", 1):  # (no buffers: nothing was compared)
             t.add_row("  its BatchNorm statistics", "", f"{one['buffers_vs_float64']:.2e} (plain PyTorch's "
                       f"float32 noise: {one['buffers_float32_noise']:.2e})", "")
         if "float64_grads_rel" in one:  # float32 beyond its noise: the step in float64 under the plan decided
