@@ -201,14 +201,34 @@ def test_activation_mask_in_chunks_matches_torch(name, make, specials, inplace, 
         _check_mask_activation(name, ref, var, specials, dtype)
 
 
+def _step_memory(var, x):
+    """One forward and backward of ``var`` on ``x``: ``(y, gx, (forward, backward) torch peaks by the exact tracker,
+    (forward, backward) NumPy peaks by tracemalloc, which NumPy reports its array buffers to)``."""
+    import tracemalloc
+
+    from memfit.profile.tracker import MemoryTracker
+
+    tracemalloc.start()
+    try:
+        with MemoryTracker() as t:
+            y = var(x)
+        fwd = t.peak_bytes, tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        g = torch.randn_like(y)
+        with MemoryTracker() as t:
+            (gx,) = torch.autograd.grad(y, x, g)
+        bwd = t.peak_bytes, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return y, gx, (fwd[0], bwd[0]), (fwd[1], bwd[1])
+
+
 def test_activation_mask_temporaries_stay_within_a_chunk():
     """Packing a whole activation at once allocated 3/4 of it in temporaries (24 MiB for 32 MiB; 425 MB for
     590 MB on an H200); in chunks the forward and backward temporaries are bounded by a few chunks.
     Memory, not time: torch's allocations by the exact tracker, NumPy's (the CPU's masks and packing) by
     ``tracemalloc``, which NumPy reports its array buffers to."""
-    import tracemalloc
 
-    from memfit.profile.tracker import MemoryTracker
     rm = importlib.import_module("memfit.variants.relu_mask")  # (the package exports a function of that name)
 
     chunk = rm.CHUNK_ELEMENTS["cpu"]
@@ -217,22 +237,11 @@ def test_activation_mask_temporaries_stay_within_a_chunk():
         x = torch.randn(16 * chunk, requires_grad=True) * 1.0  # 16 chunks, 4 bytes per element
         w = torch.randn(9, requires_grad=True)
         torch.autograd.grad(var(w * 1), w, torch.ones(9))  # (the first backward imports modules: not traced)
-        tracemalloc.start()
-        try:
-            with MemoryTracker() as t:
-                y = var(x)
-            fwd_numpy = tracemalloc.get_traced_memory()[1]
-            tracemalloc.reset_peak()
-            packed = (x.numel() + 7) // 8
-            assert t.peak_bytes - y.untyped_storage().nbytes() - packed <= 3 * chunk + 4096, name  # (+ small)
-            g = torch.randn_like(y)
-            with MemoryTracker() as t:
-                (gx,) = torch.autograd.grad(y, x, g)
-            bwd_numpy = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        y, gx, (fwd_torch, bwd_torch), (fwd_numpy, bwd_numpy) = _step_memory(var, x)
+        packed = (x.numel() + 7) // 8
+        assert fwd_torch - y.untyped_storage().nbytes() - packed <= 3 * chunk + 4096, name  # (+ small)
         # the unpacked mask (1 byte per element) and the mask read in the gradient's dtype by PyTorch's kernel (4)
-        assert t.peak_bytes - gx.untyped_storage().nbytes() <= 5 * chunk + 4096, name
+        assert bwd_torch - gx.untyped_storage().nbytes() <= 5 * chunk + 4096, name
         # NumPy: the comparisons' bool arrays (3 for hardtanh) and the packed chunk; the unpacked chunk
         assert fwd_numpy <= 3 * chunk + chunk // 8 + 65536, (name, fwd_numpy)
         assert bwd_numpy <= chunk + 65536, (name, bwd_numpy)
@@ -542,7 +551,6 @@ def test_maxpool_compact_temporaries_stay_within_a_chunk():
     0.85 GB forward and 1.18 GB backward for ResNet-50's stem at batch 184); pooled a group of planes at a
     time they are bounded by a few chunks. Memory, measured by the exact tracker, not time; NumPy's own
     allocations (the CPU's index conversions write into PyTorch's tensors) by ``tracemalloc``."""
-    import tracemalloc
 
     from memfit.profile.tracker import MemoryTracker
 
@@ -552,22 +560,11 @@ def test_maxpool_compact_temporaries_stay_within_a_chunk():
     w = torch.randn(1, 1, 8, 8, requires_grad=True)
     with MemoryTracker():  # (the first tracker and backward import modules: not traced)
         torch.autograd.grad(var(w * 1).sum(), w)
-    tracemalloc.start()
-    try:
-        with MemoryTracker() as t:
-            y = var(x)
-        fwd_numpy = tracemalloc.get_traced_memory()[1]
-        tracemalloc.reset_peak()
-        kept = y.untyped_storage().nbytes() + y.numel()  # the output and the uint8 offsets
-        # per group: its output (4 bytes per element), the indices and two int64 temporaries (24 bytes)
-        assert t.peak_bytes - kept <= 28 * chunk + 4096
-        g = torch.randn_like(y)
-        with MemoryTracker() as t:
-            (gx,) = torch.autograd.grad(y, x, g)
-        bwd_numpy = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert t.peak_bytes - gx.untyped_storage().nbytes() <= 28 * chunk + 4096
+    y, gx, (fwd_torch, bwd_torch), (fwd_numpy, bwd_numpy) = _step_memory(var, x)
+    kept = y.untyped_storage().nbytes() + y.numel()  # the output and the uint8 offsets
+    # per group: its output (4 bytes per element), the indices and two int64 temporaries (24 bytes)
+    assert fwd_torch - kept <= 28 * chunk + 4096
+    assert bwd_torch - gx.untyped_storage().nbytes() <= 28 * chunk + 4096
     # NumPy: the forward's subtraction buffers 64 KiB; the backward's lookup reads a chunk of offsets as intp
     assert fwd_numpy <= 2 * 65536 and bwd_numpy <= 8 * chunk + 65536, (fwd_numpy, bwd_numpy)
 
