@@ -345,6 +345,29 @@ def test_a_budget_below_the_fixed_bytes_is_told_so_not_to_lower_the_batch():
     assert "lower the batch size" not in str(err.value) and "time_limit" not in str(err.value)
 
 
+def test_a_budget_below_the_fixed_bytes_that_a_smaller_batch_reaches_says_lower_the_batch():
+    """Found by a fresh user: the input batch is part of the fixed bytes (96 of 161 KiB in its case), yet a budget
+    below them was told that "no batch size lowers" them; and with no optimizer given it was advised one with
+    less state. The advice is checked by following it: a quarter of the batch fits the same budget."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 32), nn.ReLU(), nn.Linear(32, 10)).train()
+    x = torch.randn(512, 256)  # 512 KiB of input against 37 KiB of parameters and gradients
+    with pytest.raises(memfit.InfeasibleBudgetError) as err:
+        memfit.optimize(model, x, budget="1KB", time_limit=2)
+    fixed, inputs = err.value.fixed_bytes, err.value.input_bytes
+    assert inputs == x.nbytes and "lower the batch size" not in str(err.value)  # 1 KB is below the parameters too
+    budget = fixed - inputs // 2
+    with pytest.raises(memfit.InfeasibleBudgetError, match="below the fixed bytes alone") as err:
+        memfit.optimize(model, x, budget=budget, time_limit=2)
+    message = " ".join(str(err.value).split())
+    assert "lower the batch size" in message and f"the input batch is {inputs} bytes" in message, message
+    assert "less state" not in message and "such as SGD" not in message, message  # no optimizer, no state counted
+    trained = memfit.optimize(model, x[:128], budget=budget, time_limit=2)  # the advice, followed
+    assert trained.plan.predicted_peak_bytes <= budget
+
+
 @pytest.mark.parametrize("make, advice, not_advised", [
     (lambda p: torch.optim.SGD(p, lr=0.1), "a frozen one has no gradient, no state and no step", "such as SGD"),
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "SGD without momentum (no state; yours holds", "such as SGD"),

@@ -31,10 +31,13 @@ class InfeasibleBudgetError(ValueError):
     the time limit (seconds) that its search for it had and reached, or ``None`` (it ran to its node limit);
     ``optimizer`` the class name of the optimizer the plan was solved for (``"SGD"``, ``"Adam"``), or ``None``
     (not given), and ``optimizer_state_bytes`` the state it holds (bytes): the advice names an optimizer with
-    less state only where one has less."""
+    less state only where one has less. ``input_bytes`` is the example batch's part of ``fixed_bytes``: where
+    the budget is below the fixed bytes but above their part no batch size changes, the advice is a smaller
+    batch."""
 
     def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0,
-                 stopped_at: float | None = None, optimizer: str | None = None, optimizer_state_bytes: int = 0):
+                 stopped_at: float | None = None, optimizer: str | None = None, optimizer_state_bytes: int = 0,
+                 input_bytes: int = 0):
         self.budget_bytes = budget_bytes
         self.stopped_at = stopped_at
         self.smallest_feasible_bytes = smallest_feasible_bytes
@@ -42,6 +45,7 @@ class InfeasibleBudgetError(ValueError):
         self.step_bytes = step_bytes
         self.optimizer = optimizer
         self.optimizer_state_bytes = optimizer_state_bytes
+        self.input_bytes = input_bytes
         # the optimizer step's temporaries are most of the floor above the fixed bytes: no plan changes
         # them, and a smaller batch barely does
         by_step = step_bytes > (smallest_feasible_bytes - fixed_bytes) // 2
@@ -54,15 +58,23 @@ class InfeasibleBudgetError(ValueError):
         elif optimizer is not None:
             lighter = (f"fewer trainable parameters, or an optimizer with less state than {optimizer}'s "
                        f"{fmt_bytes(optimizer_state_bytes)}, such as SGD")
+        else:  # no optimizer given: no state was counted, so none to lose
+            lighter = "fewer trainable parameters"
+        model_bytes = fixed_bytes - input_bytes  # what no batch size changes
+        batch = (f"the input batch is {input_bytes} bytes ({fmt_bytes(input_bytes)}) of them" if input_bytes
+                 else "")
+        if not below_fixed:
+            hint = (f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
+                    f"which set this floor: no plan and hardly any batch size changes them (a smaller model, "
+                    f"{lighter}, does)" if by_step else ". Raise the budget, or lower the batch size")
+        elif budget_bytes < model_bytes:
+            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers, and below their "
+                    f"{model_bytes} bytes ({fmt_bytes(model_bytes)}) that no batch size changes"
+                    f"{' (' + batch + ')' if batch else ''}: raise it, or make them smaller ({lighter})")
         else:
-            lighter = "fewer trainable parameters, an optimizer with less state such as SGD"
-        hint = (f"; the budget is below the fixed bytes alone, which no plan and no batch size lowers: raise it, or "
-                f"make them smaller ({lighter})"
-                if below_fixed else
-                f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
-                f"which set this floor: no plan and hardly any batch size changes them (a smaller model, {lighter}, "
-                "does)" if by_step else
-                ". Raise the budget, or lower the batch size")
+            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers; {batch}, and a smaller "
+                    f"batch lowers both it and the activations: lower the batch size, raise the budget, or make "
+                    f"the rest smaller ({lighter})")
         stopped = ("" if stopped_at is None or below_fixed else
                    " (the search for the lowest-memory plan stopped at its time limit, so a longer time_limit / "
                    "--time-limit may find a lower one; a busy machine slows that search)")
@@ -75,7 +87,7 @@ class InfeasibleBudgetError(ValueError):
     def for_optimizer(self, optimizer: str, state_bytes: int) -> InfeasibleBudgetError:
         """The same error, its advice for ``optimizer`` (a class name) holding ``state_bytes`` of state."""
         return InfeasibleBudgetError(self.budget_bytes, self.smallest_feasible_bytes, self.fixed_bytes,
-                                     self.step_bytes, self.stopped_at, optimizer, state_bytes)
+                                     self.step_bytes, self.stopped_at, optimizer, state_bytes, self.input_bytes)
 
 
 #: extra headroom on CUDA (bytes): on an H200, a ResNet-18 plan at batch 8, 64 px measured 2.0 MB above its
@@ -512,4 +524,5 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
     if keep_everything and prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # it fits without headroom
         return prob.keep_everything()
     floor = prob.smallest_feasible(time_limit, lows)
-    raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at())
+    raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at(),
+                                input_bytes=sum(s.nbytes for s in prob.costs.storages if s.kind == "input"))
