@@ -2,6 +2,7 @@
 buffers read by functional calls or updated in place, frozen parameters, forward arguments with defaults,
 integer outputs, and a first layer whose input needs no gradient (the profile must not count one)."""
 
+import re
 import warnings
 
 import pytest
@@ -757,6 +758,23 @@ def test_a_dict_with_a_key_that_names_no_argument_is_told_so():
     _ce(planned({"x": x, "z": z}), torch.zeros(8, dtype=torch.long)).backward()
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_dict_none_of_whose_keys_names_an_argument_is_told_so():
+    # fresh-user finding: {"a": .., "b": ..} was the forward's one input (a forward may take a dict), and the
+    # failure said "example_inputs has 1 inputs, but the model's forward also needs 'y'" or, from inside the
+    # forward, only "if model(*example_inputs) runs without memfit"
+    x, z = torch.randn(8, 16), torch.randn(8, 16)
+    for model, match in ((TwoInputs().train(), r"needs x, y: name its keys as the forward's arguments"),
+                         (ScaledMasked().train(), (r"\(x, scale, mask\), so it was passed whole, as the forward's "
+                                                   r"one input.*If model\(example_inputs\) runs"))):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError) as err:
+            memfit.optimize(model, {"a": x, "b": z})
+        message = " ".join(str(err.value).split())
+        assert "none of whose keys ('a', 'b') names an argument of the forward" in message, message
+        assert re.search(match, message), message
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model is as it was
 
 
 class _DictOut(nn.Module):

@@ -185,9 +185,10 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     "attention_mask": ..}`` was taken as one input); anything else as a single input.
 
     Raises:
-        ValueError: a dict that leaves out an argument without a default, or one whose keys name some of the
+        ValueError: a dict that leaves out an argument without a default, one whose keys name some of the
             forward's arguments and not others (a misspelt or extra key: it would otherwise be taken as one
-            input, and the forward fail on it far from the cause).
+            input, and the forward fail on it far from the cause), or one whose keys name none of them where the
+            forward needs more than one input.
     """
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs)
@@ -207,6 +208,12 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
                                  f"{'it' if len(missing) == 1 else 'them'}")
             last = max(names.index(k) for k in example_inputs)
             return tuple(example_inputs.get(p.name, p.default) for p in named[:last + 1])
+        required = [p.name for p in named if p.default is p.empty]
+        if len(required) > 1 and not any(k in names for k in keys):  # it cannot be the forward's one input
+            raise ValueError(f"example_inputs is a dict none of whose keys ({', '.join(repr(k) for k in example_inputs)}) "
+                             f"names an argument of the forward ({', '.join(names)}), which needs "
+                             f"{', '.join(required)}: name its keys as the forward's arguments, or pass a tuple of "
+                             f"the inputs in order ({', '.join(required)})")
         if any(k in names for k in keys):
             strays = [k for k in example_inputs if k not in names]
             which = (f"key {strays[0]!r} names" if len(strays) == 1 else

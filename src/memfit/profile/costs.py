@@ -617,10 +617,17 @@ def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exc
         where = f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
     else:
         where = f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
+    call = "model(*example_inputs)"
+    whole = ""
+    if len(inputs) == 1 and isinstance(inputs[0], dict):  # a dict none of whose keys names an argument
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        call = "model(example_inputs)"
+        whole = (f" example_inputs is a dict none of whose keys ({', '.join(repr(k) for k in inputs[0])}) names an "
+                 f"argument of the forward ({', '.join(names)}), so it was passed whole, as the forward's one "
+                 "input: to pass its entries as the forward's arguments, give them the forward's names.")
     return (f"the model's forward pass fails on example_inputs {_describe(inputs)} at {where} (fx node "
-            f"{node.name}): {type(exc).__name__}: {exc}. Give memfit a batch the model trains on (its shapes, "
-            "dtypes and device). If model(*example_inputs) runs without memfit, this is a memfit bug: please "
-            "report it.")
+            f"{node.name}): {type(exc).__name__}: {exc}.{whole} Give memfit a batch the model trains on (its "
+            f"shapes, dtypes and device). If {call} runs without memfit, this is a memfit bug: please report it.")
 
 
 def _call_loss(loss_fn: Callable, out: Any) -> torch.Tensor:
