@@ -166,6 +166,9 @@ def test_a_saved_plan_names_its_optimizer():
     plan, _, _ = memfit.plan(model, x, "100%", optimizer=sgd)
     assert plan.optimizer == "SGD"
     assert memfit.optimize(model, x, plan_=plan, optimizer=sgd).plan is plan
+    with pytest.raises(ValueError, match=r"counted \d+ bytes of SGD state, and this Adam will keep \d+ bytes"):
+        memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.Adam(model.parameters()))
+    plan.optimizer_step_bytes = None  # a plan saved before its step's bytes were recorded: the class decides
     with pytest.raises(ValueError, match="counted the state and step of SGD, not Adam"):
         memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.Adam(model.parameters()))
 
@@ -238,3 +241,50 @@ def test_a_plan_that_counted_an_optimizer_warns_when_applied_without_one():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memfit.optimize(model, x, plan_=plan, optimizer=sgd)
+
+
+def test_a_saved_plan_applies_to_an_optimizer_needing_no_more_memory_whatever_its_class_and_measured_so():
+    """Found by a fresh user: a plan made for Adam was refused for SGD with momentum, which keeps half the state and
+    allocates almost nothing in its step. The bytes decide now: the step of each optimizer accepted is measured
+    under the plan's budget, with plain PyTorch's gradients, and the one refused (Adam without foreach, the same
+    class, whose step allocates more) is measured over it."""
+    model, x, y = _mlp().train(), torch.randn(4, 256), torch.randint(0, 10, (4,))
+    loss_fn = nn.functional.cross_entropy
+    plan, _, _ = memfit.plan(model, x, "min", optimizer=torch.optim.Adam(model.parameters(), foreach=True),
+                             loss_fn=lambda out: loss_fn(out, y))
+    assert plan.optimizer_step_bytes > 0
+    for make in (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.RMSprop(p, lr=1e-3)):
+        plain = copy.deepcopy(model)
+        planned = memfit.optimize(model, x, plan_=plan, optimizer=make(model.parameters()))
+        opt, plain_opt = make(model.parameters()), make(plain.parameters())
+        for _ in range(2):
+            for net, o in ((planned, opt), (plain, plain_opt)):
+                o.zero_grad()
+                loss_fn(net(x), y).backward()
+                o.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+        opt.zero_grad()
+        start = live_bytes(list(model.parameters()) + [x, y] + [t for s in opt.state.values() for t in s.values()
+                                                                if torch.is_tensor(t)])
+        with MemoryTracker() as tracker:
+            loss_fn(planned(x), y).backward()
+            opt.step()
+        assert start + tracker.peak_bytes <= plan.budget_bytes, (type(opt).__name__, start + tracker.peak_bytes)
+    looped = torch.optim.Adam(model.parameters(), foreach=False)
+    with pytest.raises(ValueError, match=r"counted \d+ bytes of temporaries in Adam's step\(\), and this Adam's "
+                                         r"step allocates \d+ bytes"):
+        memfit.optimize(model, x, plan_=plan, optimizer=looped)
+    assert not looped.state  # the optimizer is as it was
+    # why: trained anyway, it goes over the budget
+    model.zero_grad()
+    with pytest.warns(UserWarning, match="pass optimizer= the optimizer you train with"):
+        planned = memfit.optimize(model, x, plan_=plan)
+    loss_fn(planned(x), y).backward()
+    looped.step()
+    looped.zero_grad()
+    start = live_bytes(list(model.parameters()) + [x, y] + [t for s in looped.state.values() for t in s.values()
+                                                            if torch.is_tensor(t)])
+    with MemoryTracker() as tracker:
+        loss_fn(planned(x), y).backward()
+        looped.step()
+    assert start + tracker.peak_bytes > plan.budget_bytes

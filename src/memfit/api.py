@@ -103,7 +103,8 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
                     optimizer: torch.optim.Optimizer | None = None) -> None:
     """Check that a saved plan was made for this model (parameter and buffer shapes, dtypes and roles: trainable,
     frozen, buffer, tied), these input dtypes and
-    shapes, this gradient convention, this autocast state and (when both name one) this optimizer class.
+    shapes, this gradient convention, this autocast state and (when both name one, and the plan did not record
+    its optimizer step's temporaries) this optimizer class.
 
     Raises:
         ValueError: any of those differs from the plan's (its memory figures would not hold); the message
@@ -123,7 +124,8 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         raise ValueError(f"the plan was made for a training loop that {made}: pass grads_exist="
                          f"{plan_.grads_exist} if yours does, or make a new plan")
     mine = None if optimizer is None else type(optimizer).__name__
-    if plan_.optimizer and mine and plan_.optimizer != mine:
+    # (with the step's temporaries recorded, the bytes decide, in _check_optimizer_state)
+    if plan_.optimizer and mine and plan_.optimizer != mine and plan_.optimizer_step_bytes is None:
         raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {mine}: their memory "
                          "differs; make a new plan with optimizer= your optimizer")
     shapes = _shapes(given)
@@ -410,6 +412,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.conv_libraries = conv_libraries()
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.optimizer_state_bytes = None if optimizer is None else state
+    result.optimizer_step_bytes = None if measured is None else measured.step_bytes
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.buffer_kinds_known = True
     result.node_ops = node_ops(captured.gm)
@@ -497,30 +500,40 @@ def _counted_state(optimizer, trained: list[torch.Tensor]):
 
 
 def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) -> None:
-    """Refuse a saved plan for an ``optimizer`` that will hold more state than the plan counted: the same class
-    with other options (``AdamW(amsgrad=True)`` keeps a third tensor per parameter: a fresh user's reloaded plan
-    measured 1.068x its budget), parameters that have gained state since, or any optimizer with state where the
-    plan was solved without one (it counted none). Warn where the plan counted an optimizer and none is given
-    now: nothing checks the one trained with."""
+    """Refuse a saved plan for an ``optimizer`` that will hold more state, or allocate more in its step, than the
+    plan counted: the same class with other options (``AdamW(amsgrad=True)`` keeps a third tensor per parameter: a
+    fresh user's reloaded plan measured 1.068x its budget), another class, parameters that have gained state since,
+    or any optimizer with state where the plan was solved without one (it counted none). One that needs no more of
+    either is accepted whatever its class (an Adam plan trains SGD with momentum). Warn where the plan counted an
+    optimizer and none is given now: nothing checks the one trained with."""
     if optimizer is None:
         if plan_.optimizer is not None:
             warnings.warn(f"memfit.optimize: the plan counted {plan_.optimizer_state_bytes} bytes of "
                           f"{plan_.optimizer} state and its step; pass optimizer= the optimizer you train with to have "
                           "it checked (one that keeps more state takes the step over the budget)", stacklevel=3)
         return
-    now, _ = _counted_state(optimizer, trained)
+    now, measured = _counted_state(optimizer, trained)
+    name = type(optimizer).__name__
     if plan_.optimizer_state_bytes is None:
         if now > 0:
             raise ValueError(f"the plan was solved without an optimizer, so its budget counts no optimizer state and "
-                             f"no optimizer step, and this {type(optimizer).__name__} will keep {now} bytes of state: "
+                             f"no optimizer step, and this {name} will keep {now} bytes of state: "
                              "the step would go over the plan's budget; make a new plan with optimizer= this "
                              "optimizer (or apply this one with optimizer=None, knowing that)")
         return
     if now > plan_.optimizer_state_bytes:
         raise ValueError(f"the plan counted {plan_.optimizer_state_bytes} bytes of {plan_.optimizer} state, and this "
-                         f"{type(optimizer).__name__} will keep {now} bytes (other options, such as amsgrad or "
+                         f"{name} will keep {now} bytes (other options, such as amsgrad or "
                          "momentum, or more trainable parameters): the step would go over the plan's budget by the "
                          "difference; make a new plan with optimizer= this optimizer")
+    step = None if measured is None else measured.step_bytes
+    if plan_.optimizer_step_bytes is None or (step is None and name == plan_.optimizer):  # (the class was checked)
+        return
+    if step is None or step > plan_.optimizer_step_bytes:
+        took = "could not be measured" if step is None else f"allocates {step} bytes"
+        raise ValueError(f"the plan counted {plan_.optimizer_step_bytes} bytes of temporaries in {plan_.optimizer}'s "
+                         f"step(), and this {name}'s step {took}: the step could go over the plan's budget; "
+                         "make a new plan with optimizer= this optimizer")
 
 
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",

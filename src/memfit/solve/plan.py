@@ -63,6 +63,9 @@ class Plan:
             ``None`` when none was given.
         optimizer_state_bytes: the bytes of that optimizer's state the plan counted in ``fixed_bytes`` (``None``:
             none given, or a plan saved before this was recorded).
+        optimizer_step_bytes: the bytes of temporaries its ``step()`` allocates that the plan counted (``None``:
+            none given, not measured, or a plan saved before this was recorded). With both figures recorded, a
+            plan applies to any optimizer that keeps no more state and allocates no more in its step.
         input_dtypes: dtypes of the example inputs (``"torch.int64"``), as ``input_shapes``.
         stats_recompute: nodes in regions whose BatchNorm is recomputed from the statistics of its forward pass
             (``bn-saved-stats``, :mod:`memfit.variants.bn_saved_stats`) rather than computing them again.
@@ -139,6 +142,7 @@ class Plan:
     input_values: dict[str, str] = field(default_factory=dict)
     buffer_kinds_known: bool = False
     optimizer_state_bytes: int | None = None
+    optimizer_step_bytes: int | None = None
     input_layouts: list[str] = field(default_factory=list)
     state_layouts: dict[str, str] = field(default_factory=dict)
 
