@@ -319,8 +319,22 @@ def test_cli_run_says_there_were_no_buffers_to_compare_rather_than_match(tmp_pat
                "--strategy", "chen", "--json", str(js)])
     r = json.loads(js.read_text())
     assert rc == 0 and r["gradients_match"] and r["buffers_compared"] == 0, r
-    rows = [line for line in capsys.readouterr().out.splitlines() if "BatchNorm statistics" in line]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "BatchNorm statistics" in line]
     assert len(rows) == 1 and "none (the model has no buffers)" in rows[0] and "match" not in rows[0], rows
+    # fresh-user finding P4: the total peaks, in GiB beside activations in MiB, read the same before and after a
+    # saving; every memory row is now in the activation peak's unit, and the title says which budget was asked for
+    import re
+
+    cells = {line.split("│")[1].strip(): re.findall(r"([\d.]+) (\w+)", line) for line in out.splitlines()
+             if line.count("│") >= 4 and line.split("│")[1].strip() in ("total peak", "activation peak")}
+    units = {u for row in cells.values() for _, u in row}
+    assert len(units) == 1 and len(cells["total peak"]) == 3, cells
+    (plain, _), (planned, _) = cells["total peak"][:2]
+    unit = 1024 ** ["B", "KiB", "MiB", "GiB"].index(units.pop())
+    saved = (r["baseline"]["peak_bytes"] - r["planned"]["peak_bytes"]) / unit
+    assert abs((float(plain) - float(planned)) - saved) < 0.11, (cells, saved)
+    assert "budget min = " in out, out
 
 
 def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):

@@ -92,12 +92,23 @@ class Budget:
         return int(self.fraction * plain_peak_bytes)
 
 
-def fmt_bytes(n: float | None) -> str:
-    """``1536 -> '1.5 KiB'``."""
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def byte_unit(n: float) -> str:
+    """The unit :func:`fmt_bytes` writes ``n`` bytes in: ``1536 -> 'KiB'``."""
+    for unit in _UNITS:
+        if abs(n) < 1024 or unit == "TiB":
+            return unit
+        n /= 1024
+    return "TiB"
+
+
+def fmt_bytes(n: float | None, unit: str | None = None) -> str:
+    """``1536 -> '1.5 KiB'``; with ``unit`` in that unit (``fmt_bytes(1.5 * 2**30, "MiB") -> '1536.0 MiB'``), so
+    that figures side by side show the same resolution."""
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    unit = unit or byte_unit(n)
+    n = n / 1024 ** _UNITS.index(unit)
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
