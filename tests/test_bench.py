@@ -335,6 +335,25 @@ def test_cli_run_says_there_were_no_buffers_to_compare_rather_than_match(tmp_pat
     saved = (r["baseline"]["peak_bytes"] - r["planned"]["peak_bytes"]) / unit
     assert abs((float(plain) - float(planned)) - saved) < 0.11, (cells, saved)
     assert "budget min = " in out, out
+    # fresh-user finding P6: on a loaded machine the predicted seconds sat far below the measured ones, unexplained;
+    # the overhead row now has its predicted ratio, and a step far from its profiled time says so
+    from rich.console import Console
+
+    from memfit.cli import _report_table
+
+    def render(report):
+        console = Console(width=240, record=True)
+        console.print(_report_table(report, "min"))
+        return console.export_text()
+
+    pred = r["planned"]["predicted_step_seconds"] / r["baseline"]["predicted_step_seconds"]
+    overhead = next(line for line in render(r).splitlines() if "│ overhead" in line)
+    assert f"{pred:.2f}x" in overhead.split("│")[4], overhead
+    slow = json.loads(json.dumps(r))
+    slow["baseline"]["step_seconds"] = 2 * r["baseline"]["predicted_step_seconds"]
+    assert "measured 2.00x its profiled time" in " ".join(render(slow).split())
+    slow["baseline"]["step_seconds"] = r["baseline"]["predicted_step_seconds"]
+    assert "its profiled time" not in render(slow)
 
 
 def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):

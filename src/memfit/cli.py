@@ -147,7 +147,14 @@ def _report_table(r: dict, budget: str | None = None) -> Table:
         t.add_row("host peak (offload)", "", fmt_bytes(host), "")
     t.add_row("step time", f"{b['step_seconds']:.3f} s", f"{p['step_seconds']:.3f} s",
               f"{p['predicted_step_seconds']:.3f} s")
-    t.add_row("overhead", "1.00x", f"{r['overhead']:.2f}x", "")
+    plain_predicted = b.get("predicted_step_seconds")
+    predicted_overhead = (f"{p['predicted_step_seconds'] / plain_predicted:.2f}x" if plain_predicted else "")
+    t.add_row("overhead", "1.00x", f"{r['overhead']:.2f}x", predicted_overhead)
+    if plain_predicted and not 0.8 <= b["step_seconds"] / plain_predicted <= 1.25:
+        # fresh-user finding: on a loaded machine the predicted seconds were far below the measured ones
+        t.caption = (f"plain PyTorch's step measured {b['step_seconds'] / plain_predicted:.2f}x its profiled time "
+                     f"({plain_predicted:.3f} s): the machine ran at another speed than when profiled (other work "
+                     "on its cores?), so compare the overheads rather than the seconds")
     if r.get("cpu_allocator"):
         t.add_row("CPU allocator", r["cpu_allocator"], r["cpu_allocator"], "")
     d = r["decisions"]
