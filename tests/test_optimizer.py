@@ -21,16 +21,21 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 384), nn.ReLU(), nn.Linear(384, 10))
 
 
-def _step_within_budget(planned, model, opt, x, y, loss_fn) -> None:
-    """One training step of ``planned`` under the tracker (the optimizer's state made already): its measured peak
-    is within the plan's budget and within 1% of its prediction."""
+def _step_peak(planned, model, opt, x, y, loss_fn) -> int:
+    """The measured total peak (bytes) of one training step of ``planned`` with ``opt`` (its state made already)."""
     opt.zero_grad()
     start = live_bytes(list(model.parameters()) + [x, y]
                        + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)])
     with MemoryTracker() as tracker:
         loss_fn(planned(x), y).backward()
         opt.step()
-    measured = start + tracker.peak_bytes
+    return start + tracker.peak_bytes
+
+
+def _step_within_budget(planned, model, opt, x, y, loss_fn) -> None:
+    """One training step of ``planned`` under the tracker (the optimizer's state made already): its measured peak
+    is within the plan's budget and within 1% of its prediction."""
+    measured = _step_peak(planned, model, opt, x, y, loss_fn)
     assert measured <= planned.report["budget_bytes"], (measured, planned.report)
     assert abs(planned.report["predicted_peak_bytes"] - measured) <= 0.01 * measured
 
@@ -263,13 +268,8 @@ def test_a_saved_plan_applies_to_an_optimizer_needing_no_more_memory_whatever_it
                 loss_fn(net(x), y).backward()
                 o.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
-        opt.zero_grad()
-        start = live_bytes(list(model.parameters()) + [x, y] + [t for s in opt.state.values() for t in s.values()
-                                                                if torch.is_tensor(t)])
-        with MemoryTracker() as tracker:
-            loss_fn(planned(x), y).backward()
-            opt.step()
-        assert start + tracker.peak_bytes <= plan.budget_bytes, (type(opt).__name__, start + tracker.peak_bytes)
+        peak = _step_peak(planned, model, opt, x, y, loss_fn)
+        assert peak <= plan.budget_bytes, (type(opt).__name__, peak)
     looped = torch.optim.Adam(model.parameters(), foreach=False)
     with pytest.raises(ValueError, match=r"counted \d+ bytes of temporaries in Adam's step\(\), and this Adam's "
                                          r"step allocates \d+ bytes"):
@@ -281,10 +281,4 @@ def test_a_saved_plan_applies_to_an_optimizer_needing_no_more_memory_whatever_it
         planned = memfit.optimize(model, x, plan_=plan)
     loss_fn(planned(x), y).backward()
     looped.step()
-    looped.zero_grad()
-    start = live_bytes(list(model.parameters()) + [x, y] + [t for s in looped.state.values() for t in s.values()
-                                                            if torch.is_tensor(t)])
-    with MemoryTracker() as tracker:
-        loss_fn(planned(x), y).backward()
-        looped.step()
-    assert start + tracker.peak_bytes > plan.budget_bytes
+    assert _step_peak(planned, model, looped, x, y, loss_fn) > plan.budget_bytes
