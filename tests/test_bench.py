@@ -354,6 +354,13 @@ def test_cli_run_says_there_were_no_buffers_to_compare_rather_than_match(tmp_pat
     assert "measured 2.00x its profiled time" in " ".join(render(slow).split())
     slow["baseline"]["step_seconds"] = r["baseline"]["predicted_step_seconds"]
     assert "its profiled time" not in render(slow)
+    # with a rounding check (row stripes, conv-native) of a model without buffers: no statistics row above "none"
+    slow["rounding_check"] = {"vs_float64": 1e-7, "float32_noise": 1e-7, "buffers_vs_float64": 0.0,
+                              "buffers_float32_noise": 0.0}
+    table = render(slow)
+    assert "one step vs float64" in table and "its BatchNorm statistics" not in table, table
+    slow["buffers_compared"] = 3
+    assert "its BatchNorm statistics" in render(slow)
 
 
 def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):
