@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -546,6 +547,39 @@ def test_trace_errors_give_advice_that_fits():
     with pytest.raises(memfit.TraceError, match=r"PyTorch's own \(batchnorm.py:\d+ in _check_input_dim.*super\(\)"
                                                 r".*Hold the torch.nn module as a child"):
         memfit.optimize(nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4)).train(), torch.randn(2, 3, 4, 4))
+
+
+class _ReadsAValue(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.body = how, nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.how == "item":
+            return self.body(x) * float(x.abs().max().item())
+        if self.how == "float":
+            return self.body(x) * float(x.abs().max())
+        if self.how == "len":
+            return torch.stack([self.body(x[i]) for i in range(len(x))])
+        return torch.stack([self.body(x[i]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("how, advice", [
+    ("item", r"a tensor's value read as a Python number.*x \* x.abs\(\).amax\(\)"),
+    ("float", r"a tensor's value read as a Python number"),
+    ("len", r"a loop or count over a traced size.*whole batch at once"),
+    ("shape", r"a loop or count over a traced size.*whole batch at once"),
+])
+def test_a_value_or_a_size_read_as_a_number_is_told_what_it_is(how, advice):
+    """Found by a fresh user: ``float(x.abs().max().item())`` was told about tensor factories sized by a shape
+    (``rand_like``), and ``for i in range(len(x))`` about data-dependent control flow (``torch.where``)."""
+    model = _ReadsAValue(how).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memfit.TraceError) as err:
+        memfit.optimize(model, torch.randn(4, 8))
+    message = " ".join(str(err.value).split())
+    assert re.search(advice, message) and "rand_like" not in message and "torch.where" not in message, message
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_lazy_modules_are_refused_until_initialized():

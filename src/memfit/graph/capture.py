@@ -314,6 +314,17 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     if isinstance(exc, (NameError, ImportError, SyntaxError)):
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
+    line = _user_frame(exc)
+    if re.search(r"\b(float|int|bool|complex)\(\) argument", str(exc)) or re.search(r"\.(item|tolist)\(", line):
+        return ("  a tensor's value read as a Python number (.item(), float(t), int(t)), which a traced forward does "
+                "not have (fx records operations, not values): keep it a tensor (x * x.abs().amax() for "
+                "x * float(x.abs().max().item())), or move that line into a function fx keeps whole "
+                "(torch.fx.wrap; memfit then runs it as one step).")
+    if "'len' is not supported" in str(exc) or "cannot be interpreted as an integer" in str(exc):
+        return ("  a loop or count over a traced size (for i in range(len(x)), range(x.shape[0])), which torch.fx "
+                "cannot unroll because the size is a graph value, not a number: apply the layer to the whole batch "
+                "at once (nn.Linear and most layers take any leading dimensions), loop over a count fixed in "
+                "__init__, or move the loop into a function fx keeps whole (torch.fx.wrap).")
     # (the size may come from an earlier line, `B = x.shape[0]`, and then the call's TypeError is all there is)
     factory = re.search(r"torch\.(zeros|ones|empty|full|rand|randn|randint|arange|eye)\(", _user_frame(exc)) and (
         re.search(r"\.shape\b|\.size\(|\blen\(", _user_frame(exc)) or isinstance(exc, TypeError))
