@@ -361,6 +361,12 @@ def test_cli_run_says_there_were_no_buffers_to_compare_rather_than_match(tmp_pat
     assert "one step vs float64" in table and "its BatchNorm statistics" not in table, table
     slow["buffers_compared"] = 3
     assert "its BatchNorm statistics" in render(slow)
+    # fresh-user finding: --strategy none --budget 1% printed a peak 100x its budget with nothing flagged
+    slow["planned"]["peak_bytes"] = r["budget_bytes"] + 1
+    table = " ".join(render(slow).split())
+    assert "(over the budget)" in table and "the chen strategy does not plan to a budget" in table, table
+    slow["planned"]["peak_bytes"] = r["budget_bytes"]
+    assert "over the" not in render(slow)
 
 
 def test_cli_run_grads_exist_reaches_baseline_plan_and_measurement(tmp_path):

@@ -138,7 +138,9 @@ def _report_table(r: dict, budget: str | None = None) -> Table:
 
     def size(n):
         return fmt_bytes(n, unit)
-    t.add_row("total peak", size(b["peak_bytes"]), size(p["peak_bytes"]), size(p["predicted_peak_bytes"]))
+    over = p["peak_bytes"] > r["budget_bytes"]  # (the heuristics only record the budget; the programs keep under it)
+    t.add_row("total peak", size(b["peak_bytes"]), f"[red]{size(p['peak_bytes'])} (over the budget)[/]" if over
+              else size(p["peak_bytes"]), size(p["predicted_peak_bytes"]))
     t.add_row("fixed", size(b["fixed_bytes"]), size(b["fixed_bytes"]), "")
     t.add_row("activation peak", size(b["activation_peak_bytes"]), size(p["activation_peak_bytes"]),
               size(p["predicted_peak_bytes"] - b["fixed_bytes"]))
@@ -147,14 +149,21 @@ def _report_table(r: dict, budget: str | None = None) -> Table:
         t.add_row("host peak (offload)", "", fmt_bytes(host), "")
     t.add_row("step time", f"{b['step_seconds']:.3f} s", f"{p['step_seconds']:.3f} s",
               f"{p['predicted_step_seconds']:.3f} s")
+    notes: list[str] = []
     plain_predicted = b.get("predicted_step_seconds")
     predicted_overhead = (f"{p['predicted_step_seconds'] / plain_predicted:.2f}x" if plain_predicted else "")
     t.add_row("overhead", "1.00x", f"{r['overhead']:.2f}x", predicted_overhead)
     if plain_predicted and not 0.8 <= b["step_seconds"] / plain_predicted <= 1.25:
         # fresh-user finding: on a loaded machine the predicted seconds were far below the measured ones
-        t.caption = (f"plain PyTorch's step measured {b['step_seconds'] / plain_predicted:.2f}x its profiled time "
+        notes.append(f"plain PyTorch's step measured {b['step_seconds'] / plain_predicted:.2f}x its profiled time "
                      f"({plain_predicted:.3f} s): the machine ran at another speed than when profiled (other work "
                      "on its cores?), so compare the overheads rather than the seconds")
+    if over:  # a fresh user's --strategy none --budget 1% exited 0 with nothing flagged
+        notes.append(f"the planned step's peak is over the {fmt_bytes(r['budget_bytes'])} budget"
+                     + (f": the {r['strategy']} strategy does not plan to a budget (memfit and remat-ilp do)"
+                        if r["strategy"] not in ("memfit", "remat-ilp") else ""))
+    if notes:
+        t.caption = "; ".join(notes)
     if r.get("cpu_allocator"):
         t.add_row("CPU allocator", r["cpu_allocator"], r["cpu_allocator"], "")
     d = r["decisions"]
