@@ -243,6 +243,9 @@ def test_a_plan_that_counted_an_optimizer_warns_when_applied_without_one():
     plan, _, _ = memfit.plan(model, x, "100%", optimizer=sgd)
     with pytest.warns(UserWarning, match=r"counted \d+ bytes of SGD state and its step; pass optimizer="):
         memfit.optimize(model, x, plan_=plan)
+    edited = memfit.Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "optimizer"})
+    with pytest.warns(UserWarning, match=r"counted \d+ bytes of optimizer state and its step"):  # a fresh user's edit
+        memfit.optimize(model, x, plan_=edited)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memfit.optimize(model, x, plan_=plan, optimizer=sgd)

@@ -507,9 +507,10 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
     either is accepted whatever its class (an Adam plan trains SGD with momentum). Warn where the plan counted an
     optimizer and none is given now: nothing checks the one trained with."""
     if optimizer is None:
-        if plan_.optimizer is not None:
+        # (either field: a hand-edited plan without its "optimizer" key loaded silently)
+        if plan_.optimizer is not None or plan_.optimizer_state_bytes is not None:
             warnings.warn(f"memfit.optimize: the plan counted {plan_.optimizer_state_bytes} bytes of "
-                          f"{plan_.optimizer} state and its step; pass optimizer= the optimizer you train with to have "
+                          f"{plan_.optimizer or 'optimizer'} state and its step; pass optimizer= the optimizer you train with to have "
                           "it checked (one that keeps more state takes the step over the budget)", stacklevel=3)
         return
     now, measured = _counted_state(optimizer, trained)
