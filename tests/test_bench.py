@@ -570,7 +570,7 @@ def test_max_batch_refuses_a_budget_that_is_not_bytes_saying_which(budget, given
     assert rc == 2 and f"needs a budget in bytes ('2GiB', '512MB'), not {given}" in err, err
 
 
-def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(capsys):
+def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(capsys, monkeypatch):
     # a fresh user was told to try "an optimizer with less state such as SGD", which the command line cannot set
     from memfit.cli import main
 
@@ -578,6 +578,18 @@ def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(caps
                  "--time-limit", "2"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "fixed bytes alone" in err and "always trains the whole model with SGD and momentum 0.9" in err
+    assert "lower --batch" not in err  # the parameters alone are over that budget
+    # where the input batch is what takes the fixed bytes over the budget, --batch is named among the flags
+    from memfit import cli
+    from memfit.solve.strategies import InfeasibleBudgetError
+
+    def refuse(args):
+        raise InfeasibleBudgetError(900, 1500, 1000, input_bytes=400).for_optimizer("SGD", 100)
+
+    monkeypatch.setattr(cli, "cmd_plan", refuse)
+    assert main(["plan", "--model", "resnet18", "--budget", "900"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lower the batch size" in err and "momentum 0.9: lower --batch, raise --budget" in err, err
 
 
 def test_the_float64_step_decides_where_float32_is_beyond_its_noise(monkeypatch):

@@ -548,9 +548,10 @@ def main(argv: list[str] | None = None) -> int:
                     "larger --image-size)")
         if isinstance(exc, InfeasibleBudgetError) and ("fixed bytes alone" in str(exc) or "temporaries" in str(exc)):
             # (the advice names an optimizer with less state, which the command line does not let you choose)
-            hint = (" (the command line always trains the whole model with SGD and momentum 0.9: raise --budget, "
-                    "or plan through the Python API, memfit.optimize(model, batch, budget, optimizer=...), with "
-                    "frozen layers or another optimizer)")
+            batch = "lower --batch, " if "lower the batch size" in str(exc) else ""
+            hint = (f" (the command line always trains the whole model with SGD and momentum 0.9: {batch}raise "
+                    "--budget, or plan through the Python API, memfit.optimize(model, batch, budget, optimizer=...), "
+                    "with frozen layers or another optimizer)")
         Console(stderr=True).print(f"[red]memfit {args.command}: {exc}{hint}[/]")
         return 2
 
