@@ -747,7 +747,7 @@ def test_a_dict_with_a_key_that_names_no_argument_is_told_so():
     # fresh-user finding: {"x": ..., "z": ...} for forward(x, y=None) was taken as one input (x), and the error
     # was the traced forward failing on "'dict' + 'NoneType'" (for forward(x, z): "also needs 'z'", which it had)
     x, z = torch.randn(8, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match=r"whose key 'z' names no argument of the forward \(x, y\).*\(batch,\)"):
+    with pytest.raises(ValueError, match=r"whose key 'z' names no argument of the forward \(x, y\).*it still lacks 'y'"):
         memfit.optimize(TwoInputs().train(), {"x": x, "z": z})
     # a forward that takes the dict itself: no key names its argument, so the dict is its one input
     torch.manual_seed(0)
@@ -775,6 +775,49 @@ def test_a_dict_none_of_whose_keys_names_an_argument_is_told_so():
         assert "none of whose keys ('a', 'b') names an argument of the forward" in message, message
         assert re.search(match, message), message
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model is as it was
+
+
+class _ThreeInputs(Scaled):
+    def forward(self, x, y, z):
+        return self.o(F.relu(self.l(x)) + y + z)
+
+
+class _KwargsForward(Scaled):
+    def forward(self, x, **kwargs):
+        return self.o(F.relu(self.l(x)) * kwargs["mask"])
+
+
+class _LabelsInside(Scaled):
+    def forward(self, x, mask=None, labels=None, return_logits=True):
+        h = self.o(F.relu(self.l(x)))
+        if labels is not None:
+            return F.cross_entropy(h, labels.flatten())
+        return h
+
+
+@pytest.mark.parametrize("model, inputs, match", [
+    (_ThreeInputs(), {"X": 0, "y": 0, "z": 0}, r"key 'X' names no argument .*Rename or drop it \('X' for 'x'\?\)$"),
+    (_ThreeInputs(), {"x": 0, "y": 0, "q": 0}, r"it still lacks 'z', which has no default\)\. Rename or drop it$"),
+    (_KwargsForward(), {"x": 0, "mask": 0}, r"through \*\*kwargs.*def forward\(self, x, mask=None, \*\*kwargs\)"),
+    (TwoInputs(), {}, r"an empty dict"),
+    (_LabelsInside(), {"x": 0, "mask": 0, "return_logits": False}, (r"argument 'labels' is None in example_inputs"
+                                                                   r".*Pass a value for 'labels'")),
+])
+def test_a_dict_that_misses_the_forward_is_told_how(model, inputs, match):
+    # fresh-user findings: a misspelt key on a three-argument forward was told to pass the dict in a tuple (which
+    # fits a one-argument forward only), a forward with **kwargs was told to rename its key, and an argument left
+    # out before a later key took its default, None, and failed in the traced forward with "this is a memfit bug"
+    x = torch.randn(8, 16)
+    inputs = {k: (x if k in ("x", "X") else torch.ones(8, 16) if k in ("y", "z", "q") else torch.ones(8, 4)
+                  if k == "mask" else v) for k, v in inputs.items()}
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as err:
+        memfit.optimize(model, inputs, time_limit=2)
+    message = " ".join(str(err.value).split())
+    assert re.search(match, message), message
+    assert "(batch,)" not in message and "memfit bug" not in message, message
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 class _DictOut(nn.Module):

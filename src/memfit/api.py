@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -194,7 +195,10 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     """
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs)
-    if isinstance(example_inputs, dict) and example_inputs and model is not None:
+    if isinstance(example_inputs, dict) and not example_inputs:
+        raise ValueError("example_inputs is an empty dict: give the forward's inputs (a tensor, a tuple in order, or "
+                         "a dict of them by the forward's argument names)")
+    if isinstance(example_inputs, dict) and model is not None:
         try:
             params = list(inspect.signature(model.forward).parameters.values())
         except (TypeError, ValueError):
@@ -220,11 +224,24 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
             strays = [k for k in example_inputs if k not in names]
             which = (f"key {strays[0]!r} names" if len(strays) == 1 else
                      f"keys {', '.join(repr(k) for k in strays)} name")
+            them = "it" if len(strays) == 1 else "them"
+            if any(p.kind == p.VAR_KEYWORD for p in params):  # forward(x, **kwargs)
+                raise ValueError(f"example_inputs is a dict whose {which} no argument of the forward "
+                                 f"({', '.join(names)}): the forward would take {them} through **kwargs, which "
+                                 f"torch.fx cannot trace. Give {them} a parameter of {'its' if len(strays) == 1 else 'their'} "
+                                 f"own (def forward(self, {', '.join(names)}, {', '.join(map(str, strays))}=None, "
+                                 f"**kwargs)), or plan a wrapper module that passes {them}")
+            missing = [n for n in required if n not in example_inputs]
+            close = {k: ([n for n in names if n.lower() == str(k).lower()]
+                         or difflib.get_close_matches(str(k), missing or names, n=1)) for k in strays}
+            spelt = "; ".join(f"{k!r} for {m[0]!r}?" for k, m in close.items() if m)
+            one = (", or, for a forward that takes the dict itself, pass it inside a tuple: (batch,)"
+                   if len(named) == 1 else "")
             raise ValueError(f"example_inputs is a dict whose {which} no argument of the forward "
                              f"({', '.join(names)}), and the others do: a dict is read as "
-                             "the forward's keyword arguments only when every key names one. Rename or drop "
-                             f"{'it' if len(strays) == 1 else 'them'}, or, for a forward that takes the dict itself, "
-                             "pass it inside a tuple: (batch,)")
+                             "the forward's keyword arguments only when every key names one"
+                             f"{' (it still lacks ' + ', '.join(map(repr, missing)) + ', which has no default)' if missing else ''}"
+                             f". Rename or drop {them}{' (' + spelt + ')' if spelt else ''}{one}")
     return (example_inputs,)
 
 

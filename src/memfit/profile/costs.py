@@ -743,7 +743,10 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
     env.update(bind_inputs(gm, inputs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     defaulted = {ph.name: ph for ph in placeholders[len(inputs):]}  # arguments left out: their defaults
-    from_default = {name: [name] for name in defaulted}  # value -> the defaulted arguments it depends on
+    # arguments given as None (a dict's key left out before one given takes its default, often None): the same
+    # trap as a default, `if labels is not None:` traced as taken
+    given_none = {ph.name: ph for ph, value in zip(placeholders, inputs) if value is None}
+    from_default = {name: [name] for name in (*defaulted, *given_none)}  # value -> the arguments it depends on
     for ph in placeholders:
         requires[ph.name] = [t.requires_grad for t in tensors_in(env[ph.name])]
         for t in tensors_in(env[ph.name]):
@@ -778,7 +781,16 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
                     raise
                 raise ValueError(_failed_on_inputs(gm, node, inputs, exc)) from exc
             # a default of None is the likelier culprit (`if mask is not None:` traced as true) than a number
-            ph = defaulted[min(args, key=lambda d: defaulted[d].args[0] is not None)]
+            culprit = min(args, key=lambda d: d not in given_none and defaulted[d].args[0] is not None)
+            if culprit in given_none:
+                raise ValueError(
+                    f"the model's forward argument {culprit!r} is None in example_inputs (given as None, or a "
+                    f"dict's key left out before a later one given, which takes its default), and the traced forward fails with it "
+                    f"at node {node.name} ({type(exc).__name__}: {exc}): torch.fx traced the forward with "
+                    f"{culprit!r} given (a test such as `if {culprit} is not None:` was taken as true), so the graph "
+                    f"needs it. Pass a value for {culprit!r}, or leave out the later keys too, or plan a wrapper "
+                    f"that does not take it") from exc
+            ph = defaulted[culprit]
             if ph.meta.get("memfit_kind") == "KEYWORD_ONLY":  # (example_inputs are positional)
                 raise ValueError(
                     f"the model's forward argument {ph.target!r} is keyword-only, so memfit's example_inputs (which "
