@@ -315,6 +315,9 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
     line = _user_frame(exc)
+    if re.search(r"\b(int|float)\([^()]*(\.shape\b|\.size\(|\bnumel\(|\blen\()", line):  # a size, not a value
+        return ("  a traced size converted to a Python number (int(x.shape[1])), which torch.fx cannot do: drop the "
+                "int(): tensor calls (view, reshape, new_zeros, expand) take the traced size as it is.")
     if re.search(r"\b(float|int|bool|complex)\(\) argument", str(exc)) or re.search(r"\.(item|tolist)\(", line):
         return ("  a tensor's value read as a Python number (.item(), float(t), int(t)), which a traced forward does "
                 "not have (fx records operations, not values): keep it a tensor (x * x.abs().amax() for "
@@ -335,8 +338,9 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "1, 1), x.new_zeros((x.shape[0], 16)) for torch.zeros(x.shape[0], 16)), or move that line into a "
                 "function fx keeps whole (torch.fx.wrap).")
     return ("  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
-            "rewrite that line with tensor operations (e.g. torch.where), or move it into a submodule "
-            "that fx treats as a leaf.")
+            "rewrite that line with tensor operations (e.g. torch.where), or move that code into a function of "
+            "its own at module level, marked with torch.fx.wrap(\"name\") (fx then records it as one call, which "
+            "memfit runs as one step; a submodule of yours is traced into like the rest).")
 
 
 class _Tracer(fx.Tracer):
