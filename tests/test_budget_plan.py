@@ -1,5 +1,7 @@
 """Budgets, plan JSON round trip, trace errors."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -22,6 +24,10 @@ def test_budget_parse():
     for whole_bytes in (1.5, "1.5"):
         with pytest.raises(ValueError, match="must be whole.*'1.5GiB'"):
             Budget.parse(whole_bytes)
+    for pct in (90, "90", "33"):  # a fresh user's "90" was 90 bytes, refused as infeasible
+        with pytest.raises(ValueError, match=r"a bare number is a count of bytes.*write '\d+%'"):
+            Budget.parse(pct)
+    assert Budget.parse("90B").nbytes == 90
     for nan in (float("nan"), "nan", "inf"):
         with pytest.raises(ValueError, match="not a number of bytes"):
             Budget.parse(nan)
@@ -364,8 +370,11 @@ def test_a_budget_below_the_fixed_bytes_that_a_smaller_batch_reaches_says_lower_
     message = " ".join(str(err.value).split())
     assert "lower the batch size" in message and f"the input batch is {inputs} bytes" in message, message
     assert "less state" not in message and "such as SGD" not in message, message  # no optimizer, no state counted
-    trained = memfit.optimize(model, x[:128], budget=budget, time_limit=2)  # the advice, followed
+    share = int(re.search(r"lower the batch size \(to about (\d+)% of this one or less", message).group(1))
+    trained = memfit.optimize(model, x[:len(x) * share // 100], budget=budget, time_limit=2)  # the advice, followed
     assert trained.plan.predicted_peak_bytes <= budget
+    with pytest.raises(memfit.InfeasibleBudgetError):  # and it is not far off: twice that batch does not fit
+        memfit.optimize(model, x[:2 * len(x) * share // 100], budget=budget, time_limit=2)
 
 
 @pytest.mark.parametrize("make, advice, not_advised", [

@@ -540,9 +540,10 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
                              "optimizer (or apply this one with optimizer=None, knowing that)")
         return
     if now > plan_.optimizer_state_bytes:
+        why = ("other options, such as amsgrad or momentum, or more trainable parameters" if name == plan_.optimizer
+               else f"{name} keeps other state than {plan_.optimizer}")
         raise ValueError(f"the plan counted {plan_.optimizer_state_bytes} bytes of {plan_.optimizer} state, and this "
-                         f"{name} will keep {now} bytes (other options, such as amsgrad or "
-                         "momentum, or more trainable parameters): the step would go over the plan's budget by the "
+                         f"{name} will keep {now} bytes ({why}): the step would go over the plan's budget by the "
                          "difference; make a new plan with optimizer= this optimizer")
     step = None if measured is None else measured.step_bytes
     if plan_.optimizer_step_bytes is None or (step is None and name == plan_.optimizer):  # (the class was checked)

@@ -29,8 +29,9 @@ class Budget:
         """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``123456789`` (bytes), ``"40%"`` or ``"min"``.
 
         Raises:
-            ValueError: the text is not a size of at least one byte or a percentage in (0, 100], or a
-                number of bytes is not whole (``1.5``).
+            ValueError: the text is not a size of at least one byte or a percentage in (0, 100], a
+                number of bytes is not whole (``1.5``), or a bare number is 100 or less (``90``: a percentage
+                without its ``%``; ``"90B"`` is taken as bytes).
         """
         if isinstance(spec, Budget):
             return spec
@@ -51,6 +52,10 @@ class Budget:
                 raise ValueError(f"budget {spec!r}: a number is a count of bytes and must be whole; write "
                                  f"'{spec:g}GiB' for gibibytes, or a percentage of plain PyTorch's peak such as "
                                  "'40%'")
+            if int(spec) <= 100:  # a percentage without its sign, most likely ("90" was taken as 90 bytes)
+                raise ValueError(f"budget {spec!r}: a bare number is a count of bytes, and {int(spec)} bytes hold no "
+                                 f"training step; for a percentage of plain PyTorch's peak write '{int(spec)}%' (or "
+                                 f"'{int(spec)}B' if you mean bytes)")
             return cls(nbytes=int(spec))
         text = str(spec).strip()
         if text.lower() == "min":

@@ -50,7 +50,7 @@ class InfeasibleBudgetError(ValueError):
         # them, and a smaller batch barely does
         by_step = step_bytes > (smallest_feasible_bytes - fixed_bytes) // 2
         below_fixed = budget_bytes < fixed_bytes
-        if optimizer is not None and optimizer_state_bytes == 0:  # no state to lose: fewer trained parameters
+        if optimizer_state_bytes == 0:  # no state to lose (or no optimizer given): fewer trained parameters
             lighter = "fewer trainable parameters (a frozen one has no gradient, no state and no step)"
         elif optimizer == "SGD":  # its state is the momentum buffers
             lighter = (f"fewer trainable parameters, or SGD without momentum (no state; yours holds "
@@ -58,8 +58,8 @@ class InfeasibleBudgetError(ValueError):
         elif optimizer is not None:
             lighter = (f"fewer trainable parameters, or an optimizer with less state than {optimizer}'s "
                        f"{fmt_bytes(optimizer_state_bytes)}, such as SGD")
-        else:  # no optimizer given: no state was counted, so none to lose
-            lighter = "fewer trainable parameters"
+        else:  # (state counted for an optimizer not named)
+            lighter = "fewer trainable parameters, or an optimizer with less state"
         model_bytes = fixed_bytes - input_bytes  # what no batch size changes
         batch = (f"the input batch is {input_bytes} bytes ({fmt_bytes(input_bytes)}) of them" if input_bytes
                  else "")
@@ -72,9 +72,12 @@ class InfeasibleBudgetError(ValueError):
                     f"{model_bytes} bytes ({fmt_bytes(model_bytes)}) that no batch size changes"
                     f"{' (' + batch + ')' if batch else ''}: raise it, or make them smaller ({lighter})")
         else:
+            # the input and the activations grow with the batch, the rest does not: a rough target
+            share = (budget_bytes - model_bytes) / max(1, smallest_feasible_bytes - model_bytes)
             hint = (f"; the budget is below the fixed bytes alone, which no plan lowers; {batch}, and a smaller "
-                    f"batch lowers both it and the activations: lower the batch size, raise the budget, or make "
-                    f"the rest smaller ({lighter})")
+                    f"batch lowers both it and the activations: lower the batch size (to about {share:.0%} of "
+                    f"this one or less, if they grow in proportion to it), raise the budget, or make the rest "
+                    f"smaller ({lighter})")
         stopped = ("" if stopped_at is None or below_fixed else
                    " (the search for the lowest-memory plan stopped at its time limit, so a longer time_limit / "
                    "--time-limit may find a lower one; a busy machine slows that search)")
