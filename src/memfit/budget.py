@@ -97,12 +97,13 @@ class Budget:
         return int(self.fraction * plain_peak_bytes)
 
 
-_DISPLAY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+#: the binary units :func:`fmt_bytes` writes, smallest first
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def byte_unit(n: float) -> str:
     """The unit :func:`fmt_bytes` writes ``n`` bytes in: ``1536 -> 'KiB'``."""
-    for unit in _DISPLAY_UNITS:
+    for unit in BYTE_UNITS:
         if abs(n) < 1024 or unit == "TiB":
             return unit
         n /= 1024
@@ -115,5 +116,5 @@ def fmt_bytes(n: float | None, unit: str | None = None) -> str:
     if n is None:
         return "-"
     unit = unit or byte_unit(n)
-    n = n / 1024 ** _DISPLAY_UNITS.index(unit)
+    n = n / 1024 ** BYTE_UNITS.index(unit)
     return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
