@@ -783,13 +783,14 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             # a default of None is the likelier culprit (`if mask is not None:` traced as true) than a number
             culprit = min(args, key=lambda d: d not in given_none and defaulted[d].args[0] is not None)
             if culprit in given_none:
+                name = given_none[culprit].target  # (the argument's own name; fx may rename the node)
                 raise ValueError(
-                    f"the model's forward argument {culprit!r} is None in example_inputs (given as None, or a "
-                    f"dict's key left out before a later one given, which takes its default), and the traced forward fails with it "
-                    f"at node {node.name} ({type(exc).__name__}: {exc}): torch.fx traced the forward with "
-                    f"{culprit!r} given (a test such as `if {culprit} is not None:` was taken as true), so the graph "
-                    f"needs it. Pass a value for {culprit!r}, or leave out the later keys too, or plan a wrapper "
-                    f"that does not take it") from exc
+                    f"the model's forward argument {name!r} is None in example_inputs (given as None, or a dict's "
+                    f"key left out before a later one given, which takes its default), and the traced forward "
+                    f"fails with it at node {node.name} ({type(exc).__name__}: {exc}): torch.fx traced the forward "
+                    f"with {name!r} given (a test such as `if {name} is not None:` was taken as true), so the graph "
+                    f"needs it. Pass a value for {name!r}, or leave out the later keys too, or plan a wrapper that "
+                    "does not take it") from exc
             ph = defaulted[culprit]
             if ph.meta.get("memfit_kind") == "KEYWORD_ONLY":  # (example_inputs are positional)
                 raise ValueError(
