@@ -307,3 +307,28 @@ def test_the_first_step_under_autocast_with_regions_is_pytorchs_bit_for_bit(stra
         loss.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max())
+
+
+def test_a_backward_pass_inside_autocast_is_warned_about_and_measured_over_the_prediction():
+    """Found by a fresh user: ``loss.backward()`` inside the autocast context went over the budget silently (the
+    README says to call it outside). Its operations are autocast too and make bfloat16 copies the plan does not
+    count: measured here above the predicted peak. Outside the context the same step warns of nothing."""
+    import warnings
+
+    from memfit.profile import MemoryTracker, live_bytes
+
+    model, x, y = _case(True, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = memfit.optimize(model, x, "min", time_limit=2, loss_fn=lambda out: F.cross_entropy(out, y))
+    start = live_bytes(list(model.parameters()) + [x, y])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the recipe: forward and loss inside, backward outside
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(planned(x), y)
+        loss.backward()
+    model.zero_grad()
+    inside = r"backward pass through Attention ran inside torch.autocast.*outside"
+    with (pytest.warns(UserWarning, match=inside), MemoryTracker() as tracker,
+          torch.autocast("cpu", dtype=torch.bfloat16)):
+        F.cross_entropy(planned(x), y).backward()
+    assert start + tracker.peak_bytes > planned.plan.predicted_peak_bytes + SLACK  # why it is warned about

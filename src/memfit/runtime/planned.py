@@ -287,6 +287,14 @@ class _Call:
         self.done = False
 
 
+def _autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` in this thread."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # (torch before 2.4 takes no device type)
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -831,6 +839,13 @@ class PlannedModule(nn.Module):
             if call.done:
                 return
             call.done = True
+            if _autocast_on(grad.device.type):  # (on the CPU the backward runs in the thread that called it)
+                self._warn_once("autocast-backward", f"memfit: the backward pass through {name} ran inside "
+                                "torch.autocast: its own operations are autocast too and make lower-precision copies "
+                                "the plan does not count (a small transformer measured 2.4 MB over its budget), and "
+                                "an optimizer.step() inside the same context trains on stale weight casts. Call "
+                                "loss.backward() and optimizer.step() outside the autocast context, as PyTorch's "
+                                "autocast documentation recommends.")
             if self._grad_checks > 0 and not plan.grads_exist:
                 self._grad_checks -= 1
                 existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
