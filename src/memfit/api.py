@@ -100,12 +100,10 @@ def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
     return None
 
 
-def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False,
-                    optimizer: torch.optim.Optimizer | None = None) -> None:
+def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: bool = False) -> None:
     """Check that a saved plan was made for this model (parameter and buffer shapes, dtypes and roles: trainable,
     frozen, buffer, tied), these input dtypes and
-    shapes, this gradient convention, this autocast state and (when both name one, and the plan did not record
-    its optimizer step's temporaries) this optimizer class.
+    shapes, this gradient convention and this autocast state (the optimizer: :func:`_check_optimizer_state`).
 
     Raises:
         ValueError: any of those differs from the plan's (its memory figures would not hold); the message
@@ -124,11 +122,6 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         made = "keeps gradients allocated" if plan_.grads_exist else "sets gradients to None (zero_grad())"
         raise ValueError(f"the plan was made for a training loop that {made}: pass grads_exist="
                          f"{plan_.grads_exist} if yours does, or make a new plan")
-    mine = None if optimizer is None else type(optimizer).__name__
-    # (with the step's temporaries recorded, the bytes decide, in _check_optimizer_state)
-    if plan_.optimizer and mine and plan_.optimizer != mine and plan_.optimizer_step_bytes is None:
-        raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {mine}: their memory "
-                         "differs; make a new plan with optimizer= your optimizer")
     shapes = _shapes(given)
     if plan_.input_shapes and shapes != plan_.input_shapes:
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
@@ -530,8 +523,12 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
                           f"{plan_.optimizer or 'optimizer'} state and its step; pass optimizer= the optimizer you train with to have "
                           "it checked (one that keeps more state takes the step over the budget)", stacklevel=3)
         return
-    now, measured = _counted_state(optimizer, trained)
     name = type(optimizer).__name__
+    if plan_.optimizer and name != plan_.optimizer and plan_.optimizer_step_bytes is None:
+        # a plan saved before its step's temporaries were recorded: the class decides
+        raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {name}: their memory "
+                         "differs; make a new plan with optimizer= your optimizer")
+    now, measured = _counted_state(optimizer, trained)
     if plan_.optimizer_state_bytes is None:
         if now > 0:
             raise ValueError(f"the plan was solved without an optimizer, so its budget counts no optimizer state and "
@@ -546,7 +543,7 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
                          f"{name} will keep {now} bytes ({why}): the step would go over the plan's budget by the "
                          "difference; make a new plan with optimizer= this optimizer")
     step = None if measured is None else measured.step_bytes
-    if plan_.optimizer_step_bytes is None or (step is None and name == plan_.optimizer):  # (the class was checked)
+    if plan_.optimizer_step_bytes is None or (step is None and name == plan_.optimizer):  # (the class decides)
         return
     if step is None or step > plan_.optimizer_step_bytes:
         took = "could not be measured" if step is None else f"allocates {step} bytes"
@@ -590,7 +587,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     _check_model(model)
     given = _as_tuple(example_inputs, model)
     if plan_ is not None:
-        check_plan_fits(plan_, model, example_inputs, grads_exist, optimizer)
+        check_plan_fits(plan_, model, example_inputs, grads_exist)
         if budget != "min":
             warnings.warn(f"memfit.optimize: budget={budget!r} is ignored when plan_ is given (the plan was "
                           f"solved for {plan_.budget_bytes} bytes)", stacklevel=2)

@@ -110,11 +110,11 @@ def byte_unit(n: float) -> str:
     return "TiB"
 
 
-def fmt_bytes(n: float | None, unit: str | None = None) -> str:
-    """``1536 -> '1.5 KiB'``; with ``unit`` in that unit (``fmt_bytes(1.5 * 2**30, "MiB") -> '1536.0 MiB'``), so
-    that figures side by side show the same resolution."""
+def fmt_bytes(n: float | None, unit: str | None = None, decimals: int = 1) -> str:
+    """``1536 -> '1.5 KiB'``; with ``unit`` in that unit (``fmt_bytes(1.5 * 2**30, "MiB") -> '1536.0 MiB'``), and
+    ``decimals`` after the point (bytes have none), so that figures side by side show the same resolution."""
     if n is None:
         return "-"
     unit = unit or byte_unit(n)
     n = n / 1024 ** BYTE_UNITS.index(unit)
-    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{decimals}f} {unit}"

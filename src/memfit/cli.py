@@ -141,7 +141,7 @@ def _report_table(r: dict, budget: str | None = None) -> Table:
     decimals = max(1, min(4, 1 - math.floor(math.log10(smallest))))
 
     def total(n):
-        return f"{n / 1024 ** BYTE_UNITS.index(unit):.{decimals}f} {unit}"
+        return fmt_bytes(n, unit, decimals)
     over = p["peak_bytes"] > r["budget_bytes"]  # (the heuristics only record the budget; the programs keep under it)
     t.add_row("total peak", total(b["peak_bytes"]), f"[red]{total(p['peak_bytes'])} (over the budget)[/]" if over
               else total(p["peak_bytes"]), total(p["predicted_peak_bytes"]))

@@ -363,6 +363,11 @@ class Costs:
         return replace(self, nodes=nodes)
 
     @property
+    def input_bytes(self) -> int:
+        """Bytes of the example inputs' storages: the part of ``fixed_bytes`` that grows with the batch."""
+        return sum(s.nbytes for s in self.storages if s.kind == "input")
+
+    @property
     def step_seconds(self) -> float:
         """Sum of the nodes' forward and backward times: the modelled time of one plain training step."""
         return sum(n.fwd_seconds + n.bwd_seconds for n in self.nodes)
@@ -467,8 +472,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                 state.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
     grad_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                       for p in params if p.requires_grad}.values())
-    costs.fixed_bytes = sum(state.values()) + grad_bytes + sum(
-        s.nbytes for s in costs.storages if s.kind == "input") + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs))
+    costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes
+                         + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs)))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor

@@ -528,4 +528,4 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
         return prob.keep_everything()
     floor = prob.smallest_feasible(time_limit, lows)
     raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at(),
-                                input_bytes=sum(s.nbytes for s in prob.costs.storages if s.kind == "input"))
+                                input_bytes=prob.costs.input_bytes)

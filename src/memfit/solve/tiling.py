@@ -81,9 +81,7 @@ def best_plan(options: list[Option], solve: Callable[[Option], Plan], minimum: b
         except InfeasibleBudgetError as exc:
             errors.append(exc)
     if not found:
-        low = min(errors, key=lambda e: e.smallest_feasible_bytes)
-        raise InfeasibleBudgetError(low.budget_bytes, low.smallest_feasible_bytes, low.fixed_bytes, low.step_bytes,
-                                   low.stopped_at, input_bytes=low.input_bytes)
+        raise min(errors, key=lambda e: e.smallest_feasible_bytes)
     if minimum:
         plan, option = min(found, key=lambda f: (f[0].budget_bytes, f[0].predicted_step_seconds))
     else:
