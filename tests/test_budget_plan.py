@@ -1,5 +1,6 @@
 """Budgets, plan JSON round trip, trace errors."""
 
+import json
 import re
 
 import pytest
@@ -429,3 +430,34 @@ def test_lowest_memory_plans_cut_short_by_the_budgeted_search_are_solved_again_w
     plan = strategies.make_plan("memfit", graph, costs, floor, time_limit=4)
     assert any(low and limit < 2 for low, limit in calls), calls  # the short solves happened, and did not stick
     assert plan.predicted_peak_bytes <= floor and plan.budget_bytes == floor
+
+
+class _CausalMixer(nn.Module):
+    """Makes tensor constants in its forward (positions, a causal mask), as a small language model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos, self.out = nn.Embedding(32, 16), nn.Embedding(8, 16), nn.Linear(16, 32)
+
+    def forward(self, ids):
+        mask = torch.triu(torch.ones(8, 8), 1).bool()
+        h = self.emb(ids) + self.pos(torch.arange(8))
+        att = (h @ h.transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1)
+        return self.out(att @ h)
+
+
+def test_a_plan_applies_in_the_same_process_to_a_model_that_makes_tensor_constants():
+    torch.manual_seed(0)
+    model = _CausalMixer().train()
+    ids = torch.randint(0, 32, (4, 8))
+    attributes = set(vars(model))
+    plan_, _, _ = memfit.plan(model, ids, budget="min")
+    assert set(vars(model)) == attributes  # fx's _tensor_constant<i> are not left on the model
+    planned = memfit.optimize(model, ids, plan_=Plan.from_dict(json.loads(json.dumps(plan_.to_dict()))))
+    assert set(vars(model)) == attributes
+    reference = _CausalMixer()
+    reference.load_state_dict(model.state_dict())
+    reference(ids).square().sum().backward()
+    planned(ids).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

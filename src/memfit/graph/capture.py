@@ -374,7 +374,25 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
                                  and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
 
 
+_TENSOR_CONSTANT = re.compile(r"_tensor_constant\d+")
+
+
 def _trace(model: nn.Module) -> fx.GraphModule:
+    """:func:`_trace_graph`, leaving ``model`` as it was. ``torch.fx`` stores each tensor constant the forward makes
+    (``torch.arange(16)``, ``torch.ones(16, 16)``) as an attribute ``_tensor_constant<i>`` of the module it traces,
+    numbered from the first free name; the ``GraphModule`` holds copies of its own. Left on the model, they
+    made a second trace number its constants on, so a plan made in the same process no longer matched the graph's
+    node names (a fresh user's causal mask: ``memfit.optimize(m, ids, plan_=...)`` refused its own plan)."""
+    before = set(vars(model))
+    try:
+        return _trace_graph(model)
+    finally:
+        for name in set(vars(model)) - before:
+            if _TENSOR_CONSTANT.fullmatch(name):
+                delattr(model, name)
+
+
+def _trace_graph(model: nn.Module) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter."""
     tracer = _BufferTracer()
