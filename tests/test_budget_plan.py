@@ -461,3 +461,28 @@ def test_a_plan_applies_in_the_same_process_to_a_model_that_makes_tensor_constan
     planned(ids).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_cpu_plan_records_its_thread_count_and_warns_when_the_step_runs_with_another(tmp_path):
+    # a fresh user: a ResNet-18 planned with one thread and trained with two went 26% over its budget, silently
+    # (CPU kernels keep per-thread scratch buffers)
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+    x = torch.randn(2, 3, 16, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        planned = memfit.optimize(model.train(), x, budget="min")
+        assert planned.plan.threads == 1
+        planned.plan.save(tmp_path / "plan.json")
+        assert Plan.load(tmp_path / "plan.json").threads == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            planned(x).sum().backward()  # the thread count it was made with: no warning
+        torch.set_num_threads(2)
+        with pytest.warns(UserWarning, match=r"made with torch.get_num_threads\(\)=1 and the step runs with 2"):
+            planned(x).sum().backward()
+    finally:
+        torch.set_num_threads(before)

@@ -420,6 +420,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
     result.conv_libraries = conv_libraries()
+    result.threads = torch.get_num_threads() if costs.device == "cpu" else None
     result.optimizer = None if optimizer is None else type(optimizer).__name__
     result.optimizer_state_bytes = None if optimizer is None else state
     result.optimizer_step_bytes = None if measured is None else measured.step_bytes

@@ -1088,6 +1088,15 @@ class PlannedModule(nn.Module):
                                 f"is now {now}: results are correct but every convolution runs other kernels "
                                 "with other workspaces, so the planned memory figures do not hold. Make the plan "
                                 f"with the {flag} you train with.")
+        made = self.plan.threads
+        if made and self._first_parameter is not None and not self._first_parameter[1].is_cuda:
+            now = torch.get_num_threads()
+            if now != made:  # (a ResNet-18 planned with one thread, trained with two: 26% over, silently)
+                self._warn_once(f"threads {now}", f"memfit: the plan was made with torch.get_num_threads()={made} and "
+                                f"the step runs with {now}: results are correct but CPU kernels keep per-thread "
+                                "scratch buffers, so the planned memory figures do not hold (a ResNet-18 planned "
+                                "with one thread went 26% over its budget with two). Make the plan with the "
+                                "thread count you train with (torch.set_num_threads, memfit's --threads).")
         here = autocast_dtype(args)
         if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"
