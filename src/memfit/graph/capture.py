@@ -262,8 +262,28 @@ def _arguments_in_control_flow(exc: BaseException) -> list[str]:
             if isinstance(value, fx.Proxy) and value.node.op == "placeholder" and re.search(rf"\b{re.escape(name)}\b", line)]
 
 
+_TENSOR_TESTS = ("any", "all", "sum", "mean", "max", "min", "amax", "amin", "item", "norm", "isnan", "isinf",
+                 "isfinite", "nonzero", "count_nonzero", "numel", "abs", "eq", "ne", "gt", "lt", "ge", "le", "std",
+                 "var", "equal", "allclose")
+
+
+def _used_as_tensor(name: str, line: str) -> bool:
+    """``name`` appears on ``line`` as a tensor (``(x > 0).any()``, ``x.sum() > 0``, ``torch.all(x)``), not as a
+    Python value such as a flag: control flow on it is then data-dependent, not a value to fix for planning."""
+    n, tests = re.escape(name), "|".join(_TENSOR_TESTS)
+    return bool(re.search(rf"\b{n}\s*\.\s*({tests})\s*\(", line)
+                or re.search(rf"\(\s*{n}\b[^()]*\)\s*\.\s*({tests})\s*\(", line)
+                or re.search(rf"\btorch\.({tests})\s*\([^)]*\b{n}\b", line))
+
+
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    if "Proxy object cannot be iterated" in str(exc):
+        return ("  iterating over a traced value (`for p in torch.chunk(h, 4, dim=1)`, a comprehension over a "
+                "tensor, `*h.shape`), which torch.fx cannot do: it does not know how many items there are. Unpack "
+                "into a fixed count (`a, b, c, d = h.chunk(4, 1)`), index with a count fixed in __init__ "
+                "(`parts = h.chunk(self.n, 1)` then `parts[i] for i in range(self.n)`), or move that code into a "
+                "function fx keeps whole (torch.fx.wrap).")
     if "control flow" in str(exc) and re.search(r"\.shape\b|\.size\(|\.dim\(|\.ndim\b|\blen\(", _user_frame(exc)):
         return ("  Python control flow on a tensor's shape (`if h.shape[-1] == x.shape[-1]:`): torch.fx traces shapes "
                 "as graph values, not numbers. Decide it from the module's own settings, fixed when it is built "
@@ -271,6 +291,7 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "that code into a function of its own marked with torch.fx.wrap (called as one step, with real "
                 "shapes).")
     arguments = _arguments_in_control_flow(exc) if "control flow" in str(exc) else []
+    arguments = [a for a in arguments if not _used_as_tensor(a, _user_frame(exc))]  # (the input tensor: below)
     if arguments:
         names = ", ".join(f"`{a}`" for a in arguments)
         a = arguments[0]
