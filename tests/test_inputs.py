@@ -525,26 +525,17 @@ class _StarArgs(nn.Module):
 def test_a_positional_input_that_pytorch_puts_in_star_args_is_refused_and_keywords_bind_as_in_pytorch():
     """Found by a fresh user: fx's forward for ``(x, *args, mask=None)`` is ``(x, mask=None, *args)``, so a second
     positional input was used as ``mask`` (output 0.61 off, gradients 7.2, silently). Such inputs are refused at
-    planning and at the call; a keyword-only ``mask`` the graph needs is refused with a wrapper, which trains as
-    PyTorch; a keyword the trace left out of ``*args`` is refused saying why."""
+    planning and at the call; a keyword-only ``mask`` the graph needs is refused, told to pass it by name, and
+    a dict that does trains as PyTorch; a keyword the trace left out of ``*args`` is refused saying why."""
     torch.manual_seed(0)
     x, mask, y = torch.randn(8, 16), torch.rand(8, 32) * 3, torch.randint(0, 4, (8,))
     with pytest.raises(ValueError, match=r"names 1 \(x\) before \*args"):
         memfit.optimize(_StarArgs().train(), (x, mask), budget="min", time_limit=2)
-    with pytest.raises(ValueError, match=r"'mask' is keyword-only.*Plan a wrapper"):
+    with pytest.raises(ValueError, match=r"'mask' is keyword-only.*give it by name.*\{\.\.\., 'mask': \.\.\.\}"):
         memfit.optimize(_StarArgs().train(), x, budget="min", time_limit=2)
-
-    class Wrapped(nn.Module):  # the way out the message gives
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, x, mask):
-            return self.m(x, mask=mask)
-
-    model = _StarArgs().train()
+    model = _StarArgs().train()  # the way out the message gives (a fresh user's dict had been refused)
     plain = fresh_copy(model)
-    planned = memfit.optimize(Wrapped(model), (x, mask), budget="min", time_limit=2)
+    planned = memfit.optimize(model, {"x": x, "mask": mask}, budget="min", time_limit=2)
     for module in (lambda: plain(x, mask=mask), lambda: planned(x, mask=mask)):
         _ce(module(), y).backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
@@ -895,3 +886,27 @@ def test_a_model_or_batch_in_another_memory_layout_than_planned_is_warned_about_
         again(x.contiguous(memory_format=torch.channels_last)).sum().backward()
     with pytest.raises(ValueError, match=r"inputs of memory layout \['channels_last'\], not \['contiguous'\]"):
         memfit.optimize(_small_cnn().to(memory_format=torch.channels_last), x, plan_=again.plan)
+
+
+def test_keyword_only_arguments_bind_by_name_from_a_dict():
+    # a fresh user's {"x": x, "scale": 2.0} for forward(self, x, *, scale) was refused: "'scale' names no argument"
+    class KeywordOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x, *, scale, mask=None):
+            h = torch.relu(self.l1(x)) * scale
+            return self.l2(h if mask is None else h * mask)
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 8), torch.rand(4, 16)
+    for batch in ({"x": x, "scale": 2.0, "mask": mask}, {"x": x, "scale": torch.tensor(0.5), "mask": mask}):
+        model = KeywordOnly().train()
+        plain = fresh_copy(model)
+        planned = memfit.optimize(model, batch, budget="min", time_limit=2)
+        kwargs = {k: v for k, v in batch.items() if k != "x"}
+        plain(x, **kwargs).square().sum().backward()
+        planned(**batch).square().sum().backward()
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)

@@ -196,7 +196,9 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
             params = list(inspect.signature(model.forward).parameters.values())
         except (TypeError, ValueError):
             params = []
-        named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # (torch.fx's traced forward takes keyword-only arguments by position, after the others: bound by name here)
+        named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] + [
+            p for p in params if p.kind == p.KEYWORD_ONLY]
         names = [p.name for p in named]
         keys = [k for k in example_inputs if isinstance(k, str)]
         if all(isinstance(k, str) and k in names for k in example_inputs):
@@ -373,7 +375,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
     captured = _captured or capture(model)
-    check_var_positional(captured.gm, inputs)
+    if not isinstance(example_inputs, dict):  # (a dict binds by name: nothing of it falls into *args)
+        check_var_positional(captured.gm, inputs)
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist, user_inputs=given)
     _check_something_trains(model, costs)
