@@ -29,6 +29,11 @@ def test_budget_parse():
         with pytest.raises(ValueError, match=r"a bare number is a count of bytes.*write '\d+%'"):
             Budget.parse(pct)
     assert Budget.parse("90B").nbytes == 90
+    # a fresh user: "1TB" was taken and "1T" refused (as "1G" is taken), "1e9" taken and "1e9B" refused
+    assert Budget.parse("1T").nbytes == 2**40 and Budget.parse("1G").nbytes == 2**30
+    assert Budget.parse("1e9B").nbytes == 10**9 and Budget.parse("1.5e3MiB").nbytes == 1500 * 2**20
+    with pytest.raises(ValueError, match="must be positive"):
+        Budget.parse("-1e3B")
     for nan in (float("nan"), "nan", "inf"):
         with pytest.raises(ValueError, match="not a number of bytes"):
             Budget.parse(nan)

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30}
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30,
+          "T": 2**40}
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ class Budget:
             if not 0 < pct <= 100:
                 raise ValueError(f"budget {spec!r}: a percentage must be in (0, 100]")
             return cls(fraction=pct / 100)
-        match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", text)
-        if re.fullmatch(r"-\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", text):
+        number = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"  # (an exponent too: "1e9B", as a bare "1e9")
+        match = re.fullmatch(number + r"\s*([A-Za-z]*)", text)
+        if re.fullmatch(r"-\s*" + number + r"\s*([A-Za-z]*)", text):
             raise ValueError(f"budget {spec!r}: must be positive; write e.g. '2GiB', a percentage of plain "
                              "PyTorch's peak such as '40%', or 'min' for the least memory memfit can reach")
         if not match or match.group(2).upper() not in _UNITS:
