@@ -734,12 +734,14 @@ class PlannedModule(nn.Module):
             if shared is None and out._base is None:
                 return out
             self._warn_once(f"alias {node.name}", f"memfit: node {node.name} returned "
-                            f"{'its input ' + repr(shared) if shared else 'a view'} (it returned a new tensor when the "
-                            f"plan was made), and the plan writes into its result in place at node {writer}; memfit "
+                            f"{'its input ' + repr(shared) if shared else 'a view'}, and the plan writes into its "
+                            f"result in place at node {writer}, which needs a tensor of its own there; memfit "
                             "copies it first so that the values stay PyTorch's, and the step may go over the plan by "
                             f"{fmt_bytes(out.untyped_storage().nbytes())}. This happens when a layer returns its input "
                             "in a setting it was not planned in (nn.Dropout after eval() or with p=0; .contiguous(), "
-                            ".float() or .reshape() for another input shape or dtype): plan again in that setting.")
+                            ".float() or .reshape() for another input shape or dtype): plan again in that setting; or "
+                            "where a plan edited by hand names an in-place form after a view (permute, transpose), "
+                            "which memfit's planner does not offer there.")
             return out.clone()
 
         return fresh
