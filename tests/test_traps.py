@@ -153,6 +153,26 @@ def test_gradients_allocated_against_the_plan_warn_once(setup):
         assert len(told) == (0 if grads_exist else 1), [str(w.message) for w in seen]
 
 
+def test_a_second_backward_pass_through_one_call_into_its_gradients_is_warned(setup):
+    """Found by a fresh user: ``loss.backward(retain_graph=True)`` then a second ``backward()`` through the same call
+    (two losses backpropagated one by one) adds into the first's gradients, which a plan made for gradients set to
+    ``None`` does not count, and was not warned; ``zero_grad()`` between the two is fine."""
+    import warnings
+
+    model, images, target = setup
+    for zero_between in (False, True):
+        planned = memfit.optimize(fresh_copy(model), images, budget="100%", strategy="chen")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss = F.cross_entropy(planned(images), target)
+            loss.backward(retain_graph=True)
+            if zero_between:
+                planned.zero_grad()
+            loss.backward()
+        told = [w for w in seen if "grads_exist=True" in str(w.message)]
+        assert len(told) == (0 if zero_between else 1), [str(w.message) for w in seen]
+
+
 def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
     import warnings
 

@@ -838,7 +838,12 @@ class PlannedModule(nn.Module):
         del tensors
 
         def on_grad(grad, call=call):
-            if call.done:
+            if call.done:  # a second backward pass through this call's graph (retain_graph=True, a second loss)
+                if self._grad_checks > 0 and not plan.grads_exist:
+                    self._grad_checks -= 1
+                    existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
+                    if existing:  # (made by the first: this one adds into them, unless zero_grad() ran between)
+                        self._warn_if_accumulated(existing, name)
                 return
             call.done = True
             if _autocast_on(grad.device.type):  # (on the CPU the backward runs in the thread that called it)
