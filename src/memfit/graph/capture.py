@@ -262,18 +262,14 @@ def _arguments_in_control_flow(exc: BaseException) -> list[str]:
             if isinstance(value, fx.Proxy) and value.node.op == "placeholder" and re.search(rf"\b{re.escape(name)}\b", line)]
 
 
-_TENSOR_TESTS = ("any", "all", "sum", "mean", "max", "min", "amax", "amin", "item", "norm", "isnan", "isinf",
-                 "isfinite", "nonzero", "count_nonzero", "numel", "abs", "eq", "ne", "gt", "lt", "ge", "le", "std",
-                 "var", "equal", "allclose")
-
-
-def _used_as_tensor(name: str, line: str) -> bool:
-    """``name`` appears on ``line`` as a tensor (``(x > 0).any()``, ``x.sum() > 0``, ``torch.all(x)``), not as a
-    Python value such as a flag: control flow on it is then data-dependent, not a value to fix for planning."""
-    n, tests = re.escape(name), "|".join(_TENSOR_TESTS)
-    return bool(re.search(rf"\b{n}\s*\.\s*({tests})\s*\(", line)
-                or re.search(rf"\(\s*{n}\b[^()]*\)\s*\.\s*({tests})\s*\(", line)
-                or re.search(rf"\btorch\.({tests})\s*\([^)]*\b{n}\b", line))
+def _used_as_value(name: str, line: str) -> bool:
+    """``name`` is tested on ``line`` as a Python value would be (``if extra:``, ``if not extra``, ``if head ==
+    "h1"``, ``while depth > 0``): the forward's argument is then most likely a flag or a setting, fixed for planning.
+    An argument tested through tensor operations (``if (x > 0).any():``, ``if x[0, 0] > 0:``, ``torch.dist(x, y) >
+    1``) is the input tensor itself, and its control flow data-dependent."""
+    n = re.escape(name)
+    return bool(re.search(rf"\b(if|elif|while|assert)\s+(not\s+)?{n}\s*(:|==|!=|<|>|\bis\b|\bin\b|\band\b|\bor\b|"
+                          rf"\belse\b|$)", line))
 
 
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
@@ -291,7 +287,7 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "that code into a function of its own marked with torch.fx.wrap (called as one step, with real "
                 "shapes).")
     arguments = _arguments_in_control_flow(exc) if "control flow" in str(exc) else []
-    arguments = [a for a in arguments if not _used_as_tensor(a, _user_frame(exc))]  # (the input tensor: below)
+    arguments = [a for a in arguments if _used_as_value(a, _user_frame(exc))]  # (the input tensor: below)
     if arguments:
         names = ", ".join(f"`{a}`" for a in arguments)
         a = arguments[0]

@@ -799,13 +799,13 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             ph = defaulted[culprit]
             if ph.meta.get("memfit_kind") == "KEYWORD_ONLY":  # (example_inputs are positional)
                 raise ValueError(
-                    f"the model's forward argument {ph.target!r} is keyword-only, so memfit's example_inputs (which "
-                    f"are positional) leave it at its default {ph.args[0]!r}, but the traced forward fails with that "
+                    f"the model's forward argument {ph.target!r} is keyword-only and not in example_inputs, so it "
+                    f"takes its default {ph.args[0]!r}, but the traced forward fails with that "
                     f"value at node {node.name} ({type(exc).__name__}: {exc}): torch.fx traced the forward with "
                     f"{ph.target!r} given (`if {ph.target} is not None:` was taken as true), so the graph "
                     f"needs it: give it by name, in example_inputs as a dict of the forward's arguments "
                     f"({{..., {ph.target!r}: ...}}) and to the planned module by keyword (planned(..., "
-                    f"{ph.target}=...))") from exc
+                    f"{ph.target}=...)), or write the forward without that test") from exc
             raise ValueError(
                 f"the model's forward argument {ph.target!r} is not in example_inputs, so it takes its default "
                 f"{ph.args[0]!r}, but the traced forward fails with that value at node {node.name} "
