@@ -188,17 +188,10 @@ def _report_table(r: dict, budget: str | None = None) -> Table:
     t.add_row("gradients", "", f"{ok} (max abs diff {r['max_abs_grad_diff']:.2e}"
               f"{' after the measured steps; judged by the one step below' if 'rounding_check' in r else ''})", "")
     if "rounding_check" in r:  # row stripes or conv-native: float32 rounding, judged against a float64 step
-        one = r["rounding_check"]
-        t.add_row("  one step vs float64", "", f"{one['vs_float64']:.2e} (plain PyTorch's float32 noise: "
-                  f"{one['float32_noise']:.2e})", "")
-        if "buffers_vs_float64" in one and r.get("buffers_compared", 1):  # (no buffers: nothing was compared)
-            t.add_row("  its BatchNorm statistics", "", f"{one['buffers_vs_float64']:.2e} (plain PyTorch's "
-                      f"float32 noise: {one['buffers_float32_noise']:.2e})", "")
-        if "float64_grads_rel" in one:  # float32 beyond its noise: the step in float64 under the plan decided
-            t.add_row("  the step in float64", "", f"gradients {one['float64_grads_rel']:.1e}, BatchNorm statistics "
-                      f"{one['float64_buffers_rel']:.1e} (relative to plain PyTorch's float64 step)", "")
-        elif "float64_error" in one:
-            t.add_row("  the step in float64", "", f"did not run: {escape(one['float64_error'])}", "")
+        from memfit.bench.job import rounding_rows
+
+        for label, figures in rounding_rows(r["rounding_check"], buffers=bool(r.get("buffers_compared", 1))):
+            t.add_row(f"  {label}", "", escape(figures), "")
     if r.get("buffers_compared", 1) == 0:  # nothing to compare: "match" would claim a check that never ran
         t.add_row("BatchNorm statistics", "", "none (the model has no buffers)", "")
     else:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -14,11 +14,16 @@ from memfit import zoo
 from memfit.api import offload_store
 from memfit.api import plan as make_plan
 from memfit.bench.harness import fresh_copy
-from memfit.bench.job import rounding_check, rounding_verdict, rounds_differently
+from memfit.bench.job import (
+    rounding_check,
+    rounding_rows,
+    rounding_sources,
+    rounding_verdict,
+    rounds_differently,
+)
 from memfit.budget import fmt_bytes
 from memfit.data import load_dataset, num_classes
 from memfit.runtime.planned import PlannedModule
-from memfit.variants import VARIANTS
 
 
 def train_side_by_side(args) -> int:
@@ -110,19 +115,12 @@ def train_side_by_side(args) -> int:
         console.print(("[green]loss curves match" if ok else "[red]loss curves differ") +
                       f"[/] (max relative difference {worst:.1e} over {len(curve)} steps)")
         return 0 if ok else 1
-    check = one["rounding_check"]
     ok = one["gradients_match"] and one["bn_stats_match"]
-    what = ", ".join(f"{v} x{n}" for v, n in sorted(Counter(
-        v for v in plan.variants.values() if v in VARIANTS and not VARIANTS[v].exact).items()))
-    what = ", ".join(filter(None, [what, "blocks in row stripes" if plan.tiled else ""]))
+    figures = "; ".join(f"{label} {text}" for label, text in rounding_rows(one["rounding_check"]))
     console.print(f"loss curves differ (max relative difference {worst:.1e} over {len(curve)} steps): the plan runs "
-                  f"{what}, whose float32 values differ from PyTorch's kernels' by rounding, which training "
-                  "amplifies; judged by one step from the initial weights against float64 instead: gradients "
-                  f"{check['vs_float64']:.2e} from float64 (plain PyTorch's float32 noise {check['float32_noise']:.2e})"
-                  + (f", BatchNorm statistics {check['buffers_vs_float64']:.2e} (noise "
-                     f"{check['buffers_float32_noise']:.2e})" if "buffers_vs_float64" in check else "")
-                  + (f"; the step in float64: gradients {check['float64_grads_rel']:.1e} from plain PyTorch's "
-                     "float64 step" if "float64_grads_rel" in check else ""))
+                  f"{', '.join(rounding_sources(plan))}, whose float32 values differ from PyTorch's kernels' by "
+                  "rounding, which training amplifies; judged by one step from the initial weights against float64 "
+                  f"instead: {escape(figures)}")
     console.print("[green]match to float32 rounding[/]" if ok else
                   "[red]DIFFER beyond float32 rounding[/] (run again with --no-variants --no-tiling to compare bit "
                   "for bit)")

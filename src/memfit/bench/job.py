@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -18,12 +19,18 @@ from memfit.solve.strategies import make_plan
 from memfit.variants import VARIANTS
 
 
+def rounding_sources(plan) -> list[str]:
+    """What makes a plan's gradients equal PyTorch's to float rounding only, not bit for bit, as text: each operator
+    variant that is not bit-exact with its count (``VariantSpec.exact``: ``"conv-native x4"``, PyTorch's own
+    convolution kernels instead of cuDNN's or oneDNN's), and ``"blocks in row stripes"`` (``plan.tiled``); empty
+    for a bit-exact plan."""
+    inexact = Counter(v for v in plan.variants.values() if v in VARIANTS and not VARIANTS[v].exact)
+    return [f"{v} x{n}" for v, n in sorted(inexact.items())] + (["blocks in row stripes"] if plan.tiled else [])
+
+
 def rounds_differently(plan) -> bool:
-    """True for a plan whose gradients equal PyTorch's to float rounding only, not bit for bit: it runs
-    blocks in row stripes (``plan.tiled``) or an operator variant that is not bit-exact
-    (``VariantSpec.exact``: ``conv-native``, which runs PyTorch's own convolution kernels instead of
-    cuDNN's or oneDNN's)."""
-    return bool(plan.tiled) or any(v in VARIANTS and not VARIANTS[v].exact for v in plan.variants.values())
+    """True for a plan whose gradients equal PyTorch's to float rounding only (:func:`rounding_sources`)."""
+    return bool(rounding_sources(plan))
 
 
 def measure_plain(model: nn.Module, inputs: tuple, target, loss_fn: Callable, seed: int = 0,
@@ -97,6 +104,23 @@ def _float64_check(model, plan, inputs, target, loss_fn, seed, store, reference)
     return {"float64_grads_rel": g_rel, "float64_buffers_rel": b_rel,
             "float64_gradients_match": set(grads) == set(reference.grads64) and g_rel <= FLOAT64_RTOL,
             "float64_buffers_match": b_rel <= FLOAT64_RTOL}
+
+
+def rounding_rows(one: dict, buffers: bool = True) -> list[tuple[str, str]]:
+    """``[(label, figures)]`` of a :func:`rounding_check`'s dict, for a report: the step against float64 beside plain
+    PyTorch's float32 noise, its BatchNorm statistics likewise (with ``buffers``: the model has some), and the step
+    in float64 where that ran."""
+    rows = [("one step vs float64", (f"{one['vs_float64']:.2e} (plain PyTorch's float32 noise: "
+                                    f"{one['float32_noise']:.2e})"))]
+    if "buffers_vs_float64" in one and buffers:
+        rows.append(("its BatchNorm statistics", (f"{one['buffers_vs_float64']:.2e} (plain PyTorch's float32 noise: "
+                                                 f"{one['buffers_float32_noise']:.2e})")))
+    if "float64_grads_rel" in one:  # float32 beyond its noise: the step in float64 under the plan decided
+        rows.append(("the step in float64", (f"gradients {one['float64_grads_rel']:.1e}, BatchNorm statistics "
+                                            f"{one['float64_buffers_rel']:.1e} (relative to plain PyTorch's float64 step)")))
+    elif "float64_error" in one:
+        rows.append(("the step in float64", f"did not run: {one['float64_error']}"))
+    return rows
 
 
 def rounding_verdict(one: dict) -> dict:

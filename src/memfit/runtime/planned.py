@@ -839,11 +839,7 @@ class PlannedModule(nn.Module):
 
         def on_grad(grad, call=call):
             if call.done:  # a second backward pass through this call's graph (retain_graph=True, a second loss)
-                if self._grad_checks > 0 and not plan.grads_exist:
-                    self._grad_checks -= 1
-                    existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
-                    if existing:  # (made by the first: this one adds into them, unless zero_grad() ran between)
-                        self._warn_if_accumulated(existing, name)
+                self._check_grads_exist(name)  # (the first made them: this one adds into them, unless zero_grad())
                 return
             call.done = True
             if _autocast_on(grad.device.type):  # (on the CPU the backward runs in the thread that called it)
@@ -853,11 +849,7 @@ class PlannedModule(nn.Module):
                                 "an optimizer.step() inside the same context trains on stale weight casts. Call "
                                 "loss.backward() and optimizer.step() outside the autocast context, as PyTorch's "
                                 "autocast documentation recommends.")
-            if self._grad_checks > 0 and not plan.grads_exist:
-                self._grad_checks -= 1
-                existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
-                if existing:
-                    self._warn_if_accumulated(existing, name)
+            self._check_grads_exist(name)
             nbytes = sum(size for ref, size in watched if not ref.expired())
             # (not for a classifier's few logits at 100%, nor a fresh user's 192-byte output, "0.0 MiB")
             if room is not None and nbytes > room + max(budget // 1000, 4096):
@@ -886,6 +878,16 @@ class PlannedModule(nn.Module):
 
         for t in _with_graph(tensors_in(out)):
             t.register_hook(on_grad)
+
+    def _check_grads_exist(self, name: str) -> None:
+        """As a backward pass reaches the output, in the first few (``_grad_checks``) of a plan made for gradients set
+        to ``None``: watch the parameter gradients that exist already (:meth:`_warn_if_accumulated`)."""
+        if self._grad_checks <= 0 or self.plan.grads_exist:
+            return
+        self._grad_checks -= 1
+        existing = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
+        if existing:
+            self._warn_if_accumulated(existing, name)
 
     def _warn_if_accumulated(self, existing: list[nn.Parameter], name: str) -> None:
         """Warn once if this backward pass adds into one of the ``existing`` gradients, as it accumulates it: a
