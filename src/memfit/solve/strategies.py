@@ -413,10 +413,12 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
     from the optimum on an H200's costs: ResNet-50 at batch 184, 5 GB, 3.5x predicted against 1.27x.
 
     The bisection's program prices a cut between adjacent regions but not a region that starts after a kept
-    node; the program that found the best plan is then solved once more, from that plan, with every region
-    priced (``solve_regions(price_region_starts=True)``, at most 20% of ``time_limit``). ResNet-50 at batch 8,
-    128 px: ``remat-ilp`` at 40% predicted 1.128x instead of 1.144x; a 12-layer MLP with a region as dear as a
-    step got 3 regions where 2 fit in 6 runs of 60 before, 0 of 60 after.
+    node; the program that found the best plan is then bisected again, from that plan and its program budget,
+    with every region priced (``solve_regions(price_region_starts=True)``, the last 20% of ``time_limit``).
+    ResNet-50 at batch 8, 128 px: ``remat-ilp`` at 40% predicted 1.128x instead of 1.144x; a 12-layer MLP with
+    a region as dear as a step got 3 regions where 2 fit in 6 runs of 60 before, 0 of 60 after one priced
+    solve, and more regions than the unpriced program's plan in 3 runs of 120 on a loaded machine with one
+    priced solve (its plan replayed over the limit), 0 of 120 with the priced bisection.
     """
     acc, fixed, margin = prob.acc, prob.fixed, prob.margin
     limit = budget_bytes - margin  # what the simulated peak may reach
@@ -441,13 +443,15 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
             best, best_from = plan, found_by
         return fits
 
-    def search(options, offload: bool, until: float) -> None:
-        """Bisect the program's budget until ``until``. When a solve runs out of time without any solution,
-        the lowest-memory plans become candidates and the next solve starts from the best plan so far; they
-        are candidates too when the search ends without beating the plan it started from."""
-        target, ok_target, bad_target = limit - fixed, None, None
+    def search(options, offload: bool, until: float, priced: bool = False, target: int | None = None) -> None:
+        """Bisect the program's budget (from ``target``, bytes above the fixed ones) until ``until``. When a
+        solve runs out of time without any solution, the lowest-memory plans become candidates and the next
+        solve starts from the best plan so far; they are candidates too when the search ends without beating
+        the plan it started from. ``priced``: every region priced (``price_region_starts``), and no
+        lowest-memory plans (the search refines a plan already found)."""
+        target, ok_target, bad_target = (limit - fixed) if target is None else target, None, None
         plan: Plan | None = None
-        lows_tried = False
+        lows_tried = priced
         recompute_only = options is None and not offload
         start = best
         for _ in range(8):
@@ -455,7 +459,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
             if target <= 0 or remaining <= 0.5:
                 break
             res = solve_regions(acc, target, time_limit=max(1.0, remaining / 2), variants=options,
-                                offload=offload, **prob.start_of(best))
+                                offload=offload, price_region_starts=priced, **prob.start_of(best))
             if res.spans is None:
                 if "nfeasible" not in res.status:  # out of time without a solution
                     if lows_tried:
@@ -498,15 +502,13 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
         search(None, False, time.perf_counter() + 0.4 * time_limit)
     search(prob.options, prob.offload, deadline - 0.2 * time_limit)
     if best_from is not None and deadline - time.perf_counter() > 0.5:
-        # the program that found the best plan, solved once more from it with every region priced (a region
-        # after a kept node included): the bisection's program leaves those unpriced, and its plans could hold
-        # three regions where two fit (tests/test_region_overhead.py, 1 run in 10)
+        # the program that found the best plan, solved again from it with every region priced (a region after a
+        # kept node included), and bisected on its own: the bisection's program leaves those unpriced, and its
+        # plans could hold three regions where two fit (tests/test_region_overhead.py, 1 run in 10); solved
+        # once at that plan's program budget, the priced plan could replay over the limit and was dropped
+        # (5 regions where the unpriced program's plan had 3, 3 runs in 120 on a loaded machine)
         target, options, offload = best_from
-        res = solve_regions(acc, target, time_limit=max(0.5, min(deadline - time.perf_counter(), 0.2 * time_limit)),
-                            variants=options,
-                            offload=offload, price_region_starts=True, **prob.start_of(best))
-        if res.spans is not None:
-            consider(prob.finish(res.spans, gap=res.mip_gap, variants=res.variants, offloads=res.offloads))
+        search(options, offload, deadline, priced=True, target=target)
     lows: list[Plan] = []
     if best is None:
         # the floor's own plans, solved as smallest_feasible solves them (with the whole time limit): the
