@@ -7,17 +7,22 @@ Each setup is a ``;``-separated entry of ``name=value[,name=value]`` HiGHS optio
 set on every program (``memfit.solve.ilp.HIGHS_OPTIONS``). For each activation budget (percent of plain
 PyTorch's predicted activation peak) and setup, ``memfit`` (no offloading) is solved and its plan's predicted
 overhead read by the replay; nothing is run. The time-limited search varies from run to run: ``--repeats``.
+
+``--costs FILE`` keeps the profile: written by the first run (``Costs.to_dict``), read by the next, so that the
+search of two commits can be compared on the same measured costs (``git stash`` or a worktree of the other
+commit, ``PYTHONPATH=that/src``). ``--strategy remat-ilp`` solves the recompute-only program instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _spec import profiled_spec
+from _spec import profiled_spec, zoo_setup
 
 from memfit.solve import ilp
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
@@ -42,9 +47,25 @@ def main() -> None:
                     help="';'-separated HiGHS option sets, each 'name=value[,name=value]' or 'default'")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--strategy", default="memfit", choices=["memfit", "remat-ilp"])
+    ap.add_argument("--costs", help="JSON file of the profile: written if missing, read if present")
     args = ap.parse_args()
     setups = {text: parse_setup(text) for text in args.setups.split(";")}
-    captured, costs, plain, act = profiled_spec(args.spec)
+    if args.costs and os.path.exists(args.costs):
+        from memfit.bench.harness import fresh_copy
+        from memfit.graph import capture
+        from memfit.profile.costs import Costs
+
+        captured = capture(fresh_copy(zoo_setup(args.spec)[0]))
+        with open(args.costs) as f:
+            costs = Costs.from_dict(json.load(f))
+        plain = make_plan("none", captured.graph, costs)
+        act = plain.predicted_peak_bytes - costs.fixed_bytes
+    else:
+        captured, costs, plain, act = profiled_spec(args.spec)
+        if args.costs:
+            with open(args.costs, "w") as f:
+                json.dump(costs.to_dict(), f)
     graph, fixed = captured.graph, costs.fixed_bytes
     print("| budget | HiGHS options | activation peak | regions | MIP gap | predicted overhead | solve |")
     print("|---|---|---|---|---|---|---|")
@@ -55,7 +76,7 @@ def main() -> None:
                 ilp.HIGHS_OPTIONS.update(options)
                 t0 = time.perf_counter()
                 try:
-                    p = make_plan("memfit", graph, costs, budget_bytes=int(fixed + pct / 100 * act),
+                    p = make_plan(args.strategy, graph, costs, budget_bytes=int(fixed + pct / 100 * act),
                                   time_limit=args.time_limit, use_offload=False)
                 except InfeasibleBudgetError as exc:
                     floor = 100 * (exc.smallest_feasible_bytes - fixed) / act
