@@ -239,7 +239,8 @@ def _every_variant(m, initial, inputs, target, loss_fn, base, captured, costs, f
     for strategy in ("none", "chen"):
         plan = make_plan(strategy, captured.graph, costs, fixed_bytes=fixed)
         # regions split where the chosen in-place forms write (as memfit's own plans are)
-        plan = Plan.from_spans(strategy, plan.nodes, legalize(acc, plan.region_spans()), fixed_bytes=fixed)
+        plan = Plan.from_spans(strategy, plan.nodes, legalize(acc, plan.region_spans()), fixed_bytes=fixed,
+                               grads_exist=costs.grads_exist)
         plan.variants.update(choice)
         predicted = simulate(captured.graph, costs.with_variants(choice), plan, fixed)
         fig = _train_plan(m, initial, plan, captured, inputs, target, loss_fn)

@@ -194,7 +194,7 @@ def test_regions_and_offloads_together(tmp_path):
     offloads = [n for n in names[:half] if n in make_plan("vdnn-all", captured.graph, costs).offloads]
     plan = make_plan("chen", captured.graph, costs, fixed_bytes=fixed)
     mixed = Plan.from_spans("mixed", names, [s for s in plan.region_spans() if s[0] >= half],
-                            offloads=offloads, fixed_bytes=fixed)
+                            offloads=offloads, fixed_bytes=fixed, grads_exist=costs.grads_exist)
 
     acc = Accounting.build(captured.graph, costs)
     mixed.offload_waits = offload_waits(acc, names, [names.index(n) for n in offloads])

@@ -95,7 +95,8 @@ def test_region_output_viewing_a_recomputed_storage_is_counted(tmp_path):
     m, initial, inputs, target, base, captured, costs, fixed, store = _setup(tmp_path)
     names = [n.name for n in captured.graph.nodes]
     spans = [(names.index(lo), names.index(hi)) for lo, hi in USER_REGIONS]
-    plan = Plan.from_spans("user", names, spans, offloads=USER_OFFLOADS, fixed_bytes=fixed)
+    plan = Plan.from_spans("user", names, spans, offloads=USER_OFFLOADS, fixed_bytes=fixed,
+                           grads_exist=costs.grads_exist)
     acc = Accounting.build(captured.graph, costs)
     plan.offload_waits = offload_waits(acc, names, [names.index(n) for n in USER_OFFLOADS])
     sim = simulate(captured.graph, costs, plan, fixed_bytes=fixed)
