@@ -2,6 +2,7 @@
 buffers read by functional calls or updated in place, frozen parameters, forward arguments with defaults,
 integer outputs, and a first layer whose input needs no gradient (the profile must not count one)."""
 
+import copy
 import re
 import warnings
 
@@ -857,6 +858,32 @@ def test_an_embedding_with_sparse_gradients_is_refused_with_the_way_out():
         memfit.optimize(model, ids)
     model[0].weight.requires_grad_(False)  # frozen: no gradient at all
     memfit.optimize(model, ids, "100%")
+    # a fresh user's bare embedding was named '' (" has sparse=True")
+    with pytest.raises(ValueError, match=r"^the model \(Embedding\) has sparse=True"):
+        memfit.optimize(nn.Embedding(100, 8, sparse=True).train(), ids)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "set_grad_enabled"])
+def test_planning_with_gradients_off_is_refused_and_says_where(context):
+    # a fresh user's call under no_grad was told that nothing in the model trains and to run it under no_grad; under
+    # inference_mode PyTorch raised "Inference tensors do not track version counter"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).train()
+    x = torch.randn(8, 64)
+    before = copy.deepcopy(model.state_dict())
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+           "set_grad_enabled": lambda: torch.set_grad_enabled(False)}[context]()
+    where = "inference_mode" if context == "inference_mode" else "no_grad"
+    with ctx, pytest.raises(RuntimeError, match=rf"gradients are off here \(inside torch.{where}\(\).*outside"):
+        memfit.optimize(model, x, "min")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values(), strict=True))
+    memfit.optimize(model, x, "100%")  # and outside it, it plans
+
+
+def test_a_model_without_parameters_is_told_so():
+    # a fresh user's nn.ReLU() as the model was told that "every parameter has requires_grad=False"
+    with pytest.raises(ValueError, match=r"nothing in this model trains: the model \(ReLU\) has no parameters"):
+        memfit.optimize(nn.ReLU().train(), torch.randn(4, 8), "100%")
 
 
 def _small_cnn():

@@ -87,6 +87,17 @@ def _require_training(model: nn.Module) -> None:
                          "(model.eval(); with torch.no_grad(): model(example_batch); model.train()), then plan")
 
 
+def _require_grad_mode() -> None:
+    """Refuse to profile with gradients off: a fresh user's call under ``torch.no_grad()`` was told that nothing in
+    the model trains, and to use ``no_grad``; under ``torch.inference_mode()`` PyTorch raised "Inference tensors do
+    not track version counter"."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+        raise RuntimeError(f"memfit plans a training step, and gradients are off here (inside {where}, or after "
+                           "torch.set_grad_enabled(False)): make the plan outside that context, where the training "
+                           "step's backward pass runs")
+
+
 def _first_difference(what: str, theirs: dict, mine: dict) -> str | None:
     for key in sorted(set(mine) | set(theirs)):
         a, b = theirs.get(key), mine.get(key)
@@ -361,6 +372,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             require grad though the output does; ``example_inputs`` has more inputs than the forward takes,
             leaves out an argument without a default, or leaves out one whose default the traced forward
             cannot run with (``mask=None`` when fx traced ``if mask is not None:`` as taken).
+        RuntimeError: called with gradients off (inside ``torch.no_grad()`` or ``torch.inference_mode()``).
     """
     budget = Budget.parse(budget)
     _check_model(model)
@@ -372,6 +384,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     given = _as_tuple(example_inputs, model)
     inputs = _private_copy(given)
     _require_training(model)
+    _require_grad_mode()
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
     captured = _captured or capture(model)
@@ -474,7 +487,7 @@ def _refuse_sparse_gradients(model: nn.Module) -> None:
     """Refuse trainable embeddings with sparse gradients: their gradient's size depends on the batch's indices,
     and the profile cannot measure it (a fresh user's ``nn.Embedding(sparse=True)`` failed with PyTorch's
     "Cannot access storage of SparseTensorImpl")."""
-    sparse = [name for name, mod in model.named_modules()
+    sparse = [name or f"the model ({type(mod).__name__})" for name, mod in model.named_modules()
               if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad]
     if sparse:
         raise ValueError(f"{', '.join(sparse[:3])}{' ...' if len(sparse) > 3 else ''} "
@@ -497,8 +510,12 @@ def _check_something_trains(model: nn.Module, costs) -> None:
 
 def _refuse_nothing_trains(model: nn.Module) -> None:
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    why = (f"the trainable parameters ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''}) are not "
-           "read on the way to the output" if trainable else "every parameter has requires_grad=False")
+    if trainable:
+        why = (f"the trainable parameters ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''}) are "
+               "not read on the way to the output")
+    else:
+        why = "every parameter has requires_grad=False" if any(True for _ in model.parameters()) else (
+            f"the model ({type(model).__name__}) has no parameters")
     raise ValueError(f"nothing in this model trains: {why}, and no input requires grad, so the output does not "
                      "require grad and a training step's loss.backward() would raise 'element 0 of tensors does not "
                      "require grad'. Unfreeze the parameters to train (p.requires_grad_(True)) and plan again; a "
