@@ -43,14 +43,28 @@ def profile_once(model, x, y, loss):
     return captured, costs
 
 
-def profiled_spec(spec: str):
+def profiled_spec(spec: str, costs_file: str | None = None):
     """:func:`zoo_setup` and :func:`profile_once` of ``spec``, with plain PyTorch's plan: ``(captured, costs, plain,
     activation)``, ``activation`` being plain PyTorch's predicted activation peak (bytes) that budgets in percent
-    are fractions of."""
+    are fractions of. ``costs_file``: a JSON file of the profile (``Costs.to_dict``), read instead of profiling
+    where it exists and written after profiling where it does not, so that runs at two commits solve the same
+    measured costs."""
+    import json
+
+    from memfit.graph import capture
+    from memfit.profile.costs import Costs
     from memfit.solve.strategies import make_plan
 
     model, x, y, loss = zoo_setup(spec)
-    captured, costs = profile_once(model, x, y, loss)
+    if costs_file and os.path.exists(costs_file):
+        captured = capture(fresh_copy(model))
+        with open(costs_file) as f:
+            costs = Costs.from_dict(json.load(f))
+    else:
+        captured, costs = profile_once(model, x, y, loss)
+        if costs_file:
+            with open(costs_file, "w") as f:
+                json.dump(costs.to_dict(), f)
     plain = make_plan("none", captured.graph, costs)
     return captured, costs, plain, plain.predicted_peak_bytes - costs.fixed_bytes
 

@@ -16,13 +16,12 @@ commit, ``PYTHONPATH=that/src``). ``--strategy remat-ilp`` solves the recompute-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _spec import profiled_spec, zoo_setup
+from _spec import profiled_spec
 
 from memfit.solve import ilp
 from memfit.solve.strategies import InfeasibleBudgetError, make_plan
@@ -51,21 +50,7 @@ def main() -> None:
     ap.add_argument("--costs", help="JSON file of the profile: written if missing, read if present")
     args = ap.parse_args()
     setups = {text: parse_setup(text) for text in args.setups.split(";")}
-    if args.costs and os.path.exists(args.costs):
-        from memfit.bench.harness import fresh_copy
-        from memfit.graph import capture
-        from memfit.profile.costs import Costs
-
-        captured = capture(fresh_copy(zoo_setup(args.spec)[0]))
-        with open(args.costs) as f:
-            costs = Costs.from_dict(json.load(f))
-        plain = make_plan("none", captured.graph, costs)
-        act = plain.predicted_peak_bytes - costs.fixed_bytes
-    else:
-        captured, costs, plain, act = profiled_spec(args.spec)
-        if args.costs:
-            with open(args.costs, "w") as f:
-                json.dump(costs.to_dict(), f)
+    captured, costs, plain, act = profiled_spec(args.spec, args.costs)
     graph, fixed = captured.graph, costs.fixed_bytes
     print("| budget | HiGHS options | activation peak | regions | MIP gap | predicted overhead | solve |")
     print("|---|---|---|---|---|---|---|")

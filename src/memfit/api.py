@@ -514,7 +514,7 @@ def _refuse_nothing_trains(model: nn.Module) -> None:
         why = (f"the trainable parameters ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''}) are "
                "not read on the way to the output")
     else:
-        why = "every parameter has requires_grad=False" if any(True for _ in model.parameters()) else (
+        why = "every parameter has requires_grad=False" if next(model.parameters(), None) is not None else (
             f"the model ({type(model).__name__}) has no parameters")
     raise ValueError(f"nothing in this model trains: {why}, and no input requires grad, so the output does not "
                      "require grad and a training step's loss.backward() would raise 'element 0 of tensors does not "
