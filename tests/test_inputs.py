@@ -557,6 +557,40 @@ def test_a_positional_input_that_pytorch_puts_in_star_args_is_refused_and_keywor
         planned(x, gain=2.0)
 
 
+class _KeywordOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, *, mask):
+        return self.l2(torch.relu(self.l1(x)) * mask)
+
+
+def test_a_keyword_only_input_given_by_position_is_refused_as_pytorch_refuses_it():
+    """``forward(self, x, *, mask)`` called ``model(x, mask)`` is a ``TypeError`` in PyTorch, but torch.fx's traced
+    forward takes ``(x, mask)`` and accepted it, at planning and at the call. Both are refused now, each told how to
+    pass ``mask`` (a dict of inputs, a keyword), and the way out trains as PyTorch does."""
+    torch.manual_seed(0)
+    x, mask, y = torch.randn(8, 16), torch.rand(8, 32) * 3, torch.randint(0, 4, (8,))
+    with pytest.raises(TypeError):
+        _KeywordOnly()(x, mask)  # (what PyTorch does)
+    with pytest.raises(ValueError, match=r"takes 1 \(x\) and then 'mask' by keyword only.*\{\.\.\., 'mask': \.\.\.\}"):
+        memfit.optimize(_KeywordOnly().train(), (x, mask), budget="100%", time_limit=2)
+    with pytest.raises(ValueError, match=r"also needs 'mask' \(no default value\), keyword-only: pass the inputs by name"):
+        memfit.optimize(_KeywordOnly().train(), x, budget="100%", time_limit=2)
+    model = _KeywordOnly().train()
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, {"x": x, "mask": mask}, budget="min", time_limit=2)
+    with pytest.raises(TypeError, match=r"'mask' by keyword only.*planned\(\.\.\., mask=\.\.\.\)"):
+        planned(x, mask)
+    with pytest.raises(TypeError, match=r"keyword-only: pass it by keyword \(planned\(\.\.\., mask=\.\.\.\)\)"):
+        planned(x)
+    for module in (lambda: plain(x, mask=mask), lambda: planned(x, mask=mask)):
+        _ce(module(), y).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 @pytest.mark.parametrize("frozen", [True, False])
 def test_a_gradient_for_the_input_is_planned_and_counted(frozen):
     """Found by a fresh user (adversarial examples on a frozen CNN): the example batch's ``requires_grad`` was lost

@@ -121,27 +121,44 @@ def tensors_in(value) -> list:
 
 
 def check_var_positional(gm: fx.GraphModule, args: tuple, what: str = "example_inputs") -> None:
-    """Refuse more positional ``args`` than the traced forward names before its ``*args``
-    (``forward(self, x, *args, mask=None)``): PyTorch puts them in ``*args``, which torch.fx traces empty, while fx's
-    generated forward takes ``(x, mask=None, *args)`` and would pass the second one as ``mask`` (a fresh user's
-    output 0.61 off). The placeholders carry the forward's parameter kinds (``meta["memfit_kind"]``, set by
+    """Refuse more positional ``args`` than the traced forward names as positional parameters.
+
+    * Before its ``*args`` (``forward(self, x, *args, mask=None)``): PyTorch puts them in ``*args``, which torch.fx
+      traces empty, while fx's generated forward takes ``(x, mask=None, *args)`` and would pass the second one as
+      ``mask`` (a fresh user's output 0.61 off).
+    * Before its keyword-only parameters (``forward(self, x, *, mask=None)``): PyTorch refuses ``model(x, mask)``
+      with a ``TypeError``, while fx's generated forward takes ``(x, mask=None)`` and would accept it.
+
+    The placeholders carry the forward's parameter kinds (``meta["memfit_kind"]``, set by
     :func:`memfit.graph.capture`).
 
     Raises:
-        ValueError: such a call; the message says how to name the argument.
+        ValueError: such ``example_inputs``, or (``TypeError``) such a call of the planned module (``what`` other
+            than ``"example_inputs"``), as PyTorch raises for the model's own call; the message says how to pass
+            the argument.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not any(p.meta.get("memfit_kind") == "VAR_POSITIONAL" for p in placeholders):
+    kinds = [p.meta.get("memfit_kind") for p in placeholders]
+    named = [str(p.target) for p, kind in zip(placeholders, kinds, strict=True)
+             if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    if len(args) <= len(named):
         return
-    named = [str(p.target) for p in placeholders if p.meta.get("memfit_kind") in ("POSITIONAL_ONLY",
-                                                                                    "POSITIONAL_OR_KEYWORD")]
-    if len(args) > len(named):
-        star = next(str(p.target) for p in placeholders if p.meta.get("memfit_kind") == "VAR_POSITIONAL")
+    if "VAR_POSITIONAL" in kinds:
+        star = next(str(p.target) for p, kind in zip(placeholders, kinds, strict=True) if kind == "VAR_POSITIONAL")
         raise ValueError(f"{what} has {len(args)} positional inputs, but the model's forward names {len(named)} "
                          f"({', '.join(named)}) before {star}: PyTorch passes the others in {star}, which torch.fx "
                          "traces empty, so memfit cannot plan them. Give that input a parameter of its own in forward "
                          "(def forward(self, x, extra, ...)), or wrap the model in a module whose forward names it; "
                          "keyword-only arguments are passed by keyword")
+    keyword_only = [str(p.target) for p, kind in zip(placeholders, kinds, strict=True) if kind == "KEYWORD_ONLY"]
+    if keyword_only:
+        listed = ", ".join(repr(k) for k in keyword_only[:len(args) - len(named)])
+        how = (f"in example_inputs, as a dict of the forward's arguments {{..., {keyword_only[0]!r}: ...}}"
+               if what == "example_inputs" else f"planned(..., {keyword_only[0]}=...)")
+        error = ValueError if what == "example_inputs" else TypeError
+        raise error(f"{what} has {len(args)} positional inputs, but the model's forward takes {len(named)} "
+                    f"({', '.join(named) or 'none'}) and then {listed} by keyword only, as PyTorch would refuse "
+                    f"model(*inputs): pass {'it' if len(keyword_only) == 1 else 'them'} by keyword ({how})")
 
 
 def positional_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -196,14 +213,15 @@ def input_values(placeholders: list[fx.Node], env: dict[str, Any]) -> dict[str, 
     return {str(n.target): repr(env[n.name]) for n in placeholders if n.name in env and plain(env[n.name])}
 
 
-def bind_inputs(gm: fx.GraphModule, inputs: tuple) -> dict[str, Any]:
+def bind_inputs(gm: fx.GraphModule, inputs: tuple, call: bool = False) -> dict[str, Any]:
     """The values of ``gm``'s placeholders (the forward's arguments) for the positional ``inputs``: an argument
     that ``inputs`` leaves out takes its default (``def forward(self, x, mask=None)``; fx keeps it in the
     placeholder's ``args``).
 
     Raises:
         ValueError: more inputs than the forward takes, or a left-out argument without a default; the message
-            names the arguments.
+            names the arguments and, for a keyword-only one, says how to pass it: in ``example_inputs``, or in the
+            planned module's call (``call=True``).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = ", ".join(str(p.target) for p in placeholders)
@@ -222,6 +240,15 @@ def bind_inputs(gm: fx.GraphModule, inputs: tuple) -> dict[str, Any]:
             env[ph.name] = ()
         else:
             missing = [str(p.target) for p in placeholders[k:] if not p.args and not str(p.target).startswith("*")]
+            keyword_only = [str(p.target) for p in placeholders[k:] if str(p.target) in missing
+                            and p.meta.get("memfit_kind") == "KEYWORD_ONLY"]
+            if keyword_only:
+                raise ValueError(f"example_inputs has {len(inputs)} inputs, but the model's forward also needs "
+                                 f"{', '.join(repr(m) for m in missing)} (no default value), "
+                                 f"{'keyword-only' if keyword_only == missing else 'some of it keyword-only'}: pass "
+                                 + (f"it by keyword (planned(..., {keyword_only[0]}=...))" if call else
+                                    f"the inputs by name, as a dict of the forward's arguments "
+                                    f"{{..., {keyword_only[0]!r}: ...}}"))
             raise ValueError(f"example_inputs has {len(inputs)} inputs, but the model's forward also needs "
                              f"{', '.join(repr(m) for m in missing)} (no default value): pass a tuple of all of "
                              f"the forward's positional inputs, in order ({names})")

@@ -772,7 +772,7 @@ class PlannedModule(nn.Module):
         self._check_hooks()
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
-            env: dict[str, Any] = bind_inputs(self.gm, args)
+            env: dict[str, Any] = bind_inputs(self.gm, args, call=True)
         except ValueError as exc:
             raise TypeError(str(exc).replace("example_inputs has", "the planned module was called with")
                             .replace("pass a tuple of all of the forward's positional inputs, in order (",
