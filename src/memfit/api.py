@@ -9,10 +9,16 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from memfit.budget import Budget
-from memfit.graph.calls import bind_inputs, check_var_positional, input_values, node_inputs, node_ops
+from memfit.graph.calls import (
+    bind_inputs,
+    check_var_positional,
+    input_values,
+    map_tensors,
+    node_inputs,
+    node_ops,
+)
 from memfit.graph.capture import Captured, capture
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
@@ -182,7 +188,7 @@ def _private_copy(inputs: tuple) -> tuple:
             out = data.clone()
         return out.requires_grad_(t.requires_grad)
 
-    return tree_map(lambda t: copy(t) if isinstance(t, torch.Tensor) else t, inputs)
+    return map_tensors(copy, inputs)
 
 
 def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:

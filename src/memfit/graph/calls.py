@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -112,12 +114,41 @@ def _constant_text(value) -> str:
     return type(value).__name__
 
 
+def _dataclass_value(value) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
 def tensors_in(value) -> list:
-    """All tensors inside a (possibly nested) value: tuples, lists, dicts and namedtuples are searched."""
-    import torch
+    """All tensors inside a (possibly nested) value: tuples, lists, dicts, namedtuples and dataclass instances (a
+    forward's ``return Output(logits=...)``, which torch.fx traces as a call of the class, but PyTorch's pytree does
+    not search) are searched, in the order :func:`map_tensors` visits them."""
     from torch.utils._pytree import tree_leaves
 
-    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
+    found = []
+    for v in tree_leaves(value):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif _dataclass_value(v):
+            found += tensors_in([getattr(v, f.name) for f in dataclasses.fields(v)])
+    return found
+
+
+def map_tensors(fn: Callable, value):
+    """``value`` with each tensor ``t`` inside it (as :func:`tensors_in` finds them) replaced by ``fn(t)``; a
+    dataclass instance is copied with its fields mapped (frozen ones too)."""
+    from torch.utils._pytree import tree_map
+
+    def leaf(v):
+        if isinstance(v, torch.Tensor):
+            return fn(v)
+        if _dataclass_value(v):
+            new = copy.copy(v)
+            for f in dataclasses.fields(v):
+                object.__setattr__(new, f.name, map_tensors(fn, getattr(v, f.name)))
+            return new
+        return v
+
+    return tree_map(leaf, value)
 
 
 def check_var_positional(gm: fx.GraphModule, args: tuple, what: str = "example_inputs") -> None:

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from memfit.graph.attributes import has_hooks
-from memfit.graph.calls import bind_inputs, call_name, compute_nodes, node_fn, tensors_in
+from memfit.graph.calls import bind_inputs, call_name, compute_nodes, map_tensors, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.profile.buffers import FindWrites, buffer_storages, by_storage, reachable_slots, storage_key
 from memfit.profile.link import LinkCost
@@ -1095,7 +1094,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     stand_ins = [t.detach().requires_grad_(True) if f else t for t, f in zip(values, flags)]
     leaves = [t for t, f in zip(stand_ins, flags) if f]
     it = iter(stand_ins)
-    out = tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, out)
+    out = map_tensors(lambda v: next(it), out)
     fixed = {t.untyped_storage().data_ptr() for t in [*tensors_in(inputs), *gm.parameters(), *gm.buffers()]}
     out_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in stand_ins
                     if t.untyped_storage().data_ptr() not in fixed}
@@ -1241,7 +1240,7 @@ def _value(fn, env: dict):
             return fn(env)
     except RuntimeError:
         with torch.enable_grad():
-            return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, fn(env))
+            return map_tensors(lambda v: v.detach(), fn(env))
 
 
 def _operand_copy(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
