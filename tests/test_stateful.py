@@ -222,16 +222,36 @@ class MaxNormEmbedding(nn.Module):
         return self.head(self.mlp(self.tok(x)).mean(1))
 
 
+class PrivateNoise(nn.Module):
+    """Gaussian noise drawn from a ``torch.Generator`` of the model's own, which ``torch.utils.checkpoint`` does not
+    replay (it keeps the global generators' states only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(1234)
+        self.l1, self.l2, self.l3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = F.gelu(self.l1(x))
+        h = h + 0.5 * torch.randn(h.shape, generator=self.gen)
+        return self.l3(F.gelu(self.l2(h)))
+
+
 @pytest.mark.parametrize("strategy", ["checkpoint-all", "chen", "memfit"])
-@pytest.mark.parametrize("name", ["rrelu", "max_norm"])
+@pytest.mark.parametrize("name", ["rrelu", "max_norm", "generator"])
 def test_what_a_recomputation_cannot_reproduce_runs_outside_regions(name, strategy):
-    """Found by a fresh-user run: recomputed, ``nn.RReLU`` gave gradients of uninitialized memory (1e31) and
-    ``nn.Embedding(max_norm=...)`` renormalized rows a second time (1e-9). Such nodes stay out of regions,
-    and gradients, parameters and buffers are plain PyTorch's, bit for bit."""
+    """Found by fresh-user runs: recomputed, ``nn.RReLU`` gave gradients of uninitialized memory (1e31),
+    ``nn.Embedding(max_norm=...)`` renormalized rows a second time (1e-9), and noise from the model's own
+    ``torch.Generator`` was drawn again (gradients 1.23 off, relative), planning having moved that generator on.
+    Such nodes stay out of regions, planning leaves the generator as it was, and gradients, parameters and
+    buffers are plain PyTorch's, bit for bit."""
     torch.manual_seed(1)
     if name == "rrelu":
         factory, (x, y) = RandomizedLeakyReLU, _data()
         loose = {"act", "rrelu"}
+    elif name == "generator":
+        factory, x, y = PrivateNoise, torch.randn(64, 16), torch.randint(0, 10, (64,))
+        loose = {"randn"}
     else:
         factory, x, y = MaxNormEmbedding, torch.randint(0, 10, (4, 6)), torch.randint(0, 10, (4,))
         loose = {"tok"}
@@ -253,6 +273,8 @@ def test_what_a_recomputation_cannot_reproduce_runs_outside_regions(name, strate
         for opt in opts:
             opt.step()
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), planned.parameters()))
+    if name == "generator":  # (planning drew nothing from it, and each step drew once)
+        assert torch.equal(plain.gen.get_state(), planned.model.gen.get_state())
 
 
 def test_deepcopy_is_an_independent_planned_module():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -136,7 +137,10 @@ class NodeCost:
             modifies a trainable parameter in place (``nn.Embedding(max_norm=...)`` renormalizes rows again,
             and the gradients differed by 1e-9) and for randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``:
             recomputed by PyTorch's own checkpoint, its gradients differed; under memfit's regions they were
-            uninitialized memory): such a node always runs outside checkpoint regions.
+            uninitialized memory), and for a draw from a ``torch.Generator`` of the user's own (``torch.randn(shape,
+            generator=self.gen)``): ``torch.utils.checkpoint`` replays the global generators only, so a
+            recomputation drew other noise (a fresh user's gradients 1.23 off, relative). Such a node always runs
+            outside checkpoint regions.
         recompute_seconds: time of the node's recomputation when it reuses the statistics of its forward pass
             (``bn-saved-stats``: a BatchNorm in training mode normalizes without computing them again), or
             ``None`` where that does not apply (its recomputation then costs ``fwd_seconds``). Profiled with
@@ -443,6 +447,9 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     cast_dtype = _autocast_cache_dtype(device)
     if cast_dtype is not None:
         torch.clear_autocast_cache()
+    # a generator of the user's own (torch.randn(..., generator=self.gen)) is drawn from by every profiling run: put
+    # back as it was, as fork_rng puts back the global ones (a fresh user's first steps drew other noise than PyTorch's)
+    generators = [(g, g.get_state()) for g in _generators(gm, gm.graph.nodes)]
     try:
         with torch.random.fork_rng(devices=devices):
             costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype, requires, snapshot)
@@ -457,6 +464,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                                            and costs.output_ids[k] is not None})
     finally:
         _restore(snapshot, flags)
+        for g, state in generators:
+            g.set_state(state)
         if cast_dtype is not None:
             torch.clear_autocast_cache()  # the copies profiling made (and of the isolated runs' inputs)
     # every parameter and buffer of the model is allocated, also those the training step never reads (an
@@ -883,7 +892,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             cost.unmade_at_stop = [sid for sid in cost.creates if sid in late and sid not in cost.saves]
         if with_variants and node.op == "call_module":
             _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
-        if _is_rrelu(gm, node):
+        if _is_rrelu(gm, node) or _generators(gm, [node]):
             cost.recomputable = False
         nodes.append(cost)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -938,6 +947,27 @@ def _is_rrelu(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_function":
         return getattr(node.target, "__name__", "") in ("rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_")
     return node.op == "call_method" and node.target in ("rrelu", "rrelu_")
+
+
+def _generators(gm: fx.GraphModule, nodes) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that ``nodes`` draw from, each once: given as an argument
+    (``torch.randn(shape, generator=self.gen)``), which torch.fx keeps as an attribute of ``gm`` read by a
+    ``get_attr`` node (``_opaque_obj0``), or in the node itself."""
+    found: dict[int, torch.Generator] = {}
+
+    def visit(v):
+        if isinstance(v, fx.Node) and v.op == "get_attr":
+            try:
+                v = operator.attrgetter(str(v.target))(gm)
+            except AttributeError:
+                return v
+        if isinstance(v, torch.Generator):
+            found.setdefault(id(v), v)
+        return v
+
+    for node in nodes:
+        fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return list(found.values())
 
 
 def _profile_inplace(gm, env, nodes: list[NodeCost], storages: list[Storage], by_ptr, register, keep_alive) -> None:
