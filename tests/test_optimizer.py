@@ -156,6 +156,61 @@ def test_adam_step_is_inside_the_budget(foreach):
         assert torch.equal(a, b)
 
 
+def test_two_optimizers_are_counted_together_and_one_left_out_is_warned_about():
+    """Found by a fresh user: the body trained with SGD (momentum), the head with Adam; ``optimize`` took one optimizer,
+    the SGD one was passed, the head's Adam state was not counted, and the step measured 1.18x the budget with no
+    warning (``optimizer=[sgd, adam]`` was refused). Now a list counts both states and the larger step, within
+    the budget and the prediction as PyTorch measures it; an optimizer left out is warned about."""
+    model, x, y = _mlp().train(), torch.randn(4, 256), torch.randint(0, 10, (4,))
+    ref = copy.deepcopy(model)
+    loss_fn = nn.functional.cross_entropy
+    body, head = list(model[:4].parameters()), list(model[4].parameters())
+
+    def optimizers(body, head):
+        return torch.optim.SGD(body, lr=0.1, momentum=0.9), torch.optim.Adam(head, lr=1e-3)
+
+    opts = optimizers(body, head)
+    with pytest.warns(UserWarning, match=r"2 trainable parameter tensor\(s\) \(4\.weight, 4\.bias; .*none of the "
+                                         r"optimizers given \(SGD\).*optimizer=\[opt1, opt2\]"):
+        memfit.plan(model, x, "min", optimizer=opts[0], loss_fn=lambda out: loss_fn(out, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (every trained parameter is in one of them: no warning)
+        planned = memfit.optimize(model, x, "min", optimizer=list(opts), loss_fn=lambda out: loss_fn(out, y))
+    assert planned.plan.optimizer == "SGD+Adam"
+    ref_opts = optimizers(list(ref[:4].parameters()), list(ref[4].parameters()))
+
+    class Both:  # (the loop steps both)
+        def __init__(self, opts):
+            self.opts = opts
+            self.state = {k: v for o in opts for k, v in o.state.items()}
+
+        def zero_grad(self):
+            for o in self.opts:
+                o.zero_grad()
+
+        def step(self):
+            for o in self.opts:
+                o.step()
+            self.state = {k: v for o in self.opts for k, v in o.state.items()}
+
+    both, ref_both = Both(opts), Both(ref_opts)
+    for module, o in ((planned, both), (ref, ref_both)):  # warm-up: creates the state
+        o.zero_grad()
+        loss_fn(module(x), y).backward()
+        o.step()
+    # (the state PyTorch's two optimizers hold after their first steps: momentum, Adam's two moments and steps)
+    assert planned.plan.optimizer_state_bytes == live_bytes([t for o in ref_opts for st in o.state.values()
+                                                             for t in st.values() if torch.is_tensor(t)])
+    _step_within_budget(planned, model, both, x, y, loss_fn)
+    ref_both.zero_grad()
+    loss_fn(ref(x), y).backward()
+    ref_both.step()
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"a list of them where parts of the model train with different ones"):
+        memfit.plan(model, x, "min", optimizer=[opts[0], "adam"])
+
+
 def test_infeasible_budget_names_the_optimizer_step():
     """When Adam's step temporaries set the floor, the error says so instead of "lower the batch size"."""
     model, x = _mlp().train(), torch.randn(4, 256)

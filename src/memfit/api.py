@@ -5,12 +5,12 @@ from __future__ import annotations
 import difflib
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from memfit.budget import Budget
+from memfit.budget import Budget, fmt_bytes
 from memfit.graph.calls import (
     bind_inputs,
     check_var_positional,
@@ -23,7 +23,7 @@ from memfit.graph.capture import Captured, capture
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
-from memfit.profile.optimizer import measure_optimizer, optimizer_state_bytes
+from memfit.profile.optimizer import OptimizerCost, measure_optimizer, optimizer_state_bytes
 from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import PlannedModule, autocast_dtype, conv_libraries, memory_layout, state_layouts
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
@@ -309,7 +309,7 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
 
 
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
-         optimizer: torch.optim.Optimizer | None = None, time_limit: float = 20.0, variants: bool = True,
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, time_limit: float = 20.0, variants: bool = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
          grads_exist: bool = False, tiling: bool = True, _captured: Captured | None = None,
          _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
@@ -332,7 +332,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         optimizer: the optimizer you will train with: its state counts in the fixed bytes, and the temporaries
             of its ``step()`` (Adam: about twice the largest parameter) in the peak. Both are measured by
             running its class with your hyperparameters on scratch copies of the parameters (for a moment,
-            about 4x the parameters' memory for Adam); your optimizer is not touched.
+            about 4x the parameters' memory for Adam); your optimizer is not touched. Where parts of the model
+            train with different optimizers, a list of them (``[body_opt, head_opt]``, stepped one after the
+            other): their states add up, and the largest step's temporaries count. A trainable parameter in none
+            of them is warned about (its state is not counted).
         time_limit: time limit of each integer program, in seconds. ``"min"`` and budgets near the smallest
             feasible one solve several programs, so the whole solve can take several times longer
             (``report["solve_seconds"]`` gives the total).
@@ -404,6 +407,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
     trained = list(captured.gm.parameters())  # (a parameter the step never reads gets no gradient, and no state)
+    _warn_untrained_by_optimizers(model, _optimizers(optimizer), trained)
     state, measured = _counted_state(optimizer, trained)
     if measured is not None:
         costs.step_bytes = measured.step_bytes
@@ -427,7 +431,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given
         if optimizer is None:
             raise
-        raise exc.for_optimizer(type(optimizer).__name__, state) from None
+        raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
     result.input_shapes = _shapes(inputs)
@@ -443,7 +447,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.autocast = autocast_dtype(inputs)
     result.conv_libraries = conv_libraries()
     result.threads = torch.get_num_threads() if costs.device == "cpu" else None
-    result.optimizer = None if optimizer is None else type(optimizer).__name__
+    result.optimizer = _optimizer_name(_optimizers(optimizer))
     result.optimizer_state_bytes = None if optimizer is None else state
     result.optimizer_step_bytes = None if measured is None else measured.step_bytes
     result.buffer_kinds = dict(costs.buffer_kinds)
@@ -473,20 +477,61 @@ def _warn_hooks(model: nn.Module) -> None:
                   "count and the step can go over the budget by its size. Leave that much headroom in the budget.")
 
 
-def _check_optimizer(optimizer, model: nn.Module) -> None:
-    """Refuse an ``optimizer`` that is not one (``optimizer="sgd"`` failed with an AttributeError) or that holds
-    none of ``model``'s parameters (built on another model: its state would be counted, the model's not)."""
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """``optimizer=`` as a list: ``[]`` for ``None``, ``[opt]`` for one, the optimizers of a list or tuple (a model
+    whose parts train with different ones: SGD for the body and Adam for the head, a GAN's two).
+
+    Raises:
+        TypeError: something else (``optimizer="sgd"`` failed with an AttributeError), or an empty list.
+    """
     if optimizer is None:
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer):
+        return []
+    many = isinstance(optimizer, (list, tuple))
+    opts = list(optimizer) if many else [optimizer]
+    bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+    if bad or not opts:
+        got = f"{type(bad[0]).__name__} {bad[0]!r}" if bad else f"an empty {type(optimizer).__name__}"
         raise TypeError(f"optimizer must be the torch.optim.Optimizer you train with, built on the model's "
-                        f"parameters (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), or None; got "
-                        f"{type(optimizer).__name__} {optimizer!r}"[:400])
+                        f"parameters (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), a list of them where parts "
+                        f"of the model train with different ones ([body_opt, head_opt]), or None; got "
+                        f"{got}"[:400])
+    return opts
+
+
+def _optimizer_name(opts: list[torch.optim.Optimizer]) -> str | None:
+    """``"SGD"``, ``"SGD+Adam"`` for a list, ``None`` for none: the plan's ``optimizer`` field."""
+    return "+".join(type(o).__name__ for o in opts) or None
+
+
+def _check_optimizer(optimizer, model: nn.Module) -> None:
+    """Refuse an ``optimizer`` that is not one, or a list of them (:func:`_optimizers`), or one that holds none of
+    ``model``'s parameters (built on another model: its state would be counted, the model's not)."""
     ours = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    if held and not any(id(p) in ours for p in held):
-        raise ValueError(f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: build it on "
-                         "model.parameters() (the one you train this model with)")
+    for opt in _optimizers(optimizer):
+        held = [p for group in opt.param_groups for p in group["params"]]
+        if held and not any(id(p) in ours for p in held):
+            raise ValueError(f"the optimizer {type(opt).__name__} holds {len(held)} parameter tensor(s), none of "
+                             "them the model's: build it on model.parameters() (the one you train this model with)")
+
+
+def _warn_untrained_by_optimizers(model: nn.Module, opts: list[torch.optim.Optimizer],
+                                  trained: list[torch.Tensor]) -> None:
+    """Warn where parameters that the step gives a gradient are in none of the optimizers given: their state is not
+    counted (a fresh user's body with SGD, passed, and head with Adam, not passed, measured 1.18x the budget)."""
+    if not opts:
+        return
+    held = {id(p) for opt in opts for group in opt.param_groups for p in group["params"]}
+    stepped = {id(p) for p in trained}
+    left = [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) in stepped
+            and id(p) not in held]
+    if left:
+        names = ", ".join(name for name, _ in left[:3]) + (" ..." if len(left) > 3 else "")
+        nbytes = sum(p.untyped_storage().nbytes() for _, p in left)
+        warn_user(f"memfit: {len(left)} trainable parameter tensor(s) ({names}; {fmt_bytes(nbytes)}) are in none of "
+                  f"the optimizers given ({_optimizer_name(opts)}), so no optimizer state of theirs is counted: if "
+                  "another optimizer trains them, the step can go over the budget by its state (2x those parameters "
+                  "for Adam). Pass every optimizer you train with (optimizer=[opt1, opt2]), or freeze what none "
+                  "trains (requires_grad_(False)).")
 
 
 def _refuse_sparse_gradients(model: nn.Module) -> None:
@@ -531,9 +576,20 @@ def _refuse_nothing_trains(model: nn.Module) -> None:
 
 def _counted_state(optimizer, trained: list[torch.Tensor]):
     """``(state bytes, OptimizerCost or None)``: the optimizer state a training step of the parameters ``trained``
-    holds (:func:`memfit.profile.optimizer.optimizer_state_bytes`), its new state measured on scratch copies."""
-    measured = measure_optimizer(optimizer, {id(p) for p in trained})
-    return optimizer_state_bytes(optimizer, trained, None if measured is None else measured.state_by_param), measured
+    holds (:func:`memfit.profile.optimizer.optimizer_state_bytes`), its new state measured on scratch copies. For a
+    list of optimizers (stepped one after the other): their states added up, and the largest of their steps'
+    temporaries (each step frees its own before the next runs); ``None`` where none could be measured."""
+    state, costs = 0, []
+    for opt in _optimizers(optimizer):
+        measured = measure_optimizer(opt, {id(p) for p in trained})
+        state += optimizer_state_bytes(opt, trained, None if measured is None else measured.state_by_param)
+        if measured is not None:
+            costs.append(measured)
+    if not costs:
+        return state, None
+    return state, OptimizerCost(state_bytes=sum(c.state_bytes for c in costs),
+                                step_bytes=max(c.step_bytes for c in costs),
+                                state_by_param={k: v for c in costs for k, v in c.state_by_param.items()})
 
 
 def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) -> None:
@@ -543,14 +599,14 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
     or any optimizer with state where the plan was solved without one (it counted none). One that needs no more of
     either is accepted whatever its class (an Adam plan trains SGD with momentum). Warn where the plan counted an
     optimizer and none is given now: nothing checks the one trained with."""
-    if optimizer is None:
+    if not _optimizers(optimizer):
         # (either field: a hand-edited plan without its "optimizer" key loaded silently)
         if plan_.optimizer is not None or plan_.optimizer_state_bytes is not None:
             warnings.warn(f"memfit.optimize: the plan counted {plan_.optimizer_state_bytes} bytes of "
                           f"{plan_.optimizer or 'optimizer'} state and its step; pass optimizer= the optimizer you train with to have "
                           "it checked (one that keeps more state takes the step over the budget)", stacklevel=3)
         return
-    name = type(optimizer).__name__
+    name = _optimizer_name(_optimizers(optimizer))
     if plan_.optimizer and name != plan_.optimizer and plan_.optimizer_step_bytes is None:
         # a plan saved before its step's temporaries were recorded: the class decides
         raise ValueError(f"the plan counted the state and step of {plan_.optimizer}, not {name}: their memory "
@@ -580,7 +636,7 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
 
 
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
-             optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
+             optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, loss_fn: Callable | None = None,
              time_limit: float = 20.0, variants: bool = True, offload: bool | None = None,
              offload_dir: str | None = None, grads_exist: bool = False, plan_: Plan | None = None,
              tiling: bool = True) -> PlannedModule:
