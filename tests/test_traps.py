@@ -569,6 +569,35 @@ def test_trace_errors_give_advice_that_fits():
         memfit.optimize(nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4)).train(), torch.randn(2, 3, 4, 4))
 
 
+class _Holder:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _AttrDict(dict):
+    def __getattr__(self, k):
+        return self[k]
+
+
+@pytest.mark.parametrize("kind", ["object", "attribute dict"])
+def test_an_output_fx_cannot_record_is_told_to_return_a_dataclass(kind):
+    """Found by a fresh user: a forward returning a plain object, or a dict with attribute access, got the advice
+    for data-dependent control flow (torch.where); the fix is the output's type."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return _Holder(self.l(x)) if kind == "object" else _AttrDict(logits=self.l(x))
+
+    match = r"class torch.fx cannot record.*_Holder.*dataclass" if kind == "object" else \
+        r"__getattr__ raises KeyError.*AttributeError.*Return a dataclass"
+    with pytest.raises(memfit.TraceError, match=match) as err:
+        memfit.optimize(Net().train(), torch.randn(4, 8))
+    assert "torch.where" not in str(err.value)
+
+
 class _ReadsAValue(nn.Module):
     def __init__(self, how: str):
         super().__init__()

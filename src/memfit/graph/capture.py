@@ -354,6 +354,16 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "that takes the tensor itself (e.g. torch.rand_like(x[:, :1, :1, :1]) for torch.rand(x.shape[0], 1, "
                 "1, 1), x.new_zeros((x.shape[0], 16)) for torch.zeros(x.shape[0], 16)), or move that line into a "
                 "function fx keeps whole (torch.fx.wrap).")
+    if isinstance(exc, KeyError) and "__fx_create_arg__" in str(exc):
+        return ("  an object whose __getattr__ raises KeyError for a name it does not hold (a dict with attribute "
+                "access, `return self[k]`): torch.fx asks each value it records for __fx_create_arg__ with hasattr(), "
+                "which needs AttributeError, and it records a dict subclass as a plain dict anyway (attribute access "
+                "lost). Return a dataclass (@dataclasses.dataclass), which memfit traces and gives back as returned, "
+                "or a plain dict read by key.")
+    if isinstance(exc, NotImplementedError) and "argument of type" in str(exc):
+        return (f"  a value of a class torch.fx cannot record ({str(exc).rsplit(':', 1)[-1].strip()}), returned by "
+                "the forward or passed to an operation: return tensors in a tuple, list, dict, namedtuple or "
+                "dataclass (@dataclasses.dataclass) instead, which memfit traces, counts and gives back as returned.")
     return ("  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
             "rewrite that line with tensor operations (e.g. torch.where), or move that code into a function of "
             "its own at module level, marked with torch.fx.wrap(\"name\") (fx then records it as one call, which "
