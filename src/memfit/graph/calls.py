@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -129,26 +129,70 @@ def tensors_in(value) -> list:
         if isinstance(v, torch.Tensor):
             found.append(v)
         elif _dataclass_value(v):
-            found += tensors_in([getattr(v, f.name) for f in dataclasses.fields(v)])
+            found += tensors_in([getattr(v, f.name) for f in dataclasses.fields(v) if hasattr(v, f.name)])
     return found
 
 
 def map_tensors(fn: Callable, value):
     """``value`` with each tensor ``t`` inside it (as :func:`tensors_in` finds them) replaced by ``fn(t)``; a
-    dataclass instance is copied with its fields mapped (frozen ones too)."""
+    dataclass instance is rebuilt with its fields mapped (:func:`dataclass_builder`)."""
     from torch.utils._pytree import tree_map
 
     def leaf(v):
         if isinstance(v, torch.Tensor):
             return fn(v)
-        if _dataclass_value(v):
-            new = copy.copy(v)
-            for f in dataclasses.fields(v):
-                object.__setattr__(new, f.name, map_tensors(fn, getattr(v, f.name)))
-            return new
+        if _dataclass_value(v):  # (rebuilt as the traced forward builds it: no __post_init__ again)
+            items = tuple(v.keys()) if isinstance(v, dict) else ()
+            return dataclass_builder(type(v), items)(**{f.name: map_tensors(fn, getattr(v, f.name))
+                                                        for f in dataclasses.fields(v) if hasattr(v, f.name)})
         return v
 
     return tree_map(leaf, value)
+
+
+def mutable_containers(value):
+    """``value`` with fx's immutable containers made plain ``dict`` and ``list`` again, as the forward returned them
+    (``out["loss"] = loss`` on a dict output raised fx's "immutable_dict does not support mutation" for a fresh
+    user)."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if type(value) in (dict, immutable_dict):
+        return {k: mutable_containers(v) for k, v in value.items()}
+    if type(value) in (list, immutable_list):
+        return [mutable_containers(v) for v in value]
+    if type(value) is tuple:
+        return tuple(mutable_containers(v) for v in value)
+    return value
+
+
+_BUILDERS: dict[tuple, Callable] = {}
+
+
+def dataclass_builder(cls: type, items: tuple = ()) -> Callable:
+    """A function that makes an instance of the dataclass ``cls`` from its fields' values (keywords) as the traced
+    forward made it: created with ``cls.__new__``, each field set as it is (``object.__setattr__``, frozen classes
+    too), fx's immutable lists and dicts made plain again, and for a dataclass that is also a dict (Hugging Face's
+    ``ModelOutput``) the entries ``items`` (keys, in order) set from the fields of those names. Neither
+    ``__init__`` nor ``__post_init__`` runs: the values are the ones they produced while tracing. Attributes that
+    are not fields, set in ``__post_init__``, are not made. One function per ``(cls, items)``; the traced graph
+    calls it where the forward built the dataclass (:class:`memfit.graph.capture._Tracer`)."""
+    key = (cls, items)
+    if key not in _BUILDERS:
+        base = next((b for b in cls.__mro__ if b in (collections.OrderedDict, dict)), None)
+
+        def build(**fields):
+            obj = cls.__new__(cls)
+            if base is not None:
+                base.__init__(obj)
+            for name, value in fields.items():
+                object.__setattr__(obj, name, mutable_containers(value))
+            for name in items:
+                base.__setitem__(obj, name, getattr(obj, name))
+            return obj
+
+        build.__name__ = build.__qualname__ = f"make_{cls.__name__}"
+        _BUILDERS[key] = build
+    return _BUILDERS[key]
 
 
 def check_var_positional(gm: fx.GraphModule, args: tuple, what: str = "example_inputs") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import operator
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import has_own_hooks, record_reads
+from memfit.graph.calls import dataclass_builder
 from memfit.graph.ir import Graph, Node
 
 
@@ -382,9 +384,20 @@ class _Tracer(fx.Tracer):
     def create_arg(self, a):
         """A numpy scalar (``F.dropout(h, p=self.p)`` with ``self.p = np.float64(0.1)``) as a Python scalar: fx
         refuses ``np.float32`` and writes ``np.float64(0.1)`` into its generated code, which then fails with
-        ``NameError: name 'np' is not defined``. PyTorch's type promotion treats both alike."""
+        ``NameError: name 'np' is not defined``. PyTorch's type promotion treats both alike.
+
+        A dataclass instance (an output ``Out(logits=...)``) as a call of :func:`dataclass_builder`, which
+        rebuilds it from its fields' traced values without running its ``__init__`` again. fx's own form calls the
+        class with every field: a ``__post_init__`` then ran a second time on values it had already processed (a
+        fresh user's temperature scaling divided the logits twice, gradients 9e-3 off), a ``field(init=False)``
+        was refused by ``__init__``, and a dataclass that is a dict (Hugging Face's ``ModelOutput``) came back a
+        plain dict."""
         if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
             a = a.item()
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            values = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if hasattr(a, f.name)}
+            items = tuple(a.keys()) if isinstance(a, dict) else ()
+            return self.create_node("call_function", dataclass_builder(type(a), items), (), values)
         return super().create_arg(a)
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
@@ -35,6 +34,7 @@ from memfit.graph.calls import (
     bind_inputs,
     compute_nodes,
     input_values,
+    mutable_containers,
     node_fn,
     node_inputs,
     node_ops,
@@ -1161,7 +1161,7 @@ class PlannedModule(nn.Module):
             state.calls.clear()
         if off is not None:
             off.finish_forward()
-        return _mutable(fx.node.map_arg(self._output.args[0], lambda n: env[n.name]))
+        return mutable_containers(fx.node.map_arg(self._output.args[0], lambda n: env[n.name]))
 
     def _storage_kinds(self) -> dict[tuple, str]:
         """Storage key -> what a recomputation does with it, for the buffers the forward pass writes."""
@@ -1212,16 +1212,3 @@ class PlannedModule(nn.Module):
             self.__dict__["offload_store"] = store
         fixed = {t.untyped_storage().data_ptr() for t in list(self.gm.parameters()) + list(self.gm.buffers())}
         return OffloadStep(engine, self._offloads, self.plan.nodes, fixed)
-
-
-def _mutable(value):
-    """The model's output with fx's immutable containers made plain ``dict`` and ``list`` again, as the forward
-    returned them (``out["loss"] = loss`` on a dict output raised fx's "immutable_dict does not support
-    mutation" for a fresh user)."""
-    if type(value) in (dict, immutable_dict):
-        return {k: _mutable(v) for k, v in value.items()}
-    if type(value) in (list, immutable_list):
-        return [_mutable(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_mutable(v) for v in value)
-    return value
