@@ -215,6 +215,10 @@ class Costs:
         loss_keeps: storage ids of the outputs the loss saves for its backward (``(out ** 2).mean()``,
             ``F.mse_loss``; ``F.cross_entropy`` saves its own log-softmax instead): they stay alive until the
             loss's backward, where the replay would otherwise free them once the loss has read them.
+        loss_grads: storage ids of the outputs the loss's backward gives a gradient (those it reads on a path to the
+            loss value), measured when a loss function was given; ``None`` (no loss function): every output. An
+            output the loss does not read (hidden states returned beside the logits) gets none, and the replay once
+            counted one for each (a fresh user's model returning four hidden states was predicted 27% high).
         loss_forward_bytes: bytes the loss's forward allocates at its peak beyond its arguments (the model's
             outputs, still alive then: the loss reads them) while the outputs' gradients do not exist yet
             (a loss that builds a soft target from the detached logits makes two logits-sized tensors
@@ -263,6 +267,7 @@ class Costs:
     loss_forward_bytes: int = 0
     output_ids: list[int | None] = field(default_factory=list)
     loss_keeps: list[int] = field(default_factory=list)
+    loss_grads: list[int] | None = None
     buffer_kinds: dict[str, str] = field(default_factory=dict)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     headroom_of: int | None = None
@@ -285,6 +290,7 @@ class Costs:
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
                    output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []),
+                   loss_grads=d.get("loss_grads"),
                    buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}),
                    headroom_of=d.get("headroom_of"), region_seconds=d.get("region_seconds", 0.0),
                    region_node_seconds=d.get("region_node_seconds", 0.0))
@@ -354,6 +360,7 @@ class Costs:
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
         return replace(self, storages=storages, nodes=nodes, loss_keeps=ids(self.loss_keeps),
+                       loss_grads=None if self.loss_grads is None else ids(self.loss_grads),
                        output_ids=[None if x is None else res(x) for x in self.output_ids])
 
     def recomputing_from_stats(self, names: set[str] | None) -> Costs:
@@ -458,9 +465,11 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             formats = _grad_formats(gm, inputs, loss_fn, requires)
             _measure_workspace(gm, inputs, costs, device, requires, formats, grads_exist)
             if loss_fn is not None:
-                costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept = _measure_loss(
+                costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded = _measure_loss(
                     gm, inputs, loss_fn, device, requires)
                 costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
+                                           and costs.output_ids[k] is not None})
+                costs.loss_grads = sorted({costs.output_ids[k] for k in graded if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
     finally:
         _restore(snapshot, flags)
@@ -1102,14 +1111,15 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int, list[int]]:
-    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept)`` (see :class:`Costs`): transient bytes of
+                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int, list[int], list[int]]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded)`` (see :class:`Costs`): transient bytes of
     ``loss_fn`` forward and backward on the model's output, beyond the output's gradient (which the replay
     counts as an activation gradient); the bytes the loss value's own storage keeps; the peak of the loss's
     forward alone, while the outputs are alive and their gradients are not; and the positions (in
     :func:`tensors_in` order) of the outputs the loss saves for its backward (``Costs.loss_keeps``; they were
     added to ``loss_bytes`` before, which counted them twice where a node of the model saves them too: the
-    replay of a model returning its ReLU outputs was 22% above the measured peak).
+    replay of a model returning its ReLU outputs was 22% above the measured peak); and the positions of the
+    outputs the loss's backward gives a gradient (``Costs.loss_grads``).
 
     Outputs that require grad in the model's forward (``requires``, by the output node's name; without it,
     floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
@@ -1157,7 +1167,8 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
     during = max(forward.peak_bytes, forward.net_bytes + backward.peak_bytes)
     positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
-    return max(0, during - grads), held, forward.peak_bytes, positions
+    graded = [k for k, g in zip([k for k, f in enumerate(flags) if f], grads_of) if g is not None]
+    return max(0, during - grads), held, forward.peak_bytes, positions, graded
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:

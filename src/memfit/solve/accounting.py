@@ -252,7 +252,9 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     acc.fwd_offset = -pending
     total -= pending
     inplace: dict[int, bool] = {}  # node -> autograd can add a further contribution into its gradient in place
-    for s in acc.output_storages:
+    # the outputs the loss gives a gradient (all of them when no loss function was profiled)
+    graded = acc.output_storages if costs.loss_grads is None else acc.output_storages & set(costs.loss_grads)
+    for s in sorted(graded):
         p = acc.producer[s]
         if p >= 0 and p not in grads:
             attach(p, new_token(acc.grad_bytes[p]))
