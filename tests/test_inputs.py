@@ -2,6 +2,7 @@
 buffers read by functional calls or updated in place, frozen parameters, forward arguments with defaults,
 integer outputs, and a first layer whose input needs no gradient (the profile must not count one)."""
 
+import collections
 import copy
 import dataclasses
 import re
@@ -911,12 +912,113 @@ def test_a_dataclass_output_is_counted_and_trains_as_pytorch_does():
         del out
         fig = measure_training(planned, m, (ids,), target, _logits_loss, steps=1)
         assert fig.peak_bytes <= planned.plan.budget_bytes, budget
-        # (the plan counts the output the loss does not read, `features`, as held through the backward pass, as a
-        # loop that keeps `out` holds it; this loop drops it)
-        features = 8 * 32 * 64 * 4
-        assert 0 <= planned.plan.predicted_peak_bytes - fig.peak_bytes <= features + 4096, (budget, fig.peak_bytes)
+        assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 4096, (budget, fig.peak_bytes)
         assert compare(base, fig)["gradients_match"], budget
-    assert 0 <= planned.plan.predicted_peak_bytes - base.peak_bytes <= features + 4096  # (100%: plain PyTorch's)
+    assert abs(planned.plan.predicted_peak_bytes - base.peak_bytes) <= 4096  # (100%: plain PyTorch's peak)
+
+
+@dataclasses.dataclass
+class _Scaled:
+    logits: torch.Tensor
+    temperature: float = 2.0
+    probs: torch.Tensor = dataclasses.field(init=False)
+    extra: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):  # (runs once, in the forward; rebuilt from its fields, it must not run again)
+        self.logits = self.logits / self.temperature
+        self.probs = self.logits.softmax(-1)
+
+
+@dataclasses.dataclass
+class _DictLike(collections.OrderedDict):
+    """Hugging Face's ``ModelOutput`` in small: a dataclass that is an ordered dict of its fields that are set."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    unset: torch.Tensor | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+
+class _BuildsDataclasses(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.l1, self.l2 = kind, nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        if self.kind == "scaled":
+            return _Scaled(self.l2(h), extra=[h])
+        return _DictLike(logits=self.l2(h), hidden=h)
+
+
+@pytest.mark.parametrize("kind", ["scaled", "dict-like"])
+def test_a_dataclass_output_comes_back_as_the_forward_built_it(kind):
+    """Found by a fresh user: torch.fx records a dataclass as a call of its class with every field, so a
+    ``__post_init__`` that scales the logits ran twice (gradients 9e-3 off, silently, with every strategy), a
+    ``field(init=False)`` was refused, a dataclass that is a dict (Hugging Face's ``ModelOutput``) came back a plain
+    dict (``out.logits`` raised), and a list field came back immutable. Now the output is the forward's, value for
+    value, and trains as PyTorch's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    plain = _BuildsDataclasses(kind).train()
+    m = fresh_copy(plain)
+    planned = memfit.optimize(m, x, "min", loss_fn=lambda out: F.cross_entropy(out.logits, y), time_limit=2)
+    ours, theirs = planned(x), plain(x)
+    assert type(ours) is type(theirs)
+    assert torch.equal(ours.logits, theirs.logits)
+    if kind == "scaled":
+        assert torch.equal(ours.probs, theirs.probs) and ours.temperature == 2.0
+        ours.extra.append(1)  # (a plain list, as the forward made it)
+    else:
+        assert list(ours.keys()) == list(theirs.keys()) == ["logits", "hidden"]
+        assert torch.equal(ours["hidden"], theirs.hidden) and ours.unset is None
+    F.cross_entropy(ours.logits, y).backward()
+    F.cross_entropy(theirs.logits, y).backward()
+    for p, q in zip(m.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _HiddenStates(nn.Module):
+    def __init__(self, dataclass_output: bool):
+        super().__init__()
+        self.dataclass_output = dataclass_output
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        hidden = []
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            hidden.append(x)
+        logits = self.head(x)
+        return _Output(logits=logits, features=tuple(hidden)) if self.dataclass_output else (logits, tuple(hidden))
+
+
+@pytest.mark.parametrize("dataclass_output", [False, True])
+def test_outputs_the_loss_does_not_read_get_no_gradient_in_the_plan(dataclass_output):
+    """Found by a fresh user: a model returning its hidden states beside the logits, the loss reading the logits, was
+    predicted 27% above plain PyTorch's measured peak (each returned tensor was given a gradient from the loss),
+    `min` recomputed six nodes for nothing and a budget plain PyTorch fits in was refused as infeasible."""
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+
+    def loss(out, target):
+        return F.cross_entropy(out.logits if dataclass_output else out[0], target)
+
+    plain = _HiddenStates(dataclass_output).train()
+    m = fresh_copy(plain)
+    base = measure_training(plain, plain, (x,), y, loss, steps=1)
+    planned = memfit.optimize(m, x, base.peak_bytes, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: loss(out, y), time_limit=5)  # (measure_training's optimizer)
+    assert planned.report["decisions"]["recompute"] == 0  # (plain PyTorch's peak needs nothing recomputed)
+    fig = measure_training(planned, m, (x,), y, loss, steps=1)
+    assert fig.peak_bytes <= base.peak_bytes
+    assert abs(planned.plan.predicted_peak_bytes - base.peak_bytes) <= 4096
+    assert compare(base, fig)["gradients_match"]
 
 
 def test_a_loss_target_that_is_the_input_is_counted_once():

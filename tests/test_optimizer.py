@@ -207,6 +207,9 @@ def test_two_optimizers_are_counted_together_and_one_left_out_is_warned_about():
     ref_both.step()
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+    with pytest.warns(UserWarning, match=r"in none of the optimizers given \(Adam\)"):  # (the body is not in it)
+        twice = memfit.plan(model, x, "min", optimizer=[opts[1], opts[1]], loss_fn=lambda out: loss_fn(out, y))[0]
+    assert twice.optimizer == "Adam"  # (one optimizer given twice is counted once)
     with pytest.raises(TypeError, match=r"a list of them where parts of the model train with different ones"):
         memfit.plan(model, x, "min", optimizer=[opts[0], "adam"])
 

@@ -479,7 +479,7 @@ def _warn_hooks(model: nn.Module) -> None:
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """``optimizer=`` as a list: ``[]`` for ``None``, ``[opt]`` for one, the optimizers of a list or tuple (a model
-    whose parts train with different ones: SGD for the body and Adam for the head, a GAN's two).
+    whose parts train with different ones: SGD for the body and Adam for the head), each once.
 
     Raises:
         TypeError: something else (``optimizer="sgd"`` failed with an AttributeError), or an empty list.
@@ -487,7 +487,7 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
     many = isinstance(optimizer, (list, tuple))
-    opts = list(optimizer) if many else [optimizer]
+    opts = list({id(o): o for o in optimizer}.values()) if many else [optimizer]  # (one given twice: counted once)
     bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
     if bad or not opts:
         got = f"{type(bad[0]).__name__} {bad[0]!r}" if bad else f"an empty {type(optimizer).__name__}"
@@ -694,6 +694,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
         captured = capture(model)
+        _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         _check_optimizer_state(plan_, optimizer, list(captured.gm.parameters()))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(given, strategy, offload, offload_dir)
