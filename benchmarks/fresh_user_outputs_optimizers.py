@@ -1,6 +1,7 @@
 """Measured against predicted total peak (bytes), and gradients against plain PyTorch's, for the cases a fresh-user
-round found on 2026-12-04: a forward returning a dataclass, noise drawn from the model's own ``torch.Generator``,
-and a model whose body trains with SGD and whose head trains with Adam. Each case is also a regression test
+rounds found on 2026-12-04: a forward returning a dataclass (one whose ``__post_init__`` scales the logits, too),
+a model returning its hidden states beside the logits, noise drawn from the model's own ``torch.Generator``, and a
+model whose body trains with SGD and whose head trains with Adam. Each case is also a regression test
 (``tests/test_inputs.py``, ``tests/test_stateful.py``, ``tests/test_optimizer.py``).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/fresh_user_outputs_optimizers.py
@@ -20,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import memfit
 from memfit.profile import MemoryTracker, live_bytes
-from test_inputs import _DataclassOut, _logits_loss
+from test_inputs import _BuildsDataclasses, _DataclassOut, _HiddenStates, _logits_loss
 from test_stateful import PrivateNoise
 
 
@@ -72,6 +73,42 @@ def dataclass_output() -> None:
                   "| | | | |", flush=True)
             continue
         _row(f"dataclass output, {budget}", _step_peak(planned, model, [opt], ids, y, _logits_loss), planned, "-")
+
+
+def hidden_states() -> None:
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    for budget in ("100%", "min"):
+        torch.manual_seed(0)
+        model = _HiddenStates(dataclass_output=False).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def loss(out, target):
+            return F.cross_entropy(out[0], target)
+
+        planned = memfit.optimize(model, x, budget, optimizer=opt, loss_fn=lambda out: loss(out, y), time_limit=5)
+        _row(f"(logits, 4 hidden states), {budget} ({planned.report['decisions']['recompute']} recomputed)",
+             _step_peak(planned, model, [opt], x, y, loss), planned, "-")
+
+
+def post_init() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = _BuildsDataclasses("scaled").train()
+    plain = copy.deepcopy(model)
+    case = "dataclass whose __post_init__ scales the logits, strategy none"
+    try:
+        planned = memfit.optimize(model, x, "100%", strategy="none",
+                                  loss_fn=lambda out: F.cross_entropy(out.logits, y), time_limit=5)
+    except ValueError as exc:  # (before: its field(init=False) was refused)
+        print(f"| {case} | ValueError: {str(exc)[:90]} | | | | |", flush=True)
+        return
+    ours, theirs = planned(x), plain(x)
+    F.cross_entropy(ours.logits, y).backward()
+    F.cross_entropy(theirs.logits, y).backward()
+    absolute, relative = _grad_diff(model, plain)
+    ratio = float((ours.logits / theirs.logits).mean().detach())
+    print(f"| {case} | logits {ratio:.2f}x plain PyTorch's | | "
+          f"| | {absolute:.2e} ({relative:.2f} relative) |", flush=True)
 
 
 def private_generator() -> None:
@@ -126,6 +163,8 @@ def main() -> None:
     print("| case | measured | predicted | budget | measured / budget | gradients against plain PyTorch |")
     print("|---|---|---|---|---|---|")
     dataclass_output()
+    hidden_states()
+    post_init()
     private_generator()
     two_optimizers()
 
