@@ -927,6 +927,7 @@ class _Scaled:
     def __post_init__(self):  # (runs once, in the forward; rebuilt from its fields, it must not run again)
         self.logits = self.logits / self.temperature
         self.probs = self.logits.softmax(-1)
+        self.top = self.probs.amax(-1)  # (an attribute that is not a field)
 
 
 @dataclasses.dataclass
@@ -952,7 +953,9 @@ class _BuildsDataclasses(nn.Module):
         h = torch.relu(self.l1(x))
         if self.kind == "scaled":
             return _Scaled(self.l2(h), extra=[h])
-        return _DictLike(logits=self.l2(h), hidden=h)
+        out = _DictLike(logits=self.l2(h), hidden=h)
+        out["pooled"] = h.mean(0)  # (an entry that is not a field)
+        return out
 
 
 @pytest.mark.parametrize("kind", ["scaled", "dict-like"])
@@ -960,8 +963,8 @@ def test_a_dataclass_output_comes_back_as_the_forward_built_it(kind):
     """Found by a fresh user: torch.fx records a dataclass as a call of its class with every field, so a
     ``__post_init__`` that scales the logits ran twice (gradients 9e-3 off, silently, with every strategy), a
     ``field(init=False)`` was refused, a dataclass that is a dict (Hugging Face's ``ModelOutput``) came back a plain
-    dict (``out.logits`` raised), and a list field came back immutable. Now the output is the forward's, value for
-    value, and trains as PyTorch's."""
+    dict (``out.logits`` raised), a list field came back immutable, and attributes and entries that are not fields
+    were lost. Now the output is the forward's, value for value, and trains as PyTorch's."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     plain = _BuildsDataclasses(kind).train()
@@ -971,11 +974,12 @@ def test_a_dataclass_output_comes_back_as_the_forward_built_it(kind):
     assert type(ours) is type(theirs)
     assert torch.equal(ours.logits, theirs.logits)
     if kind == "scaled":
-        assert torch.equal(ours.probs, theirs.probs) and ours.temperature == 2.0
+        assert torch.equal(ours.probs, theirs.probs) and torch.equal(ours.top, theirs.top) and ours.temperature == 2.0
         ours.extra.append(1)  # (a plain list, as the forward made it)
     else:
-        assert list(ours.keys()) == list(theirs.keys()) == ["logits", "hidden"]
-        assert torch.equal(ours["hidden"], theirs.hidden) and ours.unset is None
+        assert list(ours.keys()) == list(theirs.keys()) == ["logits", "hidden", "pooled"]
+        assert torch.equal(ours["hidden"], theirs.hidden) and torch.equal(ours["pooled"], theirs["pooled"])
+        assert ours.unset is None
     F.cross_entropy(ours.logits, y).backward()
     F.cross_entropy(theirs.logits, y).backward()
     for p, q in zip(m.parameters(), plain.parameters(), strict=True):

@@ -120,34 +120,33 @@ def _dataclass_value(value) -> bool:
 
 def tensors_in(value) -> list:
     """All tensors inside a (possibly nested) value: tuples, lists, dicts, namedtuples and dataclass instances (a
-    forward's ``return Output(logits=...)``, which torch.fx traces as a call of the class, but PyTorch's pytree does
-    not search) are searched, in the order :func:`map_tensors` visits them."""
+    forward's ``return Output(logits=...)``: their attributes and entries, :func:`dataclass_parts`; PyTorch's pytree
+    does not search them) are searched, in the order :func:`map_tensors` visits them."""
     from torch.utils._pytree import tree_leaves
 
     found = []
-    for v in tree_leaves(value):
+    for v in tree_leaves(value, is_leaf=_dataclass_value):  # (before a pytree registration: transformers' fails)
         if isinstance(v, torch.Tensor):
             found.append(v)
         elif _dataclass_value(v):
-            found += tensors_in([getattr(v, f.name) for f in dataclasses.fields(v) if hasattr(v, f.name)])
+            found += tensors_in(list(dataclass_parts(v)))
     return found
 
 
 def map_tensors(fn: Callable, value):
     """``value`` with each tensor ``t`` inside it (as :func:`tensors_in` finds them) replaced by ``fn(t)``; a
-    dataclass instance is rebuilt with its fields mapped (:func:`dataclass_builder`)."""
+    dataclass instance is rebuilt with its attributes and entries mapped (:func:`dataclass_builder`)."""
     from torch.utils._pytree import tree_map
 
     def leaf(v):
         if isinstance(v, torch.Tensor):
             return fn(v)
         if _dataclass_value(v):  # (rebuilt as the traced forward builds it: no __post_init__ again)
-            items = tuple(v.keys()) if isinstance(v, dict) else ()
-            return dataclass_builder(type(v), items)(**{f.name: map_tensors(fn, getattr(v, f.name))
-                                                        for f in dataclasses.fields(v) if hasattr(v, f.name)})
+            attrs, items = map_tensors(fn, dataclass_parts(v))
+            return dataclass_builder(type(v))(attrs, items)
         return v
 
-    return tree_map(leaf, value)
+    return tree_map(leaf, value, is_leaf=_dataclass_value)
 
 
 def mutable_containers(value):
@@ -165,34 +164,42 @@ def mutable_containers(value):
     return value
 
 
-_BUILDERS: dict[tuple, Callable] = {}
+def dataclass_parts(value) -> tuple[dict[str, Any], dict]:
+    """``(attributes, items)`` of a dataclass instance: its fields that are set, then the other attributes in its
+    ``__dict__`` (set in ``__post_init__``: ``self.probs = logits.softmax(-1)``), and, for one that is also a dict
+    (Hugging Face's ``ModelOutput``), its entries (``o["pooled"] = h`` too); ``{}`` where it is not."""
+    attrs = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    for name, v in getattr(value, "__dict__", {}).items():
+        attrs.setdefault(name, v)
+    return attrs, (dict(value.items()) if isinstance(value, dict) else {})
 
 
-def dataclass_builder(cls: type, items: tuple = ()) -> Callable:
-    """A function that makes an instance of the dataclass ``cls`` from its fields' values (keywords) as the traced
-    forward made it: created with ``cls.__new__``, each field set as it is (``object.__setattr__``, frozen classes
-    too), fx's immutable lists and dicts made plain again, and for a dataclass that is also a dict (Hugging Face's
-    ``ModelOutput``) the entries ``items`` (keys, in order) set from the fields of those names. Neither
-    ``__init__`` nor ``__post_init__`` runs: the values are the ones they produced while tracing. Attributes that
-    are not fields, set in ``__post_init__``, are not made. One function per ``(cls, items)``; the traced graph
-    calls it where the forward built the dataclass (:class:`memfit.graph.capture._Tracer`)."""
-    key = (cls, items)
-    if key not in _BUILDERS:
+_BUILDERS: dict[type, Callable] = {}
+
+
+def dataclass_builder(cls: type) -> Callable:
+    """A function ``build(attributes, items)`` that makes an instance of the dataclass ``cls`` as the traced forward
+    made it (:func:`dataclass_parts`): created with ``cls.__new__``, each attribute set as it is
+    (``object.__setattr__``, frozen classes too), fx's immutable lists and dicts made plain again, and, for a
+    dataclass that is also a dict, its entries set in order. Neither ``__init__`` nor ``__post_init__`` runs: the
+    values are the ones they produced while tracing. One function per class; the traced graph calls it where the
+    forward built the dataclass (:class:`memfit.graph.capture._Tracer`)."""
+    if cls not in _BUILDERS:
         base = next((b for b in cls.__mro__ if b in (collections.OrderedDict, dict)), None)
 
-        def build(**fields):
+        def build(attributes, items):
             obj = cls.__new__(cls)
             if base is not None:
                 base.__init__(obj)
-            for name, value in fields.items():
+            for name, value in attributes.items():
                 object.__setattr__(obj, name, mutable_containers(value))
-            for name in items:
-                base.__setitem__(obj, name, getattr(obj, name))
+            for key, value in items.items():
+                base.__setitem__(obj, key, mutable_containers(value))
             return obj
 
         build.__name__ = build.__qualname__ = f"make_{cls.__name__}"
-        _BUILDERS[key] = build
-    return _BUILDERS[key]
+        _BUILDERS[cls] = build
+    return _BUILDERS[cls]
 
 
 def check_var_positional(gm: fx.GraphModule, args: tuple, what: str = "example_inputs") -> None:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import has_own_hooks, record_reads
-from memfit.graph.calls import dataclass_builder
+from memfit.graph.calls import dataclass_builder, dataclass_parts
 from memfit.graph.ir import Graph, Node
 
 
@@ -395,9 +395,9 @@ class _Tracer(fx.Tracer):
         if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
             a = a.item()
         if dataclasses.is_dataclass(a) and not isinstance(a, type):
-            values = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if hasattr(a, f.name)}
-            items = tuple(a.keys()) if isinstance(a, dict) else ()
-            return self.create_node("call_function", dataclass_builder(type(a), items), (), values)
+            attributes, items = dataclass_parts(a)
+            return self.create_node("call_function", dataclass_builder(type(a)),
+                                    (self.create_arg(attributes), self.create_arg(items)), {})
         return super().create_arg(a)
 
 
