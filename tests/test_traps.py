@@ -1504,10 +1504,11 @@ def test_attributes_fx_bakes_in_are_watched_beyond_plain_values():
             return self.out(h)
 
     x = torch.randn(4, 8)
+    # (a class attribute overridden on the instance, `m.scale = 3.0`: found by a fresh user whose aux head kept running)
     changes = [lambda m: m.sub.eval(), lambda m: setattr(m.config, "layer_scale", 2.0),
-               lambda m: setattr(type(m), "scale", 3.0), lambda m: setattr(m, "temp", torch.tensor(5.0)),
-               lambda m: setattr(m, "gain", 2.0)]
-    names = ["sub.training", "config", "scale", "temp", "gain"]
+               lambda m: setattr(type(m), "scale", 3.0), lambda m: setattr(m, "scale", 3.0),
+               lambda m: setattr(m, "temp", torch.tensor(5.0)), lambda m: setattr(m, "gain", 2.0)]
+    names = ["sub.training", "config", "scale", "scale", "temp", "gain"]
     for change, name in zip(changes, names, strict=True):
         Net.scale = 1.0
         torch.manual_seed(0)

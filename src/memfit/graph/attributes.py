@@ -148,10 +148,12 @@ class AttributeLog:
 
 
 def _current(module: nn.Module, name: str, kind: str) -> Any:
-    """The attribute's value now where it was read from (``_MISSING`` if it is not there)."""
-    if kind == "class":
-        return getattr(type(module), name, _MISSING)
+    """The attribute's value now where it was read from (``_MISSING`` if it is not there); for one read from the
+    class, what the module reads now: an instance attribute set since (``m.use_aux = False`` over the class's
+    ``use_aux = True``) hides the class's (a fresh user's aux head kept running, silently)."""
     value = vars(module).get(name, _MISSING)
+    if kind == "class":
+        return value if value is not _MISSING else getattr(type(module), name, _MISSING)
     if kind == "missing" and value is _MISSING:
         value = getattr(type(module), name, _MISSING)
     return value
