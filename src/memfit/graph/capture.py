@@ -559,8 +559,8 @@ def capture(model: nn.Module) -> Captured:
             + "  Draw it from the tensors of the step: `keep = x.new_empty(()).bernoulli_(1 - p)` then "
             "`x + f(x) * keep / (1 - p)` for a whole branch (it is computed at every step, and zeroed when "
             "dropped), `x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(1 - p)` per sample (as torchvision's "
-            "StochasticDepth does), `torch.randn_like(x)` for noise. Your model and random generators are as "
-            "they were.")
+            "StochasticDepth does), `torch.randn_like(x)` for noise, `torch.rand_like(x[:, 0]).argsort()` for a "
+            "permutation of the batch (for torch.randperm(n)). Your model and random generators are as they were.")
     if attributes.state_writes:
         names = ", ".join(attributes.state_writes[:4]) + (" ..." if len(attributes.state_writes) > 4 else "")
         raise TraceError(
