@@ -19,7 +19,9 @@ BatchNorm statistics come from one step of each plan from the same weights as pl
 float64 check instead (:func:`memfit.bench.job.rounding_check`: ``float32 rounding`` in the last column).
 
 Prints one row per setup: measured activation peak (fraction of plain PyTorch's), predicted and measured
-overhead, the operator variants, and whether gradients and BatchNorm statistics match plain PyTorch's.
+overhead, the operator variants, and whether gradients and BatchNorm statistics match plain PyTorch's. With
+both ``memfit`` and ``remat-ilp`` setups it then reads, for each ``memfit`` row, ``remat-ilp``'s activation peak
+at the same measured overhead off its measured rows (:mod:`memfit.bench.frontier`), and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from _spec import profile_once, without_variant, zoo_setup
 
 import memfit
+from memfit.bench.frontier import memory_at_overhead
 from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.bench.job import rounding_check, rounding_verdict, rounds_differently
 from memfit.graph import capture
@@ -109,6 +112,30 @@ def main() -> None:
               f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'}"
               f"{' to float32 rounding' if 'rounding_check' in check else ''} ({check['max_abs_grad_diff']:.1e}) |",
               flush=True)
+    measured = {}  # strategy -> [(measured overhead, activation peak as a fraction of plain PyTorch's)]
+    for k, (strategy, _, _, fig) in enumerate(rows, start=1):
+        measured.setdefault(strategy, []).append((seconds[k] / seconds[0],
+                                                  fig.activation_peak_bytes / base.activation_peak_bytes))
+    print_equal_overhead(measured)
+
+
+def print_equal_overhead(measured: dict[str, list[tuple[float, float]]]) -> None:
+    """Issue 3's second target: each ``memfit`` row against ``remat-ilp`` at the same measured overhead, its
+    activation peak read off ``remat-ilp``'s measured frontier (:func:`memfit.bench.frontier.memory_at_overhead`:
+    linear between the rows around it, never extrapolated)."""
+    others = measured.get("remat-ilp", [])
+    if not others or not measured.get("memfit"):
+        return
+    print("\nAt equal measured overhead (remat-ilp's activation peak interpolated on its measured frontier):")
+    for overhead, peak in sorted(measured["memfit"]):
+        other = memory_at_overhead(others, overhead)
+        if other is None:
+            lo, hi = min(t for t, _ in others), max(t for t, _ in others)
+            print(f"  memfit {100 * peak:.1f}% at {overhead:.3f}x: remat-ilp not measured at that overhead "
+                  f"(its rows: {lo:.3f}x-{hi:.3f}x)")
+        else:
+            print(f"  memfit {100 * peak:.1f}% at {overhead:.3f}x: remat-ilp {100 * other:.1f}%, "
+                  f"{other / peak:.2f}x memfit's")
 
 
 if __name__ == "__main__":
