@@ -1,0 +1,171 @@
+"""What ``bn-from-output`` would buy the planner: measured, on a graph rewritten by hand (not yet a planner option).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bn_from_output_check.py mobilenet_v2:32:128 --budgets 33,40 --rounds 10
+
+At a third of the activation peak, most of what ``memfit`` recomputes on MobileNet-V2 and GoogLeNet is
+BatchNorm followed by its activation: a region starts at the BatchNorm's input (the convolution's output,
+which BatchNorm's backward needs) and normalizes it again. With in-place activated BatchNorm (Rota Bulo et
+al., CVPR 2018; MONeT section 4), BatchNorm's backward reads its *output* instead, so a region can start
+after it and recompute only the activation. The planner does not offer it: torchvision writes the
+activation in place over that output (``nn.ReLU(inplace=True)``), and a node's outputs are fixed storages in
+the accounting, so "the same activation out of place" is not a per-node variant it can express.
+
+This script makes the rewrite by hand, as a second graph: every BatchNorm whose only reader is an in-place
+ReLU / ReLU6 / LeakyReLU / Hardtanh (module or ``F.relu(x, inplace=True)``) runs as
+:class:`memfit.variants.BatchNorm2dFromOutput` (sharing the parameters and buffers) and the activation out of
+place. It profiles both graphs, solves ``memfit`` (no offloading) at each ``--budgets`` percent of plain
+PyTorch's activation peak on each, and times plain PyTorch and the plans round-robin
+(:func:`memfit.bench.harness.interleaved_step_seconds`); memory (exact tracker) and gradients come from one
+step of each plan from plain PyTorch's weights. The rewritten graph's gradients are PyTorch's to float32
+rounding only (its BatchNorm recovers the normalized input from the rounded output), so they are judged
+by the one-step float64 check (:func:`memfit.bench.job.rounding_check`) as ``conv-native`` plans are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+import torch.nn.functional as F
+from _spec import zoo_setup
+from torch import fx, nn
+
+import memfit
+from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
+from memfit.bench.job import rounding_verdict
+from memfit.graph import capture
+from memfit.graph.capture import Captured, graph_of
+from memfit.profile.costs import profile_graph
+from memfit.runtime.overhead import price_regions
+from memfit.solve.strategies import InfeasibleBudgetError, make_plan
+from memfit.variants import bn_from_module
+
+_ACTS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)
+_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        return type(m) in _ACTS and m.inplace and not (isinstance(m, nn.LeakyReLU) and m.negative_slope < 0)
+    return n.op == "call_function" and n.target is F.relu and n.kwargs.get("inplace", False) is True
+
+
+def rewrite(captured: Captured) -> tuple[Captured, list[str]]:
+    """A copy of ``captured`` with each BatchNorm -> in-place activation pair run as BatchNorm from its output
+    and the activation out of place; the names of the BatchNorm nodes rewritten."""
+    gm = captured.gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = fx.GraphModule(gm, graph, type(gm).__name__)
+    holder, done = nn.Module(), []
+    new.add_module("memfit_bfo", holder)
+    for n in list(graph.nodes):
+        if n.op != "call_module" or type(new.get_submodule(n.target)) not in _BNS:
+            continue
+        bn = new.get_submodule(n.target)
+        users = list(n.users)
+        if len(users) != 1 or not _inplace_activation(new, users[0]) or not bn.training:
+            continue
+        if bn.weight is not None and bool((bn.weight.detach() == 0).any()):
+            continue  # (a zero-initialized residual BatchNorm: its output does not give back its input)
+        act = users[0]
+        key = f"m{len(holder._modules)}"
+        holder.add_module(key + "bn", bn_from_module(bn))
+        n.target = f"memfit_bfo.{key}bn"
+        if act.op == "call_module":
+            m = new.get_submodule(act.target)
+            out_of_place = type(m).__new__(type(m))
+            out_of_place.__dict__.update(m.__dict__)
+            out_of_place.inplace = False
+            holder.add_module(key + "act", out_of_place)
+            act.target = f"memfit_bfo.{key}act"
+        else:
+            act.kwargs = {**act.kwargs, "inplace": False}
+        done.append(n.name)
+    new.recompile()
+    return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes), done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", help="model:batch:image-size, e.g. mobilenet_v2:32:128")
+    ap.add_argument("--budgets", default="33,40", help="activation budgets, percent of plain PyTorch's")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    args = ap.parse_args()
+    model, x, y, loss = zoo_setup(args.spec)
+    print(f"{args.spec}, {platform.machine()}, 1 thread, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    plain_copy = fresh_copy(model)
+    base = measure_training(plain_copy, plain_copy, (x,), y, loss, steps=1)
+    graphs = {}
+    for name in ("as traced", "bn-from-output"):
+        captured = capture(fresh_copy(model))
+        if name != "as traced":
+            captured, done = rewrite(captured)
+            print(f"rewritten: {len(done)} BatchNorm -> activation pairs", flush=True)
+        costs = profile_graph(captured, (x,), with_variants=True, loss_fn=lambda out: loss(out, y))
+        price_regions(costs)
+        graphs[name] = (captured, costs)
+    captured0, costs0 = graphs["as traced"]
+    plain_plan = make_plan("none", captured0.graph, costs0)
+    act = plain_plan.predicted_peak_bytes - costs0.fixed_bytes
+    rows, setups = [], [(plain := fresh_copy(model), plain)]
+    for pct in (float(b) for b in args.budgets.split(",")):
+        for name, (captured, costs) in graphs.items():
+            try:
+                plan = make_plan("memfit", captured.graph, costs, budget_bytes=int(costs.fixed_bytes + pct / 100 * act),
+                                 time_limit=args.time_limit, use_offload=False)
+            except InfeasibleBudgetError as exc:
+                print(f"{name} @ {pct}%: infeasible ({exc.smallest_feasible_bytes})")
+                continue
+            predicted = plan.predicted_step_seconds / plain_plan.predicted_step_seconds
+            fresh = capture(fresh_copy(model))  # (measuring trains the copy: each plan from plain PyTorch's weights)
+            pm = memfit.PlannedModule(fresh if name == "as traced" else rewrite(fresh)[0], plan)
+            fig = measure_training(pm, pm, (x,), y, loss, steps=1)
+            check = compare(base, fig)
+            check = (f"equal ({check['max_abs_grad_diff']:.1e})" if check["gradients_match"] and check["bn_stats_match"]
+                     else f"DIFFER ({check['max_abs_grad_diff']:.1e})")
+            if name != "as traced":
+                check = _rounding(model, plan, x, y, loss)
+            timed_captured = rewrite(capture(fresh_copy(model)))[0] if name != "as traced" else capture(fresh_copy(model))
+            timed = memfit.PlannedModule(timed_captured, plan)
+            setups.append((timed, timed))
+            rows.append((name, pct, plan, fig, predicted, check))
+    seconds = interleaved_step_seconds(setups, (x,), y, loss, rounds=args.rounds)
+    print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds}); activation peak "
+          f"{base.activation_peak_bytes / 2**20:.1f} MiB")
+    print("| graph | budget | activation peak | predicted overhead | measured overhead | regions (nodes) | variants "
+          "| gradients |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, (name, pct, plan, fig, predicted, check) in enumerate(rows, start=1):
+        print(f"| {name} | {pct:g}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
+              f"| {predicted:.3f}x | {seconds[k] / seconds[0]:.3f}x "
+              f"| {len(plan.regions)} ({sum(hi - lo + 1 for lo, hi in plan.region_spans())}) "
+              f"| {plan.counts()['variants'] or '-'} | {check} |", flush=True)
+
+
+def _rounding(model, plan, x, y, loss) -> str:
+    """One step from plain PyTorch's weights: the rewritten plan's gradients and BatchNorm statistics against
+    plain PyTorch's float32 and float64 ones (:func:`memfit.bench.peers.one_step_check`)."""
+    from memfit.bench import peers
+
+    reference = peers.reference_grads(model, (x,), y, loss, 0)
+    pm = memfit.PlannedModule(rewrite(capture(fresh_copy(model)))[0], plan)
+    buffers: dict[str, torch.Tensor] = {}
+    grads = peers.one_step_grads(pm, pm, (x,), y, loss, 0, buffers)
+    out = peers.one_step_check(grads, reference, buffers)
+    verdict = rounding_verdict(out)
+    return (f"{'equal to float32 rounding' if verdict['gradients_match'] and verdict['bn_stats_match'] else 'DIFFER'}"
+            f" (one step vs float64 {out['vs_float64']:.1e}, plain float32's {out['float32_noise']:.1e}; BatchNorm "
+            f"statistics {out.get('buffers_vs_float64', 0.0):.1e}, plain's {out.get('buffers_float32_noise', 0.0):.1e})")
+
+
+if __name__ == "__main__":
+    main()
