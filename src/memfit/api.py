@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from memfit.budget import Budget, fmt_bytes
+from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs
 from memfit.graph.calls import (
     bind_inputs,
     check_var_positional,
@@ -308,6 +309,42 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
     return out
 
 
+#: the least share of the step (or, at ``min``, of the activation peak) a plan with BatchNorm run from its output
+#: must save over the bit-exact plan to be chosen instead: its gradients are PyTorch's to float32 rounding only
+BN_FROM_OUTPUT_MARGIN = 0.01
+
+
+def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Callable | None = None,
+                          grads_exist: bool = False) -> Option | None:
+    """The graph with every BatchNorm -> in-place activation pair run from BatchNorm's output
+    (:func:`memfit.graph.bn_output.apply_bn_from_output`), profiled, with the copy costs, optimizer step and
+    region prices of ``costs`` and its times for the nodes the two graphs share; ``None`` where the graph has
+    no such pair or its profile raises."""
+    names = bn_activation_pairs(captured.gm)
+    if not names:
+        return None
+    rewritten = apply_bn_from_output(captured, names)
+    try:
+        other = profile_graph(rewritten, inputs, with_variants=True, loss_fn=loss_fn, grads_exist=grads_exist)
+    except ValueError:
+        return None
+    other.link, other.step_bytes = costs.link, costs.step_bytes
+    other.region_seconds, other.region_node_seconds = costs.region_seconds, costs.region_node_seconds
+    other.headroom_of = make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes
+    users = [next(iter(n.users)).name for n in captured.gm.graph.nodes if n.name in set(names)]
+    share_timings(costs, other, [], changed=tuple(names + users))
+    return Option(rewritten, other, bn_from_output=names)
+
+
+def _pays_for_rounding(found: Plan, exact: Plan, floor: bool) -> bool:
+    """Whether ``found`` (BatchNorm run from its output: gradients to float32 rounding) beats the bit-exact
+    ``exact`` by :data:`BN_FROM_OUTPUT_MARGIN`: faster by that share of the step, or at ``min`` (``floor``) a
+    budget smaller by that share of ``exact``'s activation part."""
+    if floor:
+        return found.budget_bytes < exact.budget_bytes - BN_FROM_OUTPUT_MARGIN * (exact.budget_bytes - exact.fixed_bytes)
+    return found.predicted_step_seconds < (1 - BN_FROM_OUTPUT_MARGIN) * exact.predicted_step_seconds
+
+
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, time_limit: float = 20.0, variants: bool = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
@@ -424,13 +461,28 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                          time_limit=time_limit, use_variants=variants)
 
     options = [Option(captured, costs)]
-    if tiling and strategy == "memfit" and variants and (floor or budget_bytes < plain.predicted_peak_bytes):
+    below_plain = floor or budget_bytes < plain.predicted_peak_bytes
+    if tiling and strategy == "memfit" and variants and below_plain:
         options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
+    result = chosen = None
+    errors: list[InfeasibleBudgetError] = []
     try:
         result, chosen = best_plan(options, solve, minimum=floor)
-    except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given
+    except InfeasibleBudgetError as exc:
+        errors.append(exc)
+    other = (bn_from_output_option(captured, costs, inputs, loss_fn, grads_exist)
+             if strategy == "memfit" and variants and below_plain else None)
+    if other is not None:
+        try:
+            found, option = best_plan([other], solve, minimum=floor)
+            if result is None or _pays_for_rounding(found, result, floor):
+                result, chosen = found, option
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+    if result is None:
+        exc = min(errors, key=lambda e: e.smallest_feasible_bytes)
         if optimizer is None:
-            raise
+            raise exc
         raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds

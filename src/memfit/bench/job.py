@@ -22,10 +22,12 @@ from memfit.variants import VARIANTS
 def rounding_sources(plan) -> list[str]:
     """What makes a plan's gradients equal PyTorch's to float rounding only, not bit for bit, as text: each operator
     variant that is not bit-exact with its count (``VariantSpec.exact``: ``"conv-native x4"``, PyTorch's own
-    convolution kernels instead of cuDNN's or oneDNN's), and ``"blocks in row stripes"`` (``plan.tiled``); empty
-    for a bit-exact plan."""
+    convolution kernels instead of cuDNN's or oneDNN's), ``"blocks in row stripes"`` (``plan.tiled``) and
+    ``"BatchNorm from its output xN"`` (``plan.bn_from_output``); empty for a bit-exact plan."""
     inexact = Counter(v for v in plan.variants.values() if v in VARIANTS and not VARIANTS[v].exact)
-    return [f"{v} x{n}" for v, n in sorted(inexact.items())] + (["blocks in row stripes"] if plan.tiled else [])
+    bfo = getattr(plan, "bn_from_output", [])
+    return ([f"{v} x{n}" for v, n in sorted(inexact.items())] + (["blocks in row stripes"] if plan.tiled else [])
+            + ([f"BatchNorm from its output x{len(bfo)}"] if bfo else []))
 
 
 def rounds_differently(plan) -> bool:

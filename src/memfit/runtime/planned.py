@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
 from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks, is_plain
+from memfit.graph.bn_output import apply_bn_from_output, has_bn_from_output
 from memfit.graph.calls import (
     bind_inputs,
     compute_nodes,
@@ -346,6 +347,8 @@ class PlannedModule(nn.Module):
         super().__init__()
         if plan.tiled and not is_tiled(captured):
             captured = apply_tiling(captured, [TiledBlock.from_dict(t) for t in plan.tiled])
+        if plan.bn_from_output and not has_bn_from_output(captured):
+            captured = apply_bn_from_output(captured, plan.bn_from_output)
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured

@@ -105,6 +105,10 @@ class Plan:
             weight: ``model.to(memory_format=torch.channels_last)`` changes it), by ``state_dict`` key.
         input_values: the forward's arguments that were plain Python values when the plan was made (``repr``
             text by name, :func:`memfit.graph.calls.input_values`): another value can change activation sizes.
+        bn_from_output: BatchNorm nodes run from their output, with the in-place activation after each run out of
+            place (:func:`memfit.graph.bn_output.apply_bn_from_output`: in-place activated BatchNorm, Rota Bulo et
+            al., CVPR 2018); everything else in the plan names the graph after that rewrite. Empty in plans made
+            before it existed.
         threads: ``torch.get_num_threads()`` when a CPU plan was profiled, ``None`` on CUDA (or in plans made before
             it was recorded). CPU kernels keep per-thread scratch buffers, so the peak depends on it: a ResNet-18
             at batch 8, 64 px, peaked at 162.6 MiB with one thread and 198.7 MiB with two (plain PyTorch).
@@ -149,8 +153,15 @@ class Plan:
     optimizer_step_bytes: int | None = None
     input_layouts: list[str] = field(default_factory=list)
     state_layouts: dict[str, str] = field(default_factory=dict)
+    bn_from_output: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.bn_from_output, list) or not all(isinstance(n, str) for n in self.bn_from_output):
+            raise ValueError('plan bn_from_output must be a list of BatchNorm node names, e.g. ["bn1"]')
+        missing = [n for n in self.bn_from_output if n not in self.nodes]
+        if missing:
+            raise ValueError(f"plan runs BatchNorm node {missing[0]!r} from its output (bn_from_output), but it is not "
+                             "in the plan's nodes: make the plan for this model")
         if not isinstance(self.tiled, list) or not all(
                 isinstance(t, dict) and set(t) == {"nodes", "stripes"} and isinstance(t["nodes"], list) and t["nodes"]
                 and all(isinstance(n, str) for n in t["nodes"]) and isinstance(t["stripes"], int)
@@ -210,6 +221,8 @@ class Plan:
                 "stats_recompute": list(self.stats_recompute)}
         if self.tiled:  # (absent from plans made before tiling, whose digests then still hold)
             what["tiled"] = [dict(t) for t in self.tiled]
+        if self.bn_from_output:  # (likewise)
+            what["bn_from_output"] = list(self.bn_from_output)
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -252,6 +265,8 @@ class Plan:
             variants["bn-saved-stats"] = len(self.stats_recompute)
         if self.tiled:
             variants["tiled-chain"] = len(self.tiled)
+        if self.bn_from_output:
+            variants["bn-from-output"] = variants.get("bn-from-output", 0) + len(self.bn_from_output)
         out["variants"] = variants
         return out
 

@@ -30,11 +30,13 @@ MAX_BLOCKS = 3  # at most 6 candidates, each a profile of the whole model
 
 @dataclass
 class Option:
-    """One graph to plan: ``captured`` and its profile ``costs``, with the blocks ``tiled`` in it."""
+    """One graph to plan: ``captured`` and its profile ``costs``, with the blocks ``tiled`` in it and the BatchNorm
+    nodes it runs from their output (``bn_from_output``, :func:`memfit.graph.bn_output.apply_bn_from_output`)."""
 
     captured: Captured
     costs: Costs
     tiled: list[TiledBlock] = field(default_factory=list)
+    bn_from_output: list[str] = field(default_factory=list)
 
 
 def tiling_candidates(blocks: list[list[str]], costs: Costs) -> list[list[TiledBlock]]:
@@ -49,11 +51,12 @@ def tiling_candidates(blocks: list[list[str]], costs: Costs) -> list[list[TiledB
             for stripes in STRIPES]
 
 
-def share_timings(base: Costs, other: Costs, tiled: list[TiledBlock]) -> None:
-    """Give ``other``'s nodes that are also in ``base`` (all but the tiled blocks' nodes) ``base``'s measured
-    times, so that plans of the two graphs differ in time only where the graphs do, not by timing noise
-    between the two profiles (medians of a few runs each, +-5% per node on a shared CPU)."""
-    tiled_names = {b.nodes[-1] for b in tiled}
+def share_timings(base: Costs, other: Costs, tiled: list[TiledBlock], changed: tuple[str, ...] = ()) -> None:
+    """Give ``other``'s nodes that are also in ``base`` (all but the tiled blocks' nodes and those named in
+    ``changed``) ``base``'s measured times, so that plans of the two graphs differ in time only where the graphs
+    do, not by timing noise between the two profiles (medians of a few runs each, +-5% per node on a shared
+    CPU)."""
+    tiled_names = {b.nodes[-1] for b in tiled} | set(changed)
     mine = {n.name: n for n in base.nodes}
     for n in other.nodes:
         ref = mine.get(n.name)
@@ -67,7 +70,8 @@ def share_timings(base: Costs, other: Costs, tiled: list[TiledBlock]) -> None:
 
 def best_plan(options: list[Option], solve: Callable[[Option], Plan], minimum: bool) -> tuple[Plan, Option]:
     """Solve every option and keep the fastest plan (``minimum``: the one with the smallest budget, then the
-    fastest), with ``plan.tiled`` set to its option's striped blocks. ``solve(option)`` returns a plan or
+    fastest), with ``plan.tiled`` set to its option's striped blocks and ``plan.bn_from_output`` to its BatchNorm
+    nodes run from their output. ``solve(option)`` returns a plan or
     raises :class:`InfeasibleBudgetError`.
 
     Raises:
@@ -87,4 +91,5 @@ def best_plan(options: list[Option], solve: Callable[[Option], Plan], minimum: b
     else:
         plan, option = min(found, key=lambda f: f[0].predicted_step_seconds)
     plan.tiled = [b.to_dict() for b in option.tiled]
+    plan.bn_from_output = list(option.bn_from_output)
     return plan, option

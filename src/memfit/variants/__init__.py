@@ -4,7 +4,8 @@ Each variant is a ``torch.autograd.Function`` with a drop-in ``nn.Module`` wrapp
 PyTorch module it replaces) that saves less for the backward pass and gives PyTorch's gradients:
 
 * ``relu-mask``: ReLU / LeakyReLU / ReLU6 / Hardtanh save a 1-bit mask (bit-exact gradients);
-* ``bn-from-output``: BatchNorm1d/2d/3d computes its backward from its output (float32 rounding);
+* ``bn-from-output``: BatchNorm1d/2d/3d computes its backward from its output (float32 rounding); the planner
+  uses it through a rewritten graph (:mod:`memfit.graph.bn_output`), not as a per-node variant;
 * ``maxpool-compact``: MaxPool2d saves uint8 in-window argmax offsets (bit-exact gradients);
 * ``conv-split-backward``: Conv1d/2d/3d saves what PyTorch saves but computes its weight and input
   gradients in two calls, so their workspaces never coexist (bit-exact gradients; MONeT's
@@ -137,8 +138,10 @@ class VariantSpec:
         applies: ``applies(module) -> bool``.
         make: ``make(module) -> nn.Module``, the replacement sharing the module's Parameters/buffers.
         caveat: a condition on the surrounding graph that ``applies`` cannot check ("" if none).
-        offered: the profile offers it to the planner. Not for ``bn-from-output``, whose rounding
-            ill-conditioned BatchNorm layers amplify over steps; ``conv-native`` is offered although not
+        offered: the profile offers it to the planner as a per-node variant. Not ``bn-from-output``: the in-place
+            activation after a BatchNorm must then run out of place, which changes the graph, so the planner
+            reaches it as a rewritten graph it solves beside the traced one (:mod:`memfit.graph.bn_output`);
+            ``conv-native`` is offered although not
             bit-exact: it rounds like cuDNN's own algorithms do against each other (PyTorch's default,
             ``torch.backends.cudnn.deterministic=False``, is not bit-reproducible either).
         pays: ``pays(module, inputs) -> bool``, where the profile should measure it on this call's input

@@ -1,0 +1,160 @@
+"""BatchNorm -> in-place activation pairs in a traced graph, and the graph with them run from BatchNorm's output.
+
+PyTorch's BatchNorm saves its *input* (the convolution's output) for its backward pass, and torchvision writes
+the activation after it in place over its output (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``). A
+checkpoint region that drops the convolution's output therefore starts at that input and normalizes it again
+in the backward pass. In-place activated BatchNorm (Rota Bulo, Porzi, Kontschieder, CVPR 2018, section 3;
+MONeT, Shah et al., ICLR 2021, section 4) computes BatchNorm's backward from its output instead
+(:mod:`memfit.variants.bn_from_output`): keep the BatchNorm's output, run the activation out of place, and a
+region can start after the BatchNorm and recompute only the activation. On MobileNet-V2 at 40% of its
+activation peak that took a CPU step from 1.20x to 1.09x plain PyTorch's (BENCHMARKS.md).
+
+That is not a per-node variant: the activation's output becomes a storage of its own instead of the
+BatchNorm's, and the planner's accounting fixes each node's output storages. So, as with striped blocks
+(:mod:`memfit.graph.tiling`), :func:`apply_bn_from_output` rewrites the graph and the planner profiles and
+solves the rewritten graph beside the traced one (:func:`memfit.api.plan`), keeping the faster plan; the
+plan names the BatchNorm nodes it rewrote (``Plan.bn_from_output``) and the planned module rewrites its graph
+the same way. Node names do not change.
+
+A pair is a training-mode ``nn.BatchNorm1d/2d/3d`` node whose only reader is an in-place ``nn.ReLU6`` or
+``nn.Hardtanh`` module or an ``F.hardtanh(x, ..., inplace=True)`` / ``F.relu6(x, inplace=True)`` call, neither
+with hooks, and whose weight has no zero (BatchNorm's output then does not give back its input: a
+zero-initialized residual BatchNorm). PyTorch's in-place ``hardtanh_`` saves a copy of its input, so there the
+out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU`` saves its result
+in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
+that cost as much as the recomputation it spared (ResNet-50 and GoogLeNet, measured with
+``benchmarks/bn_from_output_check.py``, which rewrites those too), so those pairs are left as traced. Both rewritten calls read the model's own modules at every call (mode,
+momentum, slope), so ``model.eval()`` and changed settings carry over. Gradients equal PyTorch's to float32
+rounding, not bit for bit: the normalized input comes back from the rounded output, with an error of about
+``ulp(y) / |weight|`` per element.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from memfit.graph.capture import Captured, graph_of
+from memfit.variants.bn_from_output import bn_from_output
+from memfit.variants.replaceable import replaceable
+
+__all__ = ["BFO_ATTR", "apply_bn_from_output", "bn_activation_pairs", "has_bn_from_output"]
+
+#: attribute of the rewritten GraphModule holding the rewritten calls
+BFO_ATTR = "memfit_bn_from_output"
+_ACTIVATIONS = (nn.ReLU6, nn.Hardtanh)
+_FUNCTIONS = (F.hardtanh, F.relu6)
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class BatchNormFromOutputCall(nn.Module):
+    """The model's BatchNorm ``bn`` (read at every call: its mode, momentum, eps, parameters and buffers) run
+    as :func:`memfit.variants.bn_from_output.bn_from_output`, with ``nn.BatchNorm``'s own bookkeeping
+    (``num_batches_tracked``, ``momentum=None``). Input and output ``(N, C, *)``."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x: Tensor) -> Tensor:
+        bn = self.bn
+        bn._check_input_dim(x)
+        factor = 0.0 if bn.momentum is None else bn.momentum
+        if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        buffers = not bn.training or bn.track_running_stats
+        return bn_from_output(x, bn.running_mean if buffers else None, bn.running_var if buffers else None,
+                              bn.weight, bn.bias, batch_stats, factor, bn.eps)
+
+
+class OutOfPlaceCall(nn.Module):
+    """The model's in-place ``nn.Hardtanh`` / ``nn.ReLU6`` ``act`` (its bounds read at every call) run out of
+    place: the same values and gradients, bit for bit, into a new tensor."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.hardtanh(x, self.act.min_val, self.act.max_val)  # (nn.ReLU6 is nn.Hardtanh(0, 6))
+
+
+def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_module":
+        act = gm.get_submodule(n.target)
+        return type(act) in _ACTIVATIONS and act.inplace is True and replaceable(act)
+    if n.op != "call_function" or n.target not in _FUNCTIONS:
+        return False
+    try:  # (F.hardtanh(x, 0.0, 6.0, True): the flag may come by position)
+        bound = inspect.signature(n.target).bind(*n.args, **n.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def bn_activation_pairs(gm: fx.GraphModule) -> list[str]:
+    """The BatchNorm nodes of ``gm`` that :func:`apply_bn_from_output` can rewrite (see the module docstring),
+    in graph order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_module" or not isinstance(n.target, str):
+            continue
+        bn = gm.get_submodule(n.target)
+        if type(bn) not in _BATCHNORMS or not bn.training or not replaceable(bn) or len(n.users) != 1:
+            continue
+        if bn.weight is not None and bool((bn.weight.detach() == 0).any()):
+            continue
+        if _inplace_activation(gm, next(iter(n.users))):
+            out.append(n.name)
+    return out
+
+
+def has_bn_from_output(captured: Captured) -> bool:
+    """``captured`` is the output of :func:`apply_bn_from_output` (with at least one pair rewritten)."""
+    return hasattr(captured.gm, BFO_ATTR)
+
+
+def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
+    """A copy of ``captured`` whose BatchNorm nodes ``names`` run from their output
+    (:class:`BatchNormFromOutputCall`) and whose activations after them run out of place
+    (:class:`OutOfPlaceCall`, or the call with ``inplace=False``). The original ``captured`` is not changed;
+    the copy shares the model's modules, parameters and buffers, and keeps every node name.
+
+    Raises:
+        ValueError: a name is not a BatchNorm node of this graph followed by an in-place activation
+            (:func:`bn_activation_pairs`), or is given twice.
+    """
+    if not names:
+        return captured
+    gm = captured.gm
+    known = set(bn_activation_pairs(gm))
+    bad = [n for n in names if n not in known]
+    if bad or len(set(names)) != len(names):
+        what = f"{bad[0]!r}, which is not" if bad else "a node twice; each must be"
+        raise ValueError(f"plan runs BatchNorm from its output (bn_from_output) at {what} a training BatchNorm "
+                         "whose only reader is an in-place ReLU6 or Hardtanh in this graph "
+                         "(memfit.graph.bn_output.bn_activation_pairs lists those): make the plan for this model")
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = fx.GraphModule(gm, graph, type(gm).__name__)
+    holder = nn.Module()
+    new.add_module(BFO_ATTR, holder)
+    by_name = {n.name: n for n in graph.nodes}
+    for k, name in enumerate(names):
+        node = by_name[name]
+        act = next(iter(node.users))
+        holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target)))
+        node.target = f"{BFO_ATTR}.bn{k}"
+        if act.op == "call_module":
+            holder.add_module(f"act{k}", OutOfPlaceCall(new.get_submodule(act.target)))
+            act.target = f"{BFO_ATTR}.act{k}"
+        else:
+            bound = inspect.signature(act.target).bind(*act.args, **act.kwargs)
+            bound.arguments["inplace"] = False
+            act.args, act.kwargs = bound.args, bound.kwargs
+    new.recompile()
+    return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes)

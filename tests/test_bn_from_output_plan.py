@@ -1,0 +1,169 @@
+"""BatchNorm run from its output, as a graph the planner solves beside the traced one (memfit.graph.bn_output).
+
+Every figure here is compared with plain PyTorch: gradients and BatchNorm statistics after steps from the same
+weights (to float32 rounding: the normalized input comes back from the rounded output), and the measured peak
+against the plan's budget and prediction.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.bench.harness import fresh_copy, measure_training
+from memfit.bench.job import rounding_check, rounding_verdict, rounds_differently
+from memfit.graph import capture
+from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs
+from memfit.solve.plan import Plan
+
+
+def _block(c_in: int, c: int, act: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), act)
+
+
+class _Net(nn.Module):
+    """MobileNet-style blocks (conv, BatchNorm, in-place ReLU6), one with an in-place ReLU, one with a functional
+    in-place ReLU6, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(_block(3, 16, nn.ReLU6(inplace=True)), _block(16, 32, nn.ReLU6(inplace=True)),
+                                  _block(32, 32, nn.ReLU(inplace=True)), _block(32, 32, nn.ReLU6(inplace=True)),
+                                  _block(32, 16, nn.Hardtanh(-1.0, 2.0, inplace=True)))
+        self.bn = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = F.relu6(self.bn(self.body(x)), inplace=True)
+        return self.head(h.mean((2, 3)))
+
+
+def _optimize(model, x, plan):
+    """The planned module of ``model`` under ``plan``, with the optimizer the plan counted."""
+    return memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+
+def _steps(module, params_of, x, y, steps=0):
+    opt = torch.optim.SGD(params_of.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+    opt.zero_grad(set_to_none=False)
+    F.cross_entropy(module(x), y).backward()  # the gradients compared: after `steps` updates
+
+
+@pytest.fixture(scope="module")
+def planned_60():
+    torch.manual_seed(0)
+    model = _Net().train()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    m = fresh_copy(model)  # (SGD with momentum, as measure_training trains: its state is in the plan's fixed bytes)
+    plan, _, _ = memfit.plan(m, x, budget="60%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                             loss_fn=lambda out: F.cross_entropy(out, y))
+    return model, x, y, plan
+
+
+def test_every_batchnorm_before_an_in_place_activation_is_a_pair():
+    c = capture(_Net().train())
+    # (an in-place ReLU saves nothing of its operand: out of place it costs a tensor more, so it stays as traced)
+    assert bn_activation_pairs(c.gm) == ["body_0_1", "body_1_1", "body_3_1", "body_4_1", "bn"]
+
+
+def test_pairs_leave_out_zero_weights_hooks_and_a_second_reader():
+    torch.manual_seed(0)
+    m = _Net().train()
+    with torch.no_grad():
+        m.body[1][1].weight[3] = 0.0  # (a zero-initialized residual BatchNorm: its output does not give back x)
+    m.body[3][1].register_forward_hook(lambda *a: None)  # a hook the rewritten call would not run
+    m.body[4][2] = nn.Hardtanh(-1.0, 2.0)  # not in place: nothing to gain
+    assert bn_activation_pairs(capture(m).gm) == ["body_0_1", "bn"]
+
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            h = self.bn(self.conv(x))
+            return F.relu6(h, inplace=True) + h.sum()
+
+    assert bn_activation_pairs(capture(TwoReaders().train()).gm) == []
+
+
+def test_the_rewrite_leaves_the_capture_and_the_model_alone():
+    m = _Net().train()
+    before = [(name, type(mod), getattr(mod, "inplace", None)) for name, mod in m.named_modules()]
+    c = capture(m)
+    names = bn_activation_pairs(c.gm)
+    r = apply_bn_from_output(c, names)
+    assert [n.name for n in r.gm.graph.nodes] == [n.name for n in c.gm.graph.nodes]
+    assert [(name, type(mod), getattr(mod, "inplace", None)) for name, mod in m.named_modules()] == before
+    assert bn_activation_pairs(c.gm) == names  # (the traced graph still has its in-place activations)
+    assert {id(p) for p in r.gm.parameters()} == {id(p) for p in m.parameters()}
+    with pytest.raises(ValueError, match="in-place ReLU6 or Hardtanh"):
+        apply_bn_from_output(c, ["body_0_0"])
+
+
+def test_memfit_runs_batchnorm_from_its_output_where_it_pays_and_trains_as_pytorch_does(planned_60):
+    model, x, y, plan = planned_60
+    assert plan.bn_from_output, plan.counts()
+    assert plan.counts()["variants"]["bn-from-output"] == len(plan.bn_from_output)
+    m = fresh_copy(model)
+    planned = _optimize(m, x, plan)
+    fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    assert fig.peak_bytes <= plan.budget_bytes, (fig.peak_bytes, plan.budget_bytes)
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.01 * fig.peak_bytes
+    # one step from the same weights (training amplifies float32 rounding over steps, as it does between two
+    # CPUs): gradients and statistics to rounding, and as close to float64 as plain PyTorch's float32 step
+    ref, ours = fresh_copy(model), fresh_copy(model)
+    _steps(ref, ref, x, y)
+    planned = _optimize(ours, x, plan)
+    _steps(planned, ours, x, y)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert rounds_differently(plan)
+    verdict = rounding_verdict(rounding_check(model, plan, (x,), y, F.cross_entropy))
+    assert verdict["gradients_match"] and verdict["bn_stats_match"], verdict
+
+
+def test_a_saved_plan_rewrites_the_graph_again_and_a_frozen_batchnorm_is_followed(planned_60, tmp_path):
+    model, x, y, plan = planned_60
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.bn_from_output == plan.bn_from_output
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (not an edited plan)
+        planned = _optimize(fresh_copy(model), x, loaded)
+    twin = copy.deepcopy(planned)
+    for module in (planned, twin):
+        module.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+    for a, b in zip(planned.parameters(), twin.parameters(), strict=True):
+        assert a is not b
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    # a BatchNorm frozen after planning: its running statistics stay, as in plain PyTorch
+    ref, ours = fresh_copy(model), fresh_copy(model)
+    planned = _optimize(ours, x, loaded)
+    ref.body[1][1].eval()
+    ours.body[1][1].eval()
+    _steps(ref, ref, x, y)
+    _steps(planned, ours, x, y)
+    assert torch.equal(ours.body[1][1].running_mean, model.body[1][1].running_mean)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_without_variants_or_above_plain_the_graph_is_the_traced_one(planned_60):
+    model, x, y, _ = planned_60
+    loss = lambda out: F.cross_entropy(out, y)
+    assert memfit.plan(fresh_copy(model), x, budget="60%", variants=False, loss_fn=loss)[0].bn_from_output == []
+    assert memfit.plan(fresh_copy(model), x, budget="100%", loss_fn=loss)[0].bn_from_output == []
