@@ -1,4 +1,4 @@
-"""What ``bn-from-output`` would buy the planner: measured, on a graph rewritten by hand (not yet a planner option).
+"""What ``bn-from-output`` buys the planner, per kind of activation: the traced graph against one rewritten by hand.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bn_from_output_check.py mobilenet_v2:32:128 --budgets 33,40 --rounds 10
 
@@ -8,9 +8,12 @@ which BatchNorm's backward needs) and normalizes it again. With in-place activat
 al., CVPR 2018; MONeT section 4), BatchNorm's backward reads its *output* instead, so a region can start
 after it and recompute only the activation. The planner does not offer it: torchvision writes the
 activation in place over that output (``nn.ReLU(inplace=True)``), and a node's outputs are fixed storages in
-the accounting, so "the same activation out of place" is not a per-node variant it can express.
+the accounting, so "the same activation out of place" is not a per-node variant it can express: ``memfit``
+solves the rewritten graph beside the traced one (:mod:`memfit.graph.bn_output`), for ReLU6 and Hardtanh only.
+This script measured why: it rewrites ReLU and LeakyReLU pairs too, and there the out-of-place activation
+cost as much as it spared (ResNet-50, GoogLeNet; BENCHMARKS.md, 2026-12-04).
 
-This script makes the rewrite by hand, as a second graph: every BatchNorm whose only reader is an in-place
+It makes the rewrite by hand, as a second graph: every BatchNorm whose only reader is an in-place
 ReLU / ReLU6 / LeakyReLU / Hardtanh (module or ``F.relu(x, inplace=True)``) runs as
 :class:`memfit.variants.BatchNorm2dFromOutput` (sharing the parameters and buffers) and the activation out of
 place. It profiles both graphs, solves ``memfit`` (no offloading) at each ``--budgets`` percent of plain

@@ -37,9 +37,12 @@ def test_budget_parse():
     for nan in (float("nan"), "nan", "inf"):
         with pytest.raises(ValueError, match="not a number of bytes"):
             Budget.parse(nan)
-    for zero in (0, "0", "0GiB", 0.5, "0.1B"):  # the same error whether written as text or as a number
+    for zero in (0, "0", "0GiB", "0.1B"):  # the same error whether written as text or as a number
         with pytest.raises(ValueError, match="at least one byte"):
             Budget.parse(zero)
+    for fraction in (0.4, "0.4"):  # a fresh user's fraction was told "at least one byte"
+        with pytest.raises(ValueError, match="write a percentage, '40%'"):
+            Budget.parse(fraction)
     with pytest.raises(ValueError, match="must be positive"):
         Budget.parse("-5MiB")
 

@@ -46,6 +46,9 @@ class Budget:
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             if isinstance(spec, float) and not math.isfinite(spec):
                 raise ValueError(f"budget {spec!r}: not a number of bytes; write e.g. '2GiB', '40%' or 'min'")
+            if 0 < spec < 1:  # a fraction, most likely ("0.4" read as 0 bytes)
+                raise ValueError(f"budget {spec!r}: a bare number is a count of bytes; for a fraction of plain "
+                                 f"PyTorch's peak write a percentage, '{100 * spec:g}%'")
             if int(spec) <= 0:
                 raise ValueError(f"budget {spec!r}: must be at least one byte (or a percentage such as '40%', "
                                  "or 'min' for the least memory memfit can reach)")
