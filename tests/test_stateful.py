@@ -465,3 +465,19 @@ def test_an_activation_read_without_gradient_is_not_priced_a_second_gradient(bud
     predicted_act = planned.plan.predicted_peak_bytes - planned.plan.fixed_bytes
     assert fig.activation_peak_bytes <= predicted_act + 4096, (fig.activation_peak_bytes, predicted_act)
     assert predicted_act <= base.activation_peak_bytes + 4096, (predicted_act, base.activation_peak_bytes)
+
+
+def test_deepcopy_after_a_setting_changed_trains_as_the_planned_module_does():
+    """A fresh user set ``model.drop.p = 0.0`` after planning: the planned module trained on, its deep copy was
+    refused as "solved for a different graph"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4)).train()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    planned = memfit.optimize(model, x, budget="100%", loss_fn=lambda out: F.cross_entropy(out, y))
+    model[2].p = 0.0
+    plain = copy.deepcopy(model)
+    twin = copy.deepcopy(planned)
+    for module in (plain, twin):
+        F.cross_entropy(module(x), y).backward()
+    for (name, a), b in zip(plain.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)

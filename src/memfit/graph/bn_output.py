@@ -70,6 +70,10 @@ class BatchNormFromOutputCall(nn.Module):
         return bn_from_output(x, bn.running_mean if buffers else None, bn.running_var if buffers else None,
                               bn.weight, bn.bias, batch_stats, factor, bn.eps)
 
+    def node_op(self) -> str:
+        """What :func:`memfit.graph.calls.node_ops` records for this node: the BatchNorm's settings."""
+        return f"{type(self.bn).__name__}({self.bn.extra_repr()}) from its output"
+
 
 class OutOfPlaceCall(nn.Module):
     """The model's in-place ``nn.Hardtanh`` / ``nn.ReLU6`` ``act`` (its bounds read at every call) run out of
@@ -81,6 +85,10 @@ class OutOfPlaceCall(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.hardtanh(x, self.act.min_val, self.act.max_val)  # (nn.ReLU6 is nn.Hardtanh(0, 6))
+
+    def node_op(self) -> str:
+        """What :func:`memfit.graph.calls.node_ops` records for this node: the activation's settings."""
+        return f"{type(self.act).__name__}({self.act.extra_repr()}) out of place"
 
 
 def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:

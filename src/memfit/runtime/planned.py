@@ -399,9 +399,12 @@ class PlannedModule(nn.Module):
         store = self.offload_store
         own_store = (DiskStore(store.directory) if isinstance(store, DiskStore) and not store.remove_when_done
                      else None)
+        plan = copy.deepcopy(self.plan, memo)
+        if plan.node_ops:  # (settings changed since planning, which this module runs with: Dropout's p; the copy
+            plan.node_ops = node_ops(gm)  # was refused as "solved for a different graph", a fresh-user finding)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
                                      attributes=copy.deepcopy(captured.attributes, memo)),
-                            copy.deepcopy(self.plan, memo), copy.deepcopy(self.report, memo),
+                            plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
         for key, value in self.__dict__.items():  # hooks registered on the planned module itself
