@@ -30,7 +30,7 @@ from memfit.runtime.planned import PlannedModule, autocast_dtype, conv_libraries
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, InfeasibleBudgetError, make_plan, plan_at_floor
-from memfit.solve.tiling import Option, best_plan, share_timings, tiling_candidates
+from memfit.solve.tiling import Option, best_plan_rounding, share_timings, tiling_candidates
 from memfit.warn import warn_user
 
 
@@ -336,15 +336,6 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
     return Option(rewritten, other, bn_from_output=names)
 
 
-def _pays_for_rounding(found: Plan, exact: Plan, floor: bool) -> bool:
-    """Whether ``found`` (BatchNorm run from its output: gradients to float32 rounding) beats the bit-exact
-    ``exact`` by :data:`BN_FROM_OUTPUT_MARGIN`: faster by that share of the step, or at ``min`` (``floor``) a
-    budget smaller by that share of ``exact``'s activation part."""
-    if floor:
-        return found.budget_bytes < exact.budget_bytes - BN_FROM_OUTPUT_MARGIN * (exact.budget_bytes - exact.fixed_bytes)
-    return found.predicted_step_seconds < (1 - BN_FROM_OUTPUT_MARGIN) * exact.predicted_step_seconds
-
-
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, time_limit: float = 20.0, variants: bool = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
@@ -464,25 +455,13 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     below_plain = floor or budget_bytes < plain.predicted_peak_bytes
     if tiling and strategy == "memfit" and variants and below_plain:
         options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
-    result = chosen = None
-    errors: list[InfeasibleBudgetError] = []
-    try:
-        result, chosen = best_plan(options, solve, minimum=floor)
-    except InfeasibleBudgetError as exc:
-        errors.append(exc)
     other = (bn_from_output_option(captured, costs, inputs, loss_fn, grads_exist)
              if strategy == "memfit" and variants and below_plain else None)
-    if other is not None:
-        try:
-            found, option = best_plan([other], solve, minimum=floor)
-            if result is None or _pays_for_rounding(found, result, floor):
-                result, chosen = found, option
-        except InfeasibleBudgetError as exc:
-            errors.append(exc)
-    if result is None:
-        exc = min(errors, key=lambda e: e.smallest_feasible_bytes)
+    try:
+        result, chosen = best_plan_rounding(options, other, solve, floor, BN_FROM_OUTPUT_MARGIN)
+    except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given
         if optimizer is None:
-            raise exc
+            raise
         raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds

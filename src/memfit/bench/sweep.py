@@ -67,7 +67,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.api import autocast_dtype, offload_store, optimizer_state_bytes, tiled_options
+from memfit.api import (
+    BN_FROM_OUTPUT_MARGIN,
+    autocast_dtype,
+    bn_from_output_option,
+    offload_store,
+    optimizer_state_bytes,
+    tiled_options,
+)
 from memfit.bench.harness import StepFigures, compare, fresh_copy, interleaved_step_seconds, measure_training
 from memfit.bench.job import measure_plain, rounding_check, rounding_verdict, rounds_differently
 from memfit.budget import fmt_bytes
@@ -79,7 +86,7 @@ from memfit.runtime.planned import PlannedModule
 from memfit.runtime.stores import CopyEngine, HostStore
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, STRATEGIES, InfeasibleBudgetError, make_plan
-from memfit.solve.tiling import Option, best_plan
+from memfit.solve.tiling import Option, best_plan_rounding
 
 from . import peers
 
@@ -355,6 +362,7 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
     planners = [s for s in strategies if s in STRATEGIES]
     captured = costs = plain_predicted = None
     options: list[Option] = []  # tiled graphs memfit also solves
+    rounding: Option | None = None  # the graph with BatchNorm run from its output
     profile_s = 0.0
     fixed = 0
     plain_predicted_s = None
@@ -384,6 +392,8 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
         if "memfit" in planners and tiling and autocast_dtype(work.inputs) is None:  # graphs with blocks in row stripes
             tick(f"{work.name}: profiling tiled blocks")
             options += tiled_options(captured, costs, work.inputs, grads_exist=grads_exist)
+        if "memfit" in planners:  # the graph with BatchNorm run from its output, as memfit.plan solves it
+            rounding = bn_from_output_option(captured, costs, work.inputs, grads_exist=grads_exist)
     for strategy in strategies:
         if strategy in STRATEGIES:
             cases = [None] if strategy in BUDGET_FREE else budgets
@@ -402,7 +412,8 @@ def sweep(work: Workload, budgets=BUDGETS, strategies=BENCH_STRATEGIES, *, steps
                                      time_limit=time_limit, use_offload=row_store is not None)
                 try:
                     if strategy == "memfit" and budget < plain_predicted.predicted_peak_bytes:  # as memfit.plan
-                        plan, _ = best_plan([Option(captured, costs), *options], solve, minimum=False)
+                        plan, _ = best_plan_rounding([Option(captured, costs), *options], rounding, solve,
+                                                     minimum=False, margin=BN_FROM_OUTPUT_MARGIN)
                     else:
                         plan = solve(Option(captured, costs))
                 except InfeasibleBudgetError as exc:

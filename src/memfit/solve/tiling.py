@@ -22,7 +22,7 @@ from memfit.profile.costs import Costs
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import InfeasibleBudgetError
 
-__all__ = ["Option", "best_plan", "share_timings", "tiling_candidates"]
+__all__ = ["Option", "best_plan", "best_plan_rounding", "share_timings", "tiling_candidates"]
 
 STRIPES = (4, 8)
 MAX_BLOCKS = 3  # at most 6 candidates, each a profile of the whole model
@@ -93,3 +93,36 @@ def best_plan(options: list[Option], solve: Callable[[Option], Plan], minimum: b
     plan.tiled = [b.to_dict() for b in option.tiled]
     plan.bn_from_output = list(option.bn_from_output)
     return plan, option
+
+
+def best_plan_rounding(options: list[Option], rounding: Option | None, solve: Callable[[Option], Plan], minimum: bool,
+                       margin: float) -> tuple[Plan, Option]:
+    """:func:`best_plan` over ``options``, then ``rounding`` (a graph whose gradients equal PyTorch's to float32
+    rounding only, such as BatchNorm run from its output) solved too and kept only where it pays for that:
+    its plan faster by ``margin`` of the step, or, with ``minimum``, a budget smaller by ``margin`` of the other
+    plan's activation part (or where ``options`` have no plan).
+
+    Raises:
+        InfeasibleBudgetError: no graph has a plan; it names the smallest feasible budget of them all.
+    """
+    result: tuple[Plan, Option] | None = None
+    errors: list[InfeasibleBudgetError] = []
+    for group in ([options, [rounding]] if rounding is not None else [options]):
+        try:
+            found = best_plan(group, solve, minimum)
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+            continue
+        if result is None:
+            result = found
+            continue
+        plan, exact = found[0], result[0]
+        if minimum:
+            pays = plan.budget_bytes < exact.budget_bytes - margin * (exact.budget_bytes - exact.fixed_bytes)
+        else:
+            pays = plan.predicted_step_seconds < (1 - margin) * exact.predicted_step_seconds
+        if pays:
+            result = found
+    if result is None:
+        raise min(errors, key=lambda e: e.smallest_feasible_bytes)
+    return result
