@@ -6,6 +6,7 @@ against the plan's budget and prediction.
 """
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -167,3 +168,23 @@ def test_without_variants_or_above_plain_the_graph_is_the_traced_one(planned_60)
     loss = lambda out: F.cross_entropy(out, y)
     assert memfit.plan(fresh_copy(model), x, budget="60%", variants=False, loss_fn=loss)[0].bn_from_output == []
     assert memfit.plan(fresh_copy(model), x, budget="100%", loss_fn=loss)[0].bn_from_output == []
+
+
+def test_a_batchnorm_run_from_its_output_and_recomputed_updates_its_statistics_once_a_step(planned_60):
+    """Regions over the rewritten pairs (a plan edited by hand): each recomputation of such a BatchNorm must not
+    update its running statistics or ``num_batches_tracked`` again."""
+    model, x, y, plan = planned_60
+    edited = dataclasses.replace(plan, regions=[["body_0_0", "body_1_2"], ["body_3_1", "body_4_2"]], decisions={},
+                                 stats_recompute=[])
+    ref, ours = fresh_copy(model), fresh_copy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an edited plan: its predicted figures no longer hold)
+        planned = _optimize(ours, x, edited)
+    assert planned.plan.counts()["recompute"] >= 8
+    for _ in range(3):
+        _steps(ref, ref, x, y)
+        _steps(planned, ours, x, y)
+    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
