@@ -188,3 +188,19 @@ def test_a_batchnorm_run_from_its_output_and_recomputed_updates_its_statistics_o
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
     for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_hook_added_after_planning_runs_and_sees_pytorchs_values(planned_60):
+    model, x, y, plan = planned_60
+    ref, ours = fresh_copy(model), fresh_copy(model)
+    planned = _optimize(ours, x, plan)
+    seen = {}
+    for name, m in (("ref", ref), ("ours", ours)):
+        m.body[0][1].register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name + " bn", out.clone()))
+        m.body[0][2].register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name + " act", out.clone()))
+    _steps(ref, ref, x, y)
+    with pytest.warns(UserWarning, match="hook that was not there when the plan was made"):
+        _steps(planned, ours, x, y)
+    assert torch.equal(seen["ours bn"], seen["ref bn"]) and torch.equal(seen["ours act"], seen["ref act"])
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)

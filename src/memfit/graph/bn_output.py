@@ -24,7 +24,8 @@ out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``L
 in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
 that cost as much as the recomputation it spared (ResNet-50 and GoogLeNet, measured with
 ``benchmarks/bn_from_output_check.py``, which rewrites those too), so those pairs are left as traced. Both rewritten calls read the model's own modules at every call (mode,
-momentum, slope), so ``model.eval()`` and changed settings carry over. Gradients equal PyTorch's to float32
+bounds), so ``model.eval()`` and changed settings carry over; a module hook added to either after planning makes
+it run as PyTorch's own (the activation on a copy of its input), with a warning. Gradients equal PyTorch's to float32
 rounding, not bit for bit: the normalized input comes back from the rounded output, with an error of about
 ``ulp(y) / |weight|`` per element.
 """
@@ -32,10 +33,12 @@ rounding, not bit for bit: the normalized input comes back from the rounded outp
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from memfit.graph.attributes import has_own_hooks
 from memfit.graph.capture import Captured, graph_of
 from memfit.variants.bn_from_output import bn_from_output
 from memfit.variants.replaceable import replaceable
@@ -60,6 +63,9 @@ class BatchNormFromOutputCall(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         bn = self.bn
+        if has_own_hooks(bn):  # a hook added after planning sees PyTorch's own BatchNorm (which saves its input)
+            _warn_hooked(bn)
+            return bn(x)
         bn._check_input_dim(x)
         factor = 0.0 if bn.momentum is None else bn.momentum
         if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
@@ -84,11 +90,20 @@ class OutOfPlaceCall(nn.Module):
         self.act = act
 
     def forward(self, x: Tensor) -> Tensor:
+        if has_own_hooks(self.act):  # a hook added after planning: the module itself, on a copy it may overwrite
+            _warn_hooked(self.act)
+            return self.act(x.clone())
         return F.hardtanh(x, self.act.min_val, self.act.max_val)  # (nn.ReLU6 is nn.Hardtanh(0, 6))
 
     def node_op(self) -> str:
         """What :func:`memfit.graph.calls.node_ops` records for this node: the activation's settings."""
         return f"{type(self.act).__name__}({self.act.extra_repr()}) out of place"
+
+
+def _warn_hooked(module: nn.Module) -> None:
+    warnings.warn(f"memfit: {type(module).__name__} has a module hook that was not there when the plan was made; the "
+                  "plan runs it as PyTorch's own so that the hook runs (BatchNorm then saves its input as well: the "
+                  "step may go over the plan). Plan with the hook registered.", stacklevel=3)
 
 
 def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:
@@ -156,10 +171,11 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
         node = by_name[name]
         act = next(iter(node.users))
         holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target)))
-        node.target = f"{BFO_ATTR}.bn{k}"
+        # (the module the call runs: the planned module's hook check treats it as called, not traced into)
+        node.meta["memfit_module"], node.target = node.target, f"{BFO_ATTR}.bn{k}"
         if act.op == "call_module":
             holder.add_module(f"act{k}", OutOfPlaceCall(new.get_submodule(act.target)))
-            act.target = f"{BFO_ATTR}.act{k}"
+            act.meta["memfit_module"], act.target = act.target, f"{BFO_ATTR}.act{k}"
         else:
             bound = inspect.signature(act.target).bind(*act.args, **act.kwargs)
             bound.arguments["inplace"] = False

@@ -501,6 +501,7 @@ class PlannedModule(nn.Module):
         traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
                          if not (n.op == "call_module" and path == n.target)}
         leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+        leaves |= {n.meta["memfit_module"] for n in gm.graph.nodes if "memfit_module" in n.meta}  # (rewritten calls)
         self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
         self._first_parameter = next(iter(self.model.named_parameters()), None)
         # (the first whose layouts differ: a 1x1 convolution's weight is contiguous in both)
