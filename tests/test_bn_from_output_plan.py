@@ -8,6 +8,7 @@ against the plan's budget and prediction.
 import copy
 import dataclasses
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from memfit.bench.job import rounding_check, rounding_verdict, rounds_differentl
 from memfit.graph import capture
 from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs
 from memfit.solve.plan import Plan
+from memfit.solve.strategies import InfeasibleBudgetError
+from memfit.solve.tiling import Option, best_plan_rounding
 
 
 def _block(c_in: int, c: int, act: nn.Module) -> nn.Sequential:
@@ -64,8 +67,11 @@ def planned_60():
     model = _Net().train()
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     m = fresh_copy(model)  # (SGD with momentum, as measure_training trains: its state is in the plan's fixed bytes)
-    plan, _, _ = memfit.plan(m, x, budget="60%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                             loss_fn=lambda out: F.cross_entropy(out, y))
+    # whether the rewritten graph is 1% faster is a matter of timings (a loaded machine once said no): the margin is
+    # lifted here so that the rewritten graph's plan is the one made, and its choice is tested apart, below
+    with mock.patch("memfit.api.BN_FROM_OUTPUT_MARGIN", -1.0):
+        plan, _, _ = memfit.plan(m, x, budget="60%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                                 loss_fn=lambda out: F.cross_entropy(out, y))
     return model, x, y, plan
 
 
@@ -110,7 +116,7 @@ def test_the_rewrite_leaves_the_capture_and_the_model_alone():
         apply_bn_from_output(c, ["body_0_0"])
 
 
-def test_memfit_runs_batchnorm_from_its_output_where_it_pays_and_trains_as_pytorch_does(planned_60):
+def test_a_plan_with_batchnorm_from_its_output_trains_as_pytorch_does(planned_60):
     model, x, y, plan = planned_60
     assert plan.bn_from_output, plan.counts()
     assert plan.counts()["variants"]["bn-from-output"] == len(plan.bn_from_output)
@@ -204,3 +210,34 @@ def test_a_hook_added_after_planning_runs_and_sees_pytorchs_values(planned_60):
     assert torch.equal(seen["ours bn"], seen["ref bn"]) and torch.equal(seen["ours act"], seen["ref act"])
     for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_graph_that_rounds_differently_is_kept_only_where_it_pays():
+    """The rule of memfit.plan and memfit bench (solve.tiling.best_plan_rounding), on plans with given figures."""
+    exact, rounding = Option(None, None), Option(None, None, bn_from_output=["bn"])
+
+    def solver(**plans):
+        def solve(option):
+            found = plans["rounding" if option.bn_from_output else "exact"]
+            if isinstance(found, Exception):
+                raise found
+            return found
+        return solve
+
+    def plan(seconds, budget=1000):
+        return Plan(strategy="memfit", nodes=["bn"], predicted_step_seconds=seconds, budget_bytes=budget, fixed_bytes=0)
+
+    pick = best_plan_rounding([exact], rounding, solver(exact=plan(1.0), rounding=plan(0.98)), False, 0.01)
+    assert pick[1] is rounding and pick[0].bn_from_output == ["bn"]
+    pick = best_plan_rounding([exact], rounding, solver(exact=plan(1.0), rounding=plan(0.995)), False, 0.01)
+    assert pick[1] is exact and pick[0].bn_from_output == []  # (0.5% faster: not worth float32 rounding)
+    pick = best_plan_rounding([exact], rounding, solver(exact=plan(1.0, 1000), rounding=plan(2.0, 980)), True, 0.01)
+    assert pick[1] is rounding  # at min: 2% less memory, whatever the time
+    pick = best_plan_rounding([exact], rounding, solver(exact=plan(1.0, 1000), rounding=plan(0.5, 995)), True, 0.01)
+    assert pick[1] is exact
+    low, high = InfeasibleBudgetError(800, 900, 0), InfeasibleBudgetError(800, 950, 0)
+    assert best_plan_rounding([exact], rounding, solver(exact=high, rounding=plan(3.0)), False, 0.01)[1] is rounding
+    with pytest.raises(InfeasibleBudgetError) as err:
+        best_plan_rounding([exact], rounding, solver(exact=high, rounding=low), False, 0.01)
+    assert err.value.smallest_feasible_bytes == 900
+    assert best_plan_rounding([exact], None, solver(exact=plan(1.0)), False, 0.01)[1] is exact

@@ -242,6 +242,7 @@ def cmd_plan(args) -> int:
                     f" offload {c['offload']}{'' if store is None else ' (to ' + store.describe() + ')'};"
                     f" {len(result.regions)} checkpoint region(s)"
                     f"{f'; {len(result.tiled)} block(s) in row stripes' if result.tiled else ''}"
+                    f"{f'; {len(result.bn_from_output)} BatchNorm(s) from their output' if result.bn_from_output else ''}"
                     f"{'; gradients kept allocated' if args.grads_exist else ''}"
                     f"{'; CPU allocator ' + cpu_allocator() if args.device == 'cpu' else ''}; wrote {args.out}")
     return 0
