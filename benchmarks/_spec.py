@@ -27,6 +27,21 @@ def zoo_setup(spec: str):
     return model, x, y, zoo.loss_for(name)
 
 
+def measured_setup(spec: str):
+    """:func:`zoo_setup`, a header line for the run (spec, machine, torch, UTC time) printed, and plain PyTorch's
+    figures from one measured step (:func:`memfit.bench.harness.measure_training`): ``(model, x, y, loss, base)``."""
+    import platform
+    import time
+
+    from memfit.bench.harness import measure_training
+
+    model, x, y, loss = zoo_setup(spec)
+    print(f"{spec}, {platform.machine()}, 1 thread, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    plain = fresh_copy(model)
+    return model, x, y, loss, measure_training(plain, plain, (x,), y, loss, steps=1)
+
+
 def without_variant(costs, name: str):
     """A copy of ``costs`` in which no node offers operator variant ``name`` (e.g. ``"conv-native"``)."""
     out = copy.deepcopy(costs)

@@ -29,15 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
-import time
 from contextlib import nullcontext
 from unittest import mock
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch
-from _spec import profile_once, without_variant, zoo_setup
+from _spec import measured_setup, profile_once, without_variant
 
 import memfit
 from memfit.bench.frontier import memory_at_overhead
@@ -56,11 +53,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per setup, round-robin")
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
-    model, x, y, loss = zoo_setup(args.spec)
-    print(f"{args.spec}, {platform.machine()}, 1 thread, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    plain_copy = fresh_copy(model)
-    base = measure_training(plain_copy, plain_copy, (x,), y, loss, steps=1)
+    model, x, y, loss, base = measured_setup(args.spec)
     captured, costs = profile_once(model, x, y, loss)
     graph, fixed = captured.graph, costs.fixed_bytes
     plain_plan = make_plan("none", graph, costs)

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
-from _spec import zoo_setup
+from _spec import measured_setup
 from torch import fx, nn
 
 import memfit
@@ -102,11 +100,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
-    model, x, y, loss = zoo_setup(args.spec)
-    print(f"{args.spec}, {platform.machine()}, 1 thread, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    plain_copy = fresh_copy(model)
-    base = measure_training(plain_copy, plain_copy, (x,), y, loss, steps=1)
+    model, x, y, loss, base = measured_setup(args.spec)
     graphs = {}
     for name in ("as traced", "bn-from-output"):
         captured = capture(fresh_copy(model))
