@@ -356,11 +356,11 @@ def test_what_recomputation_does_with_each_written_buffer():
     plain = _build(lambda: _sequential(lambda conv: nn.BatchNorm2d(8)))
     planned = _plan_for(_build(lambda: _sequential(lambda conv: nn.BatchNorm2d(8))), "all")
     _assert_same(*_train_side_by_side(plain, planned, x, y, steps=2))
-    assert {name: kind for (_, name), kind in planned._kinds.items()} == {
+    assert {name: kind for (_, name), kind in planned._kinds[planned._modes()].items()} == {
         "running_mean": "restore", "running_var": "restore", "num_batches_tracked": "scratch"}
     planned = _plan_for(_build(MODELS["spectral_norm_hook"]), "all")
     F.cross_entropy(planned(x), y).backward()
-    assert {name: kind for (_, name), kind in planned._kinds.items()} == {"weight_u": "stateful", "weight_v": "stateful"}
+    assert {name: kind for (_, name), kind in planned._kinds[planned._modes()].items()} == {"weight_u": "stateful", "weight_v": "stateful"}
 
 
 class BufferFlag(nn.Module):
@@ -426,7 +426,7 @@ def test_the_plan_names_the_written_buffers_for_the_first_step(monkeypatch):
             m.setattr(planned_module, "FindWrites", None)
             _assert_same(*_train_side_by_side(_build(MODELS[name]), planned, x, y, steps=2))
         _assert_same(*_train_side_by_side(_build(MODELS[name]), older, x, y, steps=2))
-        found[name] = (planned._kinds, older._kinds)
+        found[name] = (planned._kinds[planned._modes()], older._kinds[older._modes()])
     for mine, theirs in found.values():
         assert {n: k for (_, n), k in mine.items()} == {n: k for (_, n), k in theirs.items()}
 
@@ -481,3 +481,52 @@ def test_deepcopy_after_a_setting_changed_trains_as_the_planned_module_does():
         F.cross_entropy(module(x), y).backward()
     for (name, a), b in zip(plain.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+def _planned_at_min(model, x, y):
+    """``memfit.optimize`` at its smallest budget (every node it can recompute in regions), with the plan's
+    written buffers found by the profile in the modes the model has now."""
+    planned = memfit.optimize(model, x, budget="min", loss_fn=lambda out: F.cross_entropy(out, y))
+    assert planned.plan.regions and planned.plan.buffer_kinds_known
+    return planned
+
+
+def test_a_batchnorm_planned_in_eval_mode_and_trained_updates_its_statistics_once():
+    """A fresh user's finding: a BatchNorm in ``eval()`` at planning, put back in training mode, had its running
+    statistics updated by the forward pass and again by each recomputation (num_batches_tracked 6 against 3 after
+    3 steps, running_var 0.16 off, silently): the plan's written buffers were found with it writing none."""
+    x, y = _data()
+    model = _build(MODELS["batch_norm"])
+    plain = copy.deepcopy(model)
+    bn = model[1]
+    bn.eval()
+    planned = _planned_at_min(model, x, y)
+    assert "1" in planned.plan.eval_modules and not any(k.startswith("1.") for k in planned.plan.buffer_kinds)
+    bn.train()
+    with pytest.warns(UserWarning, match=r"submodule '1' \(BatchNorm2d\) is in training mode"):
+        _assert_same(*_train_side_by_side(plain, planned, x, y))
+    assert bn.num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 3
+
+
+def test_a_batchnorm_frozen_and_unfrozen_during_training_keeps_plain_pytorchs_statistics():
+    """Planned in training mode, then frozen (``eval()``: it writes nothing) for some steps and trained again:
+    the planned module follows each mode, step by step, as the model does; a plan saved and loaded onto the model
+    with the BatchNorm frozen still knows the modes it was made in."""
+    x, y = _data()
+    model = _build(MODELS["batch_norm"])
+    plain = copy.deepcopy(model)
+    planned = _planned_at_min(model, x, y)
+    assert planned.plan.eval_modules == []
+    for frozen in (False, True, False, True):
+        model[1].train(not frozen)
+        plain[1].train(not frozen)
+        _assert_same(*_train_side_by_side(plain, planned, x, y, steps=2))
+    assert model[1].num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 4
+    plan = Plan.from_dict(planned.plan.to_dict())
+    model[1].eval()
+    plain[1].eval()
+    loaded = memfit.PlannedModule(capture(model), plan)
+    model[1].train()
+    plain[1].train()
+    _assert_same(*_train_side_by_side(plain, loaded, x, y, steps=2))
+    assert model[1].num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 6

@@ -483,6 +483,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.optimizer_step_bytes = None if measured is None else measured.step_bytes
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.buffer_kinds_known = True
+    result.eval_modules = [path for path, module in model.named_modules() if not module.training]
     result.node_ops = node_ops(captured.gm)
     result.node_inputs = node_inputs(captured.gm)
     saved = {s for node in costs.nodes for s in node.saves}  # (an output a node saves is held anyway)

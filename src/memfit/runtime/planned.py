@@ -79,9 +79,10 @@ class _StepState:
     with it; in the first training step every buffer is ``STATEFUL`` until the forward pass has shown which
     ones it writes), and the region calls made so far."""
 
-    def __init__(self, kinds: dict[tuple, str], finder: FindWrites | None = None):
+    def __init__(self, kinds: dict[tuple, str], finder: FindWrites | None = None, modes: tuple = ()):
         self.kinds = kinds
         self.finder = finder  # the first training step's dispatch mode: memfit's own snapshots are not reads
+        self.modes = modes  # the modules' modes in this step (PlannedModule._modes), which the kinds are for
         self.calls: list[_RegionCall] = []
 
     def kind(self, value) -> str | None:
@@ -352,7 +353,8 @@ class PlannedModule(nn.Module):
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured
-        self.__dict__["_kinds"] = None  # the buffers the forward pass writes, once a training step ran
+        # the buffers the forward pass writes, by the modes of the modules the graph calls (see _modes)
+        self.__dict__["_kinds"] = {}
         self.offload_dir = offload_dir
         # the traced GraphModule runs the step but is not registered: the planned module registers the
         # model's own children, parameters and buffers instead, so state_dict() keys are the model's
@@ -503,6 +505,14 @@ class PlannedModule(nn.Module):
         leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         leaves |= {n.meta["memfit_module"] for n in gm.graph.nodes if "memfit_module" in n.meta}  # (rewritten calls)
         self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
+        # the modules the graph calls, and theirs: they read their own `training`, so what they write can change
+        called = [p for p in leaves if p in dict(self._modules_at_build)] if self._modules_at_build else []
+        self._called_modules = [(p + ("." if p and q else "") + q, m) for p in called
+                                for q, m in self.model.get_submodule(p).named_modules()]
+        planned_eval = (set(plan.eval_modules) if plan.eval_modules is not None else
+                        {p for p, m in self._called_modules if not m.training})
+        self._planned_modes = tuple(p not in planned_eval for p, _ in self._called_modules)
+        self.__dict__["_kinds"] = {}
         self._first_parameter = next(iter(self.model.named_parameters()), None)
         # (the first whose layouts differ: a 1x1 convolution's weight is contiguous in both)
         self._first_weight = next(((k, p) for k, p in self.model.named_parameters()
@@ -1157,9 +1167,9 @@ class PlannedModule(nn.Module):
                 if off is not None:
                     for j in self._releases.get(k, []):
                         off.release(j)
-        if finder is not None:  # the first training step: now the written buffers are known
-            self.__dict__["_kinds"] = finder.kinds()
-            state.kinds = self._storage_kinds()
+        if finder is not None:  # the first training step (in these modes): now the written buffers are known
+            self.__dict__["_kinds"][state.modes] = finder.kinds()
+            state.kinds = by_storage(finder.kinds())
             state.finder = None
             keep = {key for key, kind in state.kinds.items() if kind == STATEFUL}
             for call in state.calls:
@@ -1170,9 +1180,9 @@ class PlannedModule(nn.Module):
             off.finish_forward()
         return mutable_containers(fx.node.map_arg(self._output.args[0], lambda n: env[n.name]))
 
-    def _storage_kinds(self) -> dict[tuple, str]:
-        """Storage key -> what a recomputation does with it, for the buffers the forward pass writes."""
-        return by_storage(self.__dict__["_kinds"])
+    def _modes(self) -> tuple[bool, ...]:
+        """``training`` of every module the graph calls (and of their submodules), in ``_called_modules`` order."""
+        return tuple(m.training for _, m in self._called_modules)
 
     def _plan_kinds(self) -> dict[Slot, str] | None:
         """The written buffers the plan names (``Plan.buffer_kinds``, from the profile), or ``None`` when it
@@ -1193,20 +1203,39 @@ class PlannedModule(nn.Module):
 
     def _step_state(self) -> tuple[_StepState | None, FindWrites | None]:
         """What the regions of this step do with buffers; and, in the first training step of a plan that does
-        not name the written buffers, the dispatch mode that finds the buffers the forward pass writes and
-        reads (every buffer is snapshotted in that step)."""
+        not name the written buffers, or the first step in which a module the graph calls is in another mode
+        than when the plan was made (a BatchNorm planned in ``eval()`` and trained: a fresh user's running
+        statistics were updated twice per step), the dispatch mode that finds the buffers the forward pass writes
+        and reads (every buffer is snapshotted in that step)."""
         if not any(kind == "region" for kind, *_ in self._steps):
             return None, None
-        if self.__dict__["_kinds"] is None:
-            self.__dict__["_kinds"] = self._plan_kinds()
-        if self.__dict__["_kinds"] is not None:
-            return _StepState(self._storage_kinds()), None
+        modes = self._modes()
+        found = self.__dict__["_kinds"]
+        if modes != self._planned_modes:
+            self._warn_modes(modes)
+        elif modes not in found:
+            plan_kinds = self._plan_kinds()
+            if plan_kinds is not None:
+                found[modes] = plan_kinds
+        if modes in found:
+            return _StepState(by_storage(found[modes]), modes=modes), None
         storages = buffer_storages(self.gm)
         if not storages:  # no buffer to find: no dispatch mode either (under autocast, a fresh user's first step
-            self.__dict__["_kinds"] = {}  # ran other bfloat16 kernels with it: a weight gradient 1 ulp off)
-            return _StepState({}), None
+            found[modes] = {}  # ran other bfloat16 kernels with it: a weight gradient 1 ulp off)
+            return _StepState({}, modes=modes), None
         finder = FindWrites(storages)
-        return _StepState(dict.fromkeys(storages, STATEFUL), finder), finder
+        return _StepState(dict.fromkeys(storages, STATEFUL), finder, modes), finder
+
+    def _warn_modes(self, modes: tuple[bool, ...]) -> None:
+        """Warn once that a module the graph calls is in another mode than when the plan was made."""
+        path, module = next((p, m) for (p, m), now, then in zip(self._called_modules, modes, self._planned_modes,
+                                                                 strict=True) if now != then)
+        mode = "training" if module.training else "evaluation"
+        self._warn_once("modes", f"memfit: the model's submodule {path!r} ({type(module).__name__}) is in {mode} mode "
+                        "and was not when the plan was made: results are correct (memfit finds the buffers it writes "
+                        "in this step, so running statistics move once per step), but the plan's memory and time "
+                        "figures were made for the other mode. Plan again with the modules in the modes you "
+                        "train with.")
 
     def _offload_step(self, args) -> OffloadStep:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]

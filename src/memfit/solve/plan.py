@@ -109,6 +109,11 @@ class Plan:
             place (:func:`memfit.graph.bn_output.apply_bn_from_output`: in-place activated BatchNorm, Rota Bulo et
             al., CVPR 2018); everything else in the plan names the graph after that rewrite. Empty in plans made
             before it existed.
+        eval_modules: paths of the model's submodules that were in evaluation mode (``module.training`` false) when
+            the plan was profiled (a frozen BatchNorm), or ``None`` in plans made before it was recorded. The buffers
+            a module writes depend on its mode (a BatchNorm in ``eval()`` writes no running statistics), and so do
+            ``buffer_kinds`` and the memory figures: the planned module finds the written buffers again in a step
+            whose modes differ (:class:`memfit.runtime.planned.PlannedModule`).
         threads: ``torch.get_num_threads()`` when a CPU plan was profiled, ``None`` on CUDA (or in plans made before
             it was recorded). CPU kernels keep per-thread scratch buffers, so the peak depends on it: a ResNet-18
             at batch 8, 64 px, peaked at 162.6 MiB with one thread and 198.7 MiB with two (plain PyTorch).
@@ -154,10 +159,14 @@ class Plan:
     input_layouts: list[str] = field(default_factory=list)
     state_layouts: dict[str, str] = field(default_factory=dict)
     bn_from_output: list[str] = field(default_factory=list)
+    eval_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bn_from_output, list) or not all(isinstance(n, str) for n in self.bn_from_output):
             raise ValueError('plan bn_from_output must be a list of BatchNorm node names, e.g. ["bn1"]')
+        if self.eval_modules is not None and (not isinstance(self.eval_modules, list)
+                                              or not all(isinstance(n, str) for n in self.eval_modules)):
+            raise ValueError('plan eval_modules must be a list of module paths, e.g. ["layer1.0.bn1"], or null')
         missing = [n for n in self.bn_from_output if n not in self.nodes]
         if missing:
             raise ValueError(f"plan runs BatchNorm node {missing[0]!r} from its output (bn_from_output), but it is not "
