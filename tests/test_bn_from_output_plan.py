@@ -241,3 +241,62 @@ def test_the_graph_that_rounds_differently_is_kept_only_where_it_pays():
         best_plan_rounding([exact], rounding, solver(exact=high, rounding=low), False, 0.01)
     assert err.value.smallest_feasible_bytes == 900
     assert best_plan_rounding([exact], None, solver(exact=plan(1.0)), False, 0.01)[1] is exact
+
+
+def _batchnorm_of(model, node: str) -> nn.Module:
+    return capture(model).gm.get_submodule(next(n.target for n in capture(model).gm.graph.nodes if n.name == node))
+
+
+@pytest.mark.parametrize("weight", [1e-7, 0.0])
+def test_a_weight_that_becomes_tiny_runs_that_batchnorm_as_pytorchs_own(planned_60, weight):
+    """A fresh user's finding: with a BatchNorm weight of 1e-7 set after planning, the weight gradient came back
+    4.6x off (the output does not give back the input to float32 rounding there), and a plan loaded onto a model
+    whose weight had a 0 was refused as "not a training BatchNorm whose only reader is ...". Now that BatchNorm
+    runs as PyTorch's own, with a warning, and gradients and statistics are PyTorch's."""
+    model, x, y, plan = planned_60
+    model = fresh_copy(model)
+    bn = _batchnorm_of(model, plan.bn_from_output[0])
+    with torch.no_grad():
+        bn.weight[3], bn.bias[3] = weight, 0.5
+    assert plan.bn_from_output[0] not in bn_activation_pairs(capture(model).gm)  # (not rewritten at planning)
+    ref, ours = fresh_copy(model), fresh_copy(model)
+    _steps(ref, ref, x, y)
+    planned = _optimize(ours, x, Plan.from_dict(plan.to_dict()))  # (a plan made before the weight changed)
+    with pytest.warns(UserWarning, match=r"weight is 0 or below 1/1024 of its bias"):
+        _steps(planned, ours, x, y)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_weight_made_tiny_by_an_optimizer_step_is_seen_at_the_next_step(planned_60):
+    """The weights are looked at again after each change of their version (an optimizer step), not only once."""
+    model, x, y, plan = planned_60
+    ref, ours = fresh_copy(model), fresh_copy(model)
+    planned = _optimize(ours, x, plan)
+    for module, params in ((ref, ref), (planned, ours)):
+        F.cross_entropy(module(x), y).backward()
+        with torch.no_grad():  # an update that drives one channel's weight to 1e-7 against its bias
+            bn = _batchnorm_of(params, plan.bn_from_output[-1])
+            bn.weight[0], bn.bias[0] = 1e-7, 1.0
+        params.zero_grad()
+    with pytest.warns(UserWarning, match=r"weight is 0 or below 1/1024 of its bias"):
+        F.cross_entropy(planned(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_warning_about_a_hook_added_after_planning_comes_once(planned_60):
+    """A fresh user's finding: under ``warnings.simplefilter("always")`` it came at every step."""
+    model, x, y, plan = planned_60
+    ours = fresh_copy(model)
+    planned = _optimize(ours, x, plan)
+    ours.body[0][1].register_forward_hook(lambda *args: None)
+    ours.body[0][2].register_forward_hook(lambda *args: None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _steps(planned, ours, x, y, steps=2)
+    hooked = [w for w in seen if "hook that was not there" in str(w.message)]
+    assert [str(w.message).split()[1] for w in hooked] == ["BatchNorm2d", "ReLU6"], [str(w.message) for w in seen]

@@ -18,8 +18,10 @@ the same way. Node names do not change.
 
 A pair is a training-mode ``nn.BatchNorm1d/2d/3d`` node whose only reader is an in-place ``nn.ReLU6`` or
 ``nn.Hardtanh`` module or an ``F.hardtanh(x, ..., inplace=True)`` / ``F.relu6(x, inplace=True)`` call, neither
-with hooks, and whose weight has no zero (BatchNorm's output then does not give back its input: a
-zero-initialized residual BatchNorm). PyTorch's in-place ``hardtanh_`` saves a copy of its input, so there the
+with hooks, and whose weight has no channel that is zero or tiny against its bias (BatchNorm's output then
+does not give back its input to float32 rounding: a zero-initialized residual BatchNorm;
+:func:`memfit.variants.bn_from_output.ill_conditioned`). A weight that becomes so during training makes that
+BatchNorm run as PyTorch's own, with a warning (:class:`WeightCheck`: one synchronization per step on CUDA). PyTorch's in-place ``hardtanh_`` saves a copy of its input, so there the
 out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU`` saves its result
 in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
 that cost as much as the recomputation it spared (ResNet-50 and GoogLeNet, measured with
@@ -35,12 +37,13 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from memfit.graph.attributes import has_own_hooks
 from memfit.graph.capture import Captured, graph_of
-from memfit.variants.bn_from_output import bn_from_output
+from memfit.variants.bn_from_output import CONDITION_LIMIT, bn_from_output, ill_conditioned
 from memfit.variants.replaceable import replaceable
 
 __all__ = ["BFO_ATTR", "apply_bn_from_output", "bn_activation_pairs", "has_bn_from_output"]
@@ -52,19 +55,57 @@ _FUNCTIONS = (F.hardtanh, F.relu6)
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
+class WeightCheck:
+    """Which of the rewritten BatchNorms ``bns`` have a weight that :func:`ill_conditioned` flags, looked at
+    again whenever a weight changed (its tensor or its version counter: each optimizer step), for all of them at
+    once: one host-device synchronization per training step on CUDA, none while no weight changed (a
+    recomputation, a frozen model)."""
+
+    def __init__(self, bns: list[nn.modules.batchnorm._BatchNorm]):
+        self.bns = bns
+        self._key: tuple | None = None
+        self._bad: list[bool] = []
+
+    def bad(self, k: int) -> bool:
+        """Whether ``bns[k]`` must run as PyTorch's own BatchNorm now."""
+        key = tuple((id(bn.weight), bn.weight._version) if bn.weight is not None else None for bn in self.bns)
+        if key != self._key:
+            flags = [ill_conditioned(bn.weight, bn.bias) for bn in self.bns]
+            self._bad = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+            self._key = key
+        return self._bad[k]
+
+
 class BatchNormFromOutputCall(nn.Module):
     """The model's BatchNorm ``bn`` (read at every call: its mode, momentum, eps, parameters and buffers) run
     as :func:`memfit.variants.bn_from_output.bn_from_output`, with ``nn.BatchNorm``'s own bookkeeping
-    (``num_batches_tracked``, ``momentum=None``). Input and output ``(N, C, *)``."""
+    (``num_batches_tracked``, ``momentum=None``). Input and output ``(N, C, *)``.
 
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+    It runs ``bn`` itself, PyTorch's own BatchNorm (which also saves its input, beyond the plan), with a warning,
+    where a module hook was added to ``bn`` after planning, or where ``check`` (a :class:`WeightCheck` over every
+    rewritten BatchNorm, ``bn`` its ``index``-th) finds a weight too small for the output to give back the input
+    to float32 rounding (a weight gradient 4.6x off at ``|weight| = 1e-7``: a fresh user's finding)."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, check: WeightCheck | None = None, index: int = 0):
         super().__init__()
         self.bn = bn
+        self.check = check if check is not None else WeightCheck([bn])
+        self.index = index if check is not None else 0
+        self.warned = self.warned_hook = False
 
     def forward(self, x: Tensor) -> Tensor:
         bn = self.bn
         if has_own_hooks(bn):  # a hook added after planning sees PyTorch's own BatchNorm (which saves its input)
-            _warn_hooked(bn)
+            _warn_hooked(self, bn)
+            return bn(x)
+        if self.check.bad(self.index):
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"memfit: a channel of {type(bn).__name__}({bn.extra_repr()})'s weight is 0 or below "
+                              f"1/{CONDITION_LIMIT:g} of its bias, so its backward pass from the output would lose "
+                              "precision: it runs as PyTorch's own BatchNorm, which also saves its input, so the "
+                              "step may go over the plan. Plan again (the planner leaves such BatchNorms as they "
+                              "are).", stacklevel=2)
             return bn(x)
         bn._check_input_dim(x)
         factor = 0.0 if bn.momentum is None else bn.momentum
@@ -88,10 +129,11 @@ class OutOfPlaceCall(nn.Module):
     def __init__(self, act: nn.Module):
         super().__init__()
         self.act = act
+        self.warned_hook = False
 
     def forward(self, x: Tensor) -> Tensor:
         if has_own_hooks(self.act):  # a hook added after planning: the module itself, on a copy it may overwrite
-            _warn_hooked(self.act)
+            _warn_hooked(self, self.act)
             return self.act(x.clone())
         return F.hardtanh(x, self.act.min_val, self.act.max_val)  # (nn.ReLU6 is nn.Hardtanh(0, 6))
 
@@ -100,7 +142,12 @@ class OutOfPlaceCall(nn.Module):
         return f"{type(self.act).__name__}({self.act.extra_repr()}) out of place"
 
 
-def _warn_hooked(module: nn.Module) -> None:
+def _warn_hooked(call: nn.Module, module: nn.Module) -> None:
+    """Warn (once per rewritten call: under ``warnings.simplefilter("always")`` it came every step) that ``module``
+    has a hook added after planning."""
+    if call.warned_hook:
+        return
+    call.warned_hook = True
     warnings.warn(f"memfit: {type(module).__name__} has a module hook that was not there when the plan was made; the "
                   "plan runs it as PyTorch's own so that the hook runs (BatchNorm then saves its input as well: the "
                   "step may go over the plan). Plan with the hook registered.", stacklevel=3)
@@ -119,9 +166,9 @@ def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
-def bn_activation_pairs(gm: fx.GraphModule) -> list[str]:
+def bn_activation_pairs(gm: fx.GraphModule, weights: bool = True) -> list[str]:
     """The BatchNorm nodes of ``gm`` that :func:`apply_bn_from_output` can rewrite (see the module docstring),
-    in graph order."""
+    in graph order; with ``weights``, only those whose weight :func:`ill_conditioned` does not flag."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_module" or not isinstance(n.target, str):
@@ -129,7 +176,7 @@ def bn_activation_pairs(gm: fx.GraphModule) -> list[str]:
         bn = gm.get_submodule(n.target)
         if type(bn) not in _BATCHNORMS or not bn.training or not replaceable(bn) or len(n.users) != 1:
             continue
-        if bn.weight is not None and bool((bn.weight.detach() == 0).any()):
+        if weights and bool(ill_conditioned(bn.weight, bn.bias)):
             continue
         if _inplace_activation(gm, next(iter(n.users))):
             out.append(n.name)
@@ -154,7 +201,7 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
     if not names:
         return captured
     gm = captured.gm
-    known = set(bn_activation_pairs(gm))
+    known = set(bn_activation_pairs(gm, weights=False))  # (a weight that became small runs as PyTorch's own)
     bad = [n for n in names if n not in known]
     if bad or len(set(names)) != len(names):
         what = f"{bad[0]!r}, which is not" if bad else "a node twice; each must be"
@@ -167,10 +214,11 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
     holder = nn.Module()
     new.add_module(BFO_ATTR, holder)
     by_name = {n.name: n for n in graph.nodes}
+    check = WeightCheck([new.get_submodule(by_name[name].target) for name in names])
     for k, name in enumerate(names):
         node = by_name[name]
         act = next(iter(node.users))
-        holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target)))
+        holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target), check, k))
         # (the module the call runs: the planned module's hook check treats it as called, not traced into)
         node.meta["memfit_module"], node.target = node.target, f"{BFO_ATTR}.bn{k}"
         if act.op == "call_module":

@@ -38,7 +38,8 @@ half / bf16 inputs the per-channel vectors are passed in float32 (the kernel's m
 
 Constraint: ``gamma`` must be non-zero in every channel (checked in the backward, which raises
 ``RuntimeError`` otherwise). Accuracy degrades as ``|beta| / |gamma|`` grows: the recovered ``x_hat``
-carries an error of about ``ulp(y) / |gamma|``. Gradients therefore match PyTorch's to float32
+carries an error of about ``ulp(y) / |gamma|`` (:func:`ill_conditioned` tells where that exceeds float32
+rounding; memfit's planner then runs the layer as PyTorch's own). Gradients therefore match PyTorch's to float32
 rounding, not bit-for-bit (PyTorch computes ``x_hat`` from ``x``; here it comes from the rounded ``y``).
 
 Activation fusion. Fused with ``LeakyReLU(s)`` for ``s > 0`` (InPlace-ABN uses ``s = 0.01``) the module
@@ -79,6 +80,7 @@ __all__ = [
     "bn_from_output",
     "from_module",
     "fuse_bn_leaky_relu",
+    "ill_conditioned",
 ]
 
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -192,6 +194,27 @@ class BNFromOutputFn(torch.autograd.Function):
         if gb is not None and bias is not None:
             gb = gb.to(bias.dtype)
         return gx, gw, gb, None, None, None, None, None, None, None
+
+
+#: ``|bias| / |weight|`` above which a channel's recovered ``x_hat`` loses precision: its error is about
+#: ``2**-24 * |bias| / |weight|`` of ``x_hat``'s scale, so the weight gradient ``sum(dy * x_hat)`` stays within
+#: about 1e-4 of PyTorch's (the test suite's rtol) up to this ratio; a fresh user's ``|weight| = 1e-7`` gave a
+#: weight gradient 4.6x off.
+CONDITION_LIMIT = 1024.0
+
+
+def ill_conditioned(weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """A 0-dim bool tensor (on the parameters' device, no synchronization): some channel's ``|weight|`` is 0, below
+    ``|bias| / CONDITION_LIMIT``, or so small (``< 2**24`` times the dtype's smallest normal number) that its
+    output underflows, so that computing the backward pass from the output would not give PyTorch's gradients
+    to float32 rounding. ``False`` without an affine weight. Shapes ``(C,)``."""
+    if weight is None:
+        return torch.zeros((), dtype=torch.bool)
+    w = weight.detach().abs()
+    bad = w < torch.finfo(weight.dtype).tiny * 2.0 ** 24
+    if bias is not None:
+        bad |= w * CONDITION_LIMIT < bias.detach().abs()
+    return bad.any()
 
 
 def bn_from_output(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
