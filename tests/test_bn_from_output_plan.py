@@ -61,6 +61,14 @@ def _steps(module, params_of, x, y, steps=0):
     F.cross_entropy(module(x), y).backward()  # the gradients compared: after `steps` updates
 
 
+def _assert_like_pytorch(ref: nn.Module, ours: nn.Module) -> None:
+    """Gradients and buffers of ``ours`` equal plain PyTorch's (``ref``) to float32 rounding."""
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.fixture(scope="module")
 def planned_60():
     torch.manual_seed(0)
@@ -131,10 +139,7 @@ def test_a_plan_with_batchnorm_from_its_output_trains_as_pytorch_does(planned_60
     _steps(ref, ref, x, y)
     planned = _optimize(ours, x, plan)
     _steps(planned, ours, x, y)
-    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_like_pytorch(ref, ours)
     assert rounds_differently(plan)
     verdict = rounding_verdict(rounding_check(model, plan, (x,), y, F.cross_entropy))
     assert verdict["gradients_match"] and verdict["bn_stats_match"], verdict
@@ -163,10 +168,7 @@ def test_a_saved_plan_rewrites_the_graph_again_and_a_frozen_batchnorm_is_followe
     _steps(ref, ref, x, y)
     _steps(planned, ours, x, y)
     assert torch.equal(ours.body[1][1].running_mean, model.body[1][1].running_mean)
-    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_like_pytorch(ref, ours)
 
 
 def test_without_variants_or_above_plain_the_graph_is_the_traced_one(planned_60):
@@ -264,10 +266,7 @@ def test_a_weight_that_becomes_tiny_runs_that_batchnorm_as_pytorchs_own(planned_
     planned = _optimize(ours, x, Plan.from_dict(plan.to_dict()))  # (a plan made before the weight changed)
     with pytest.warns(UserWarning, match=r"weight is 0 or below 1/1024 of its bias"):
         _steps(planned, ours, x, y)
-    for (name, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-    for (name, a), b in zip(ref.named_buffers(), ours.buffers(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_like_pytorch(ref, ours)
 
 
 def test_a_weight_made_tiny_by_an_optimizer_step_is_seen_at_the_next_step(planned_60):

@@ -67,7 +67,10 @@ class WeightCheck:
         self._bad: list[bool] = []
 
     def bad(self, k: int) -> bool:
-        """Whether ``bns[k]`` must run as PyTorch's own BatchNorm now."""
+        """Whether ``bns[k]`` must run as PyTorch's own BatchNorm now. The weights are looked at when the first
+        rewritten BatchNorm asks (each forward pass starts there), not at every call."""
+        if k and self._key is not None:
+            return self._bad[k]
         key = tuple((id(bn.weight), bn.weight._version) if bn.weight is not None else None for bn in self.bns)
         if key != self._key:
             flags = [ill_conditioned(bn.weight, bn.bias) for bn in self.bns]

@@ -353,8 +353,6 @@ class PlannedModule(nn.Module):
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured
-        # the buffers the forward pass writes, by the modes of the modules the graph calls (see _modes)
-        self.__dict__["_kinds"] = {}
         self.offload_dir = offload_dir
         # the traced GraphModule runs the step but is not registered: the planned module registers the
         # model's own children, parameters and buffers instead, so state_dict() keys are the model's
@@ -506,12 +504,14 @@ class PlannedModule(nn.Module):
         leaves |= {n.meta["memfit_module"] for n in gm.graph.nodes if "memfit_module" in n.meta}  # (rewritten calls)
         self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
         # the modules the graph calls, and theirs: they read their own `training`, so what they write can change
-        called = [p for p in leaves if p in dict(self._modules_at_build)] if self._modules_at_build else []
+        at_build = dict(self._modules_at_build)
+        called = [p for p in leaves if p in at_build]
         self._called_modules = [(p + ("." if p and q else "") + q, m) for p in called
                                 for q, m in self.model.get_submodule(p).named_modules()]
         planned_eval = (set(plan.eval_modules) if plan.eval_modules is not None else
                         {p for p, m in self._called_modules if not m.training})
         self._planned_modes = tuple(p not in planned_eval for p, _ in self._called_modules)
+        # the buffers the forward pass writes, by the modes of the modules the graph calls (see _modes)
         self.__dict__["_kinds"] = {}
         self._first_parameter = next(iter(self.model.named_parameters()), None)
         # (the first whose layouts differ: a 1x1 convolution's weight is contiguous in both)
