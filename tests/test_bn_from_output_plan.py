@@ -299,3 +299,30 @@ def test_the_warning_about_a_hook_added_after_planning_comes_once(planned_60):
         _steps(planned, ours, x, y, steps=2)
     hooked = [w for w in seen if "hook that was not there" in str(w.message)]
     assert [str(w.message).split()[1] for w in hooked] == ["BatchNorm2d", "ReLU6"], [str(w.message) for w in seen]
+
+
+def test_the_weight_check_flags_what_ill_conditioned_flags_for_each_batchnorm():
+    """WeightCheck computes every BatchNorm's flag in one pass over the concatenated weights; each must be
+    ill_conditioned's of that BatchNorm alone, across sizes, dtypes, a missing bias and no affine weight."""
+    from memfit.graph.bn_output import WeightCheck
+    from memfit.variants.bn_from_output import ill_conditioned
+
+    gen = torch.Generator().manual_seed(0)
+    bns = []
+    for k in range(40):
+        dtype = (torch.float32, torch.float64, torch.bfloat16)[k % 3]
+        bn = nn.BatchNorm2d(1 + k % 7, affine=k % 11 != 5).to(dtype)
+        if bn.weight is not None:
+            with torch.no_grad():
+                bn.weight.copy_(torch.randn(bn.num_features, generator=gen))
+                bn.bias.copy_(torch.randn(bn.num_features, generator=gen) * 100)
+                if k % 4 == 0:  # one channel at 0, tiny, or just above and below |bias| / CONDITION_LIMIT
+                    c = k % bn.num_features
+                    bn.weight[c] = (0.0, 1e-30, bn.bias[c].abs() / 1000, bn.bias[c].abs() / 1100)[(k // 4) % 4]
+            if k % 9 == 0:
+                bn.bias = None
+        bns.append(bn)
+    expected = [bool(ill_conditioned(bn.weight, bn.bias)) for bn in bns]
+    assert 0 < sum(expected) < len(bns)
+    check = WeightCheck(bns)
+    assert [check.bad(k) for k in range(len(bns))] == expected

@@ -43,7 +43,12 @@ from torch import Tensor, fx, nn
 
 from memfit.graph.attributes import has_own_hooks
 from memfit.graph.capture import Captured, graph_of
-from memfit.variants.bn_from_output import CONDITION_LIMIT, bn_from_output, ill_conditioned
+from memfit.variants.bn_from_output import (
+    CONDITION_LIMIT,
+    bn_from_output,
+    ill_conditioned,
+    ill_conditioned_channels,
+)
 from memfit.variants.replaceable import replaceable
 
 __all__ = ["BFO_ATTR", "apply_bn_from_output", "bn_activation_pairs", "has_bn_from_output"]
@@ -73,10 +78,30 @@ class WeightCheck:
             return self._bad[k]
         key = tuple((id(bn.weight), bn.weight._version) if bn.weight is not None else None for bn in self.bns)
         if key != self._key:
-            flags = [ill_conditioned(bn.weight, bn.bias) for bn in self.bns]
-            self._bad = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+            self._bad = self._flags()
             self._key = key
         return self._bad[k]
+
+    def _flags(self) -> list[bool]:
+        """:func:`ill_conditioned` of every BatchNorm, computed over the concatenated weights and biases of each
+        device and dtype (a handful of kernels and one ``.tolist()`` however many BatchNorms there are; one call
+        per BatchNorm cost 0.7 ms a step on MobileNet-V2's 52 on the CPU, and about 300 kernel launches on CUDA)."""
+        groups: dict[tuple, list[int]] = {}
+        for k, bn in enumerate(self.bns):
+            if bn.weight is not None:
+                groups.setdefault((bn.weight.device, bn.weight.dtype), []).append(k)
+        out = [False] * len(self.bns)
+        for (device, dtype), ks in groups.items():
+            weights = [self.bns[k].weight for k in ks]  # shape (C,)
+            biases = [bn.bias.to(device, dtype) if (bn := self.bns[k]).bias is not None else torch.zeros_like(w)
+                      for k, w in zip(ks, weights)]  # a zero bias flags what no bias does
+            bad = ill_conditioned_channels(torch.cat(weights), torch.cat(biases))
+            owner = torch.repeat_interleave(torch.arange(len(ks), device=device),
+                                            torch.tensor([w.numel() for w in weights], device=device))
+            flags = torch.zeros(len(ks), dtype=torch.int64, device=device).index_add_(0, owner, bad.long())
+            for k, flag in zip(ks, flags.gt(0).tolist()):
+                out[k] = flag
+        return out
 
 
 class BatchNormFromOutputCall(nn.Module):

@@ -81,6 +81,7 @@ __all__ = [
     "from_module",
     "fuse_bn_leaky_relu",
     "ill_conditioned",
+    "ill_conditioned_channels",
 ]
 
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -203,18 +204,25 @@ class BNFromOutputFn(torch.autograd.Function):
 CONDITION_LIMIT = 1024.0
 
 
+def ill_conditioned_channels(weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Per channel, whether ``|weight|`` is 0, below ``|bias| / CONDITION_LIMIT``, or so small (``< 2**24`` times
+    the dtype's smallest normal number) that the output underflows: a bool tensor of ``weight``'s shape ``(C,)``,
+    on its device, without synchronization. ``bias``: shape ``(C,)`` or None (no bias)."""
+    with torch.no_grad():
+        w = weight.abs()
+        bad = w < torch.finfo(weight.dtype).tiny * 2.0 ** 24
+        if bias is not None:
+            bad |= w * CONDITION_LIMIT < bias.abs()
+    return bad
+
+
 def ill_conditioned(weight: Tensor | None, bias: Tensor | None) -> Tensor:
-    """A 0-dim bool tensor (on the parameters' device, no synchronization): some channel's ``|weight|`` is 0, below
-    ``|bias| / CONDITION_LIMIT``, or so small (``< 2**24`` times the dtype's smallest normal number) that its
-    output underflows, so that computing the backward pass from the output would not give PyTorch's gradients
-    to float32 rounding. ``False`` without an affine weight. Shapes ``(C,)``."""
+    """A 0-dim bool tensor (on the parameters' device, no synchronization): some channel is
+    :func:`ill_conditioned_channels`, so that computing the backward pass from the output would not give
+    PyTorch's gradients to float32 rounding. ``False`` without an affine weight. Shapes ``(C,)``."""
     if weight is None:
         return torch.zeros((), dtype=torch.bool)
-    w = weight.detach().abs()
-    bad = w < torch.finfo(weight.dtype).tiny * 2.0 ** 24
-    if bias is not None:
-        bad |= w * CONDITION_LIMIT < bias.detach().abs()
-    return bad.any()
+    return ill_conditioned_channels(weight, bias).any()
 
 
 def bn_from_output(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
