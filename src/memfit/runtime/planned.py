@@ -1227,15 +1227,20 @@ class PlannedModule(nn.Module):
         return _StepState(dict.fromkeys(storages, STATEFUL), finder, modes), finder
 
     def _warn_modes(self, modes: tuple[bool, ...]) -> None:
-        """Warn once that a module the graph calls is in another mode than when the plan was made."""
-        path, module = next((p, m) for (p, m), now, then in zip(self._called_modules, modes, self._planned_modes,
-                                                                 strict=True) if now != then)
-        mode = "training" if module.training else "evaluation"
-        self._warn_once("modes", f"memfit: the model's submodule {path!r} ({type(module).__name__}) is in {mode} mode "
-                        "and was not when the plan was made: results are correct (memfit finds the buffers it writes "
-                        "in this step, so running statistics move once per step), but the plan's memory and time "
-                        "figures were made for the other mode. Plan again with the modules in the modes you "
-                        "train with.")
+        """Warn once that a module the graph calls is in training mode and was in evaluation mode when the plan was
+        made (a BatchNorm planned frozen, then trained): what it saves in training mode is not in the plan's
+        figures. A module put in ``eval()`` after planning (frozen for fine-tuning) saves no more than the plan
+        counted, so that needs no new plan and gets no warning (README: Limitations)."""
+        woken = [(p, m) for (p, m), now, then in zip(self._called_modules, modes, self._planned_modes, strict=True)
+                 if now and not then]
+        if not woken:
+            return
+        path, module = woken[0]
+        self._warn_once("modes", f"memfit: the model's submodule {path!r} ({type(module).__name__}) is in training mode "
+                        "and was in evaluation mode when the plan was made: results are correct (memfit finds the "
+                        "buffers it writes in this step, so running statistics move once per step), but what it "
+                        "saves in training mode (a Dropout mask, batch statistics) is not in the plan's figures, so "
+                        "the step may go over the budget. Plan again with the modules in the modes you train with.")
 
     def _offload_step(self, args) -> OffloadStep:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
