@@ -1096,3 +1096,32 @@ def test_a_conv_native_plan_applied_with_onednn_off_runs_and_warns(tmp_path):
             F.cross_entropy(third(x), y).backward()
     finally:
         torch.backends.cudnn.enabled = before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bn_from_output_at_its_condition_limit_is_as_close_to_float64_as_pytorch(dtype):
+    """At ``|bias| / |weight|`` just under :func:`condition_limit` of the output's dtype, the gradients from the output
+    are within 2x of PyTorch's own distance to the float64 gradients (float32: within 1e-4, its test tolerance).
+    A fresh user's finding: bfloat16 under float32's limit of 1024 gave a weight gradient 32x off, at 500."""
+    from memfit.variants.bn_from_output import bn_from_output, condition_limit
+
+    gen = torch.Generator().manual_seed(0)
+    c = 16
+    x64 = torch.randn(8, c, 16, 16, generator=gen, dtype=torch.float64) * 3 + 2
+    dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+    ratio = 0.99 * condition_limit(dtype)
+    w64 = (1.0 + 0.1 * torch.rand(c, generator=gen, dtype=torch.float64)) / ratio
+    b64 = torch.ones(c, dtype=torch.float64)
+
+    def grads(fn, dt):
+        x = x64.to(dt).detach().requires_grad_()
+        pdt = torch.float64 if dt == torch.float64 else torch.float32  # (float32 weights: autocast's mixed precision)
+        w, b = w64.to(pdt).detach().requires_grad_(), b64.to(pdt).detach().requires_grad_()
+        out = fn(x, torch.zeros(c, dtype=w.dtype), torch.ones(c, dtype=w.dtype), w, b, True, 0.1, 1e-5)
+        (out.double() * dy).sum().backward()
+        return [t.grad.double() for t in (x, w, b)]
+
+    exact, plain, ours = grads(F.batch_norm, torch.float64), grads(F.batch_norm, dtype), grads(bn_from_output, dtype)
+    for name, e, p, o in zip(("input", "weight", "bias"), exact, plain, ours):
+        err_plain, err_ours = float((p - e).norm() / e.norm()), float((o - e).norm() / e.norm())
+        assert err_ours <= max(2 * err_plain, 1e-4), (name, err_ours, err_plain)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from memfit.budget import Budget, fmt_bytes
-from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs
+from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs, ran_in_half_precision
 from memfit.graph.calls import (
     bind_inputs,
     check_var_positional,
@@ -319,14 +319,24 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
     """The graph with every BatchNorm -> in-place activation pair run from BatchNorm's output
     (:func:`memfit.graph.bn_output.apply_bn_from_output`), profiled, with the copy costs, optimizer step and
     region prices of ``costs`` and its times for the nodes the two graphs share; ``None`` where the graph has
-    no such pair or its profile raises."""
+    no such pair, its profile raises, or a rewritten BatchNorm ran in float16 or bfloat16 (a plain ``.to()`` or
+    ``torch.autocast``): there the output gives back the input only while every bias stays below its weight,
+    which training soon undoes (:func:`memfit.variants.bn_from_output.condition_limit`)."""
+    half = (torch.float16, torch.bfloat16)
+    if autocast_dtype(inputs) in {str(d) for d in half} or any(
+            isinstance(t, torch.Tensor) and t.dtype in half for t in inputs):
+        return None
     names = bn_activation_pairs(captured.gm)
     if not names:
         return None
     rewritten = apply_bn_from_output(captured, names)
     try:
-        other = profile_graph(rewritten, inputs, with_variants=True, loss_fn=loss_fn, grads_exist=grads_exist)
+        with warnings.catch_warnings():  # (a BatchNorm in half precision after all: the option is dropped below)
+            warnings.filterwarnings("ignore", message="memfit: a channel of")
+            other = profile_graph(rewritten, inputs, with_variants=True, loss_fn=loss_fn, grads_exist=grads_exist)
     except ValueError:
+        return None
+    if ran_in_half_precision(rewritten):
         return None
     other.link, other.step_bytes = costs.link, costs.step_bytes
     other.region_seconds, other.region_node_seconds = costs.region_seconds, costs.region_node_seconds

@@ -21,8 +21,12 @@ A pair is a training-mode ``nn.BatchNorm1d/2d/3d`` node whose only reader is an 
 with hooks, and whose weight has no channel that is zero or tiny against its bias (BatchNorm's output then
 does not give back its input to float32 rounding: a zero-initialized residual BatchNorm;
 :func:`memfit.variants.bn_from_output.ill_conditioned`). A weight that becomes so during training makes that
-BatchNorm run as PyTorch's own, with a warning (:class:`WeightCheck`: one synchronization per step on CUDA). PyTorch's in-place ``hardtanh_`` saves a copy of its input, so there the
-out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU`` saves its result
+BatchNorm run as PyTorch's own, with a warning (:class:`WeightCheck`: one synchronization per step on CUDA), and
+so does a planned module made with such weights (a plan loaded onto other weights), when it is built. Half-precision
+outputs (float16, bfloat16: a plain ``.to()`` or ``torch.autocast``) are left as traced: their rounding is 2**8 to
+2**16 times float32's, so a bias larger than the weight already costs precision, and training soon makes one so
+(:func:`memfit.variants.bn_from_output.condition_limit`). PyTorch's in-place ``hardtanh_`` saves a copy of its
+input, so there the out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU`` saves its result
 in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
 that cost as much as the recomputation it spared (ResNet-50 and GoogLeNet, measured with
 ``benchmarks/bn_from_output_check.py``, which rewrites those too), so those pairs are left as traced. Both rewritten calls read the model's own modules at every call (mode,
@@ -46,12 +50,14 @@ from memfit.graph.capture import Captured, graph_of
 from memfit.variants.bn_from_output import (
     CONDITION_LIMIT,
     bn_from_output,
+    condition_limit,
     ill_conditioned,
     ill_conditioned_channels,
 )
 from memfit.variants.replaceable import replaceable
 
-__all__ = ["BFO_ATTR", "apply_bn_from_output", "bn_activation_pairs", "has_bn_from_output"]
+__all__ = ["BFO_ATTR", "apply_bn_from_output", "bn_activation_pairs", "flagged_now", "has_bn_from_output",
+           "ran_in_half_precision"]
 
 #: attribute of the rewritten GraphModule holding the rewritten calls
 BFO_ATTR = "memfit_bn_from_output"
@@ -61,41 +67,48 @@ _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 class WeightCheck:
-    """Which of the rewritten BatchNorms ``bns`` have a weight that :func:`ill_conditioned` flags, looked at
-    again whenever a weight changed (its tensor or its version counter: each optimizer step), for all of them at
-    once: one host-device synchronization per training step on CUDA, none while no weight changed (a
-    recomputation, a frozen model)."""
+    """Which of the rewritten BatchNorms ``bns`` have a weight that :func:`ill_conditioned` flags for the dtype of
+    their output, looked at again whenever a weight changed (its tensor or its version counter: each optimizer
+    step), for all of them at once: one host-device synchronization per training step on CUDA, none while no
+    weight changed (a recomputation, a frozen model). ``dtypes`` collects the output dtypes it was asked about
+    (the planner does not rewrite BatchNorms that ran in half precision: :func:`ran_in_half_precision`)."""
 
     def __init__(self, bns: list[nn.modules.batchnorm._BatchNorm]):
         self.bns = bns
+        self.dtypes: set[torch.dtype] = set()
         self._key: tuple | None = None
-        self._bad: list[bool] = []
+        self._bad: dict[torch.dtype | None, list[bool]] = {}
 
-    def bad(self, k: int) -> bool:
-        """Whether ``bns[k]`` must run as PyTorch's own BatchNorm now. The weights are looked at when the first
-        rewritten BatchNorm asks (each forward pass starts there), not at every call."""
-        if k and self._key is not None:
-            return self._bad[k]
-        key = tuple((id(bn.weight), bn.weight._version) if bn.weight is not None else None for bn in self.bns)
-        if key != self._key:
-            self._bad = self._flags()
-            self._key = key
-        return self._bad[k]
+    def bad(self, k: int, dtype: torch.dtype | None = None) -> bool:
+        """Whether ``bns[k]``, with an output of ``dtype`` (its weight's by default), must run as PyTorch's own
+        BatchNorm now. The weights are looked at when the first rewritten BatchNorm asks (each forward pass starts
+        there), not at every call."""
+        if not k or self._key is None:
+            key = tuple((id(bn.weight), bn.weight._version) if bn.weight is not None else None for bn in self.bns)
+            if key != self._key:
+                self._bad = {}
+                self._key = key
+        if dtype is not None:
+            self.dtypes.add(dtype)
+        flags = self._bad.get(dtype)
+        if flags is None:
+            flags = self._bad[dtype] = self._flags(dtype)
+        return flags[k]
 
-    def _flags(self) -> list[bool]:
-        """:func:`ill_conditioned` of every BatchNorm, computed over the concatenated weights and biases of each
-        device and dtype (a handful of kernels and one ``.tolist()`` however many BatchNorms there are; one call
-        per BatchNorm cost 0.7 ms a step on MobileNet-V2's 52 on the CPU, and about 300 kernel launches on CUDA)."""
+    def _flags(self, dtype: torch.dtype | None) -> list[bool]:
+        """:func:`ill_conditioned` of every BatchNorm for an output of ``dtype``, computed over the concatenated
+        weights and biases of each device and weight dtype (a handful of kernels and one ``.tolist()`` however many
+        BatchNorms there are; one call per BatchNorm cost 0.7 ms a step on MobileNet-V2's 52 on the CPU, and about 300 kernel launches on CUDA)."""
         groups: dict[tuple, list[int]] = {}
         for k, bn in enumerate(self.bns):
             if bn.weight is not None:
                 groups.setdefault((bn.weight.device, bn.weight.dtype), []).append(k)
         out = [False] * len(self.bns)
-        for (device, dtype), ks in groups.items():
+        for (device, wdtype), ks in groups.items():
             weights = [self.bns[k].weight for k in ks]  # shape (C,)
-            biases = [bn.bias.to(device, dtype) if (bn := self.bns[k]).bias is not None else torch.zeros_like(w)
+            biases = [bn.bias.to(device, wdtype) if (bn := self.bns[k]).bias is not None else torch.zeros_like(w)
                       for k, w in zip(ks, weights)]  # a zero bias flags what no bias does
-            bad = ill_conditioned_channels(torch.cat(weights), torch.cat(biases))
+            bad = ill_conditioned_channels(torch.cat(weights), torch.cat(biases), dtype)
             owner = torch.repeat_interleave(torch.arange(len(ks), device=device),
                                             torch.tensor([w.numel() for w in weights], device=device))
             flags = torch.zeros(len(ks), dtype=torch.int64, device=device).index_add_(0, owner, bad.long())
@@ -112,13 +125,17 @@ class BatchNormFromOutputCall(nn.Module):
     It runs ``bn`` itself, PyTorch's own BatchNorm (which also saves its input, beyond the plan), with a warning,
     where a module hook was added to ``bn`` after planning, or where ``check`` (a :class:`WeightCheck` over every
     rewritten BatchNorm, ``bn`` its ``index``-th) finds a weight too small for the output to give back the input
-    to float32 rounding (a weight gradient 4.6x off at ``|weight| = 1e-7``: a fresh user's finding)."""
+    to the output dtype's rounding (a weight gradient 4.6x off at ``|weight| = 1e-7``: a fresh user's finding;
+    :func:`memfit.variants.bn_from_output.condition_limit`). ``name``: ``bn``'s path in the model, for the
+    warnings."""
 
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, check: WeightCheck | None = None, index: int = 0):
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, check: WeightCheck | None = None, index: int = 0,
+                 name: str = ""):
         super().__init__()
         self.bn = bn
         self.check = check if check is not None else WeightCheck([bn])
         self.index = index if check is not None else 0
+        self.name = name
         self.warned = self.warned_hook = False
 
     def forward(self, x: Tensor) -> Tensor:
@@ -126,14 +143,15 @@ class BatchNormFromOutputCall(nn.Module):
         if has_own_hooks(bn):  # a hook added after planning sees PyTorch's own BatchNorm (which saves its input)
             _warn_hooked(self, bn)
             return bn(x)
-        if self.check.bad(self.index):
+        if self.check.bad(self.index, x.dtype):
             if not self.warned:
                 self.warned = True
-                warnings.warn(f"memfit: a channel of {type(bn).__name__}({bn.extra_repr()})'s weight is 0 or below "
-                              f"1/{CONDITION_LIMIT:g} of its bias, so its backward pass from the output would lose "
-                              "precision: it runs as PyTorch's own BatchNorm, which also saves its input, so the "
-                              "step may go over the plan. Plan again (the planner leaves such BatchNorms as they "
-                              "are).", stacklevel=2)
+                limit = condition_limit(x.dtype)
+                warnings.warn(f"memfit: a channel of {_label(self.name, bn)}'s weight is 0 or below 1/{limit:g} of its "
+                              f"bias (the limit for a {str(x.dtype).removeprefix('torch.')} output), so its backward "
+                              "pass from the output would lose precision: it runs as PyTorch's own BatchNorm, which "
+                              "also saves its input, so the step may go over the plan's peak. Plan again (the "
+                              "planner leaves such BatchNorms as they are).", stacklevel=2)
             return bn(x)
         bn._check_input_dim(x)
         factor = 0.0 if bn.momentum is None else bn.momentum
@@ -154,9 +172,10 @@ class OutOfPlaceCall(nn.Module):
     """The model's in-place ``nn.Hardtanh`` / ``nn.ReLU6`` ``act`` (its bounds read at every call) run out of
     place: the same values and gradients, bit for bit, into a new tensor."""
 
-    def __init__(self, act: nn.Module):
+    def __init__(self, act: nn.Module, name: str = ""):
         super().__init__()
         self.act = act
+        self.name = name  # the activation's path in the model, for the warning
         self.warned_hook = False
 
     def forward(self, x: Tensor) -> Tensor:
@@ -170,14 +189,41 @@ class OutOfPlaceCall(nn.Module):
         return f"{type(self.act).__name__}({self.act.extra_repr()}) out of place"
 
 
+def _label(name: str, module: nn.Module) -> str:
+    """``module`` for a warning: its path in the model and its settings (``blocks.0.bn1 (BatchNorm2d(64, ...))``)."""
+    what = f"{type(module).__name__}({module.extra_repr()})"
+    return f"{name} ({what})" if name else what
+
+
+def ran_in_half_precision(captured: Captured) -> bool:
+    """Whether a BatchNorm that ``captured`` (the output of :func:`apply_bn_from_output`) runs from its output has
+    had a float16 or bfloat16 input, e.g. while it was profiled under ``torch.autocast``: there a weight is ill
+    conditioned as soon as a bias outgrows it (:func:`memfit.variants.bn_from_output.condition_limit`), which
+    training soon makes so, and the BatchNorm then runs as PyTorch's own, over the plan."""
+    holder = getattr(captured.gm, BFO_ATTR, None)
+    if holder is None:
+        return False
+    return any(condition_limit(d) < CONDITION_LIMIT for call in holder.children()
+               if isinstance(call, BatchNormFromOutputCall) for d in call.check.dtypes)
+
+
+def flagged_now(captured: Captured) -> list[str]:
+    """The BatchNorms (paths in the model) that ``captured`` (the output of :func:`apply_bn_from_output`) runs from
+    their output but whose weight :func:`ill_conditioned` now flags (at its own dtype): weights loaded or
+    changed after planning. They will run as PyTorch's own, which also saves their input."""
+    holder = getattr(captured.gm, BFO_ATTR, None)
+    calls = [c for c in holder.children() if isinstance(c, BatchNormFromOutputCall)] if holder is not None else []
+    return [c.name or type(c.bn).__name__ for c in calls if c.check.bad(c.index)]
+
+
 def _warn_hooked(call: nn.Module, module: nn.Module) -> None:
     """Warn (once per rewritten call: under ``warnings.simplefilter("always")`` it came every step) that ``module``
     has a hook added after planning."""
     if call.warned_hook:
         return
     call.warned_hook = True
-    warnings.warn(f"memfit: {type(module).__name__} has a module hook that was not there when the plan was made; the "
-                  "plan runs it as PyTorch's own so that the hook runs (BatchNorm then saves its input as well: the "
+    warnings.warn(f"memfit: {_label(call.name, module)} has a module hook that was not there when the plan was "
+                  "made; the plan runs it as PyTorch's own so that the hook runs (BatchNorm then saves its input as well: the "
                   "step may go over the plan). Plan with the hook registered.", stacklevel=3)
 
 
@@ -246,11 +292,11 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
     for k, name in enumerate(names):
         node = by_name[name]
         act = next(iter(node.users))
-        holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target), check, k))
+        holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target), check, k, node.target))
         # (the module the call runs: the planned module's hook check treats it as called, not traced into)
         node.meta["memfit_module"], node.target = node.target, f"{BFO_ATTR}.bn{k}"
         if act.op == "call_module":
-            holder.add_module(f"act{k}", OutOfPlaceCall(new.get_submodule(act.target)))
+            holder.add_module(f"act{k}", OutOfPlaceCall(new.get_submodule(act.target), act.target))
             act.meta["memfit_module"], act.target = act.target, f"{BFO_ATTR}.act{k}"
         else:
             bound = inspect.signature(act.target).bind(*act.args, **act.kwargs)

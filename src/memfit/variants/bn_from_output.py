@@ -39,8 +39,9 @@ half / bf16 inputs the per-channel vectors are passed in float32 (the kernel's m
 Constraint: ``gamma`` must be non-zero in every channel (checked in the backward, which raises
 ``RuntimeError`` otherwise). Accuracy degrades as ``|beta| / |gamma|`` grows: the recovered ``x_hat``
 carries an error of about ``ulp(y) / |gamma|`` (:func:`ill_conditioned` tells where that exceeds float32
-rounding; memfit's planner then runs the layer as PyTorch's own). Gradients therefore match PyTorch's to float32
-rounding, not bit-for-bit (PyTorch computes ``x_hat`` from ``x``; here it comes from the rounded ``y``).
+rounding, with a tighter limit for a half-precision output, :func:`condition_limit`; memfit's planner then runs
+the layer as PyTorch's own, and does not rewrite BatchNorms with half-precision outputs at all). Gradients
+therefore match PyTorch's to float32 rounding, not bit-for-bit (PyTorch computes ``x_hat`` from ``x``; here it comes from the rounded ``y``).
 
 Activation fusion. Fused with ``LeakyReLU(s)`` for ``s > 0`` (InPlace-ABN uses ``s = 0.01``) the module
 returns ``z = leaky_relu(y, s)`` and saves only ``z``: ``leaky_relu`` is invertible
@@ -78,6 +79,7 @@ __all__ = [
     "BatchNorm2dFromOutput",
     "BatchNorm3dFromOutput",
     "bn_from_output",
+    "condition_limit",
     "from_module",
     "fuse_bn_leaky_relu",
     "ill_conditioned",
@@ -197,32 +199,50 @@ class BNFromOutputFn(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None, None
 
 
-#: ``|bias| / |weight|`` above which a channel's recovered ``x_hat`` loses precision: its error is about
+#: ``|bias| / |weight|`` above which a channel's recovered ``x_hat`` loses precision in float32: its error is about
 #: ``2**-24 * |bias| / |weight|`` of ``x_hat``'s scale, so the weight gradient ``sum(dy * x_hat)`` stays within
 #: about 1e-4 of PyTorch's (the test suite's rtol) up to this ratio; a fresh user's ``|weight| = 1e-7`` gave a
-#: weight gradient 4.6x off.
+#: weight gradient 4.6x off. For other output dtypes see :func:`condition_limit`.
 CONDITION_LIMIT = 1024.0
 
 
-def ill_conditioned_channels(weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Per channel, whether ``|weight|`` is 0, below ``|bias| / CONDITION_LIMIT``, or so small (``< 2**24`` times
-    the dtype's smallest normal number) that the output underflows: a bool tensor of ``weight``'s shape ``(C,)``,
-    on its device, without synchronization. ``bias``: shape ``(C,)`` or None (no bias)."""
+def condition_limit(dtype: torch.dtype) -> float:
+    """The largest ``|bias| / |weight|`` at which a BatchNorm whose output has ``dtype`` is run from its output:
+    :data:`CONDITION_LIMIT` (1024) for float32 and float64, and 1 for float16 and bfloat16.
+
+    The rounded output adds an error of about ``eps(dtype) * |bias| / |weight|`` to the recovered ``x_hat``. In
+    float32 that stays below 1e-4 of the weight gradient up to 1024 (3e-5 measured at 1024, against PyTorch's
+    1.3e-7, random upstream gradients: ``benchmarks/bn_from_output_precision.py``). bfloat16's and float16's own
+    rounding is that large already: PyTorch's bfloat16 weight gradient is itself 0.3% off float64's, and run from
+    the output it was 0.35% off at a ratio of 1/8, 0.5% at 1, 1.6% at 8 and 110% at 1024 (and a fresh user's 32x
+    off at 500 through a whole model), so in half precision the ratio must stay below 1, where the error is about
+    PyTorch's own."""
+    return CONDITION_LIMIT if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps else 1.0
+
+
+def ill_conditioned_channels(weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """Per channel, whether ``|weight|`` is 0, below ``|bias| / condition_limit(dtype)``, or so small (``< 2**24``
+    times the weight dtype's smallest normal number) that the output underflows: a bool tensor of ``weight``'s
+    shape ``(C,)``, on its device, without synchronization. ``bias``: shape ``(C,)`` or None (no bias).
+    ``dtype``: the BatchNorm output's dtype (a bfloat16 activation under ``torch.autocast`` with float32
+    parameters), ``weight``'s by default (:func:`condition_limit`)."""
+    limit = condition_limit(weight.dtype if dtype is None else dtype)
     with torch.no_grad():
         w = weight.abs()
         bad = w < torch.finfo(weight.dtype).tiny * 2.0 ** 24
         if bias is not None:
-            bad |= w * CONDITION_LIMIT < bias.abs()
+            bad |= w * limit < bias.abs()
     return bad
 
 
-def ill_conditioned(weight: Tensor | None, bias: Tensor | None) -> Tensor:
+def ill_conditioned(weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
     """A 0-dim bool tensor (on the parameters' device, no synchronization): some channel is
-    :func:`ill_conditioned_channels`, so that computing the backward pass from the output would not give
-    PyTorch's gradients to float32 rounding. ``False`` without an affine weight. Shapes ``(C,)``."""
+    :func:`ill_conditioned_channels` (for an output of ``dtype``, the weight's by default), so that computing the
+    backward pass from the output would not give PyTorch's gradients to that dtype's rounding. ``False`` without
+    an affine weight. Shapes ``(C,)``."""
     if weight is None:
         return torch.zeros((), dtype=torch.bool)
-    return ill_conditioned_channels(weight, bias).any()
+    return ill_conditioned_channels(weight, bias, dtype).any()
 
 
 def bn_from_output(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
