@@ -509,6 +509,19 @@ def test_a_batchnorm_planned_in_eval_mode_and_trained_updates_its_statistics_onc
     assert bn.num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 3
 
 
+def test_the_mode_warning_counts_every_module_put_back_in_training_mode():
+    """A fresh user's finding: with every BatchNorm put back in training mode, the warning named the first only."""
+    x, y = _data()
+    model = _build(MODELS["batch_norm"])
+    plain = copy.deepcopy(model)
+    model[0].eval()
+    model[1].eval()
+    planned = _planned_at_min(model, x, y)
+    model.train()
+    with pytest.warns(UserWarning, match=r"submodule '0' \(Conv2d\) and 1 more are in training mode"):
+        _assert_same(*_train_side_by_side(plain, planned, x, y))
+
+
 def test_a_batchnorm_frozen_and_unfrozen_during_training_keeps_plain_pytorchs_statistics():
     """Planned in training mode, then frozen (``eval()``: it writes nothing) for some steps and trained again:
     the planned module follows each mode, step by step, as the model does; a plan saved and loaded onto the model

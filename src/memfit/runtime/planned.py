@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
 from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks, is_plain
-from memfit.graph.bn_output import apply_bn_from_output, has_bn_from_output
+from memfit.graph.bn_output import apply_bn_from_output, flagged_now, has_bn_from_output
 from memfit.graph.calls import (
     bind_inputs,
     compute_nodes,
@@ -350,6 +350,12 @@ class PlannedModule(nn.Module):
             captured = apply_tiling(captured, [TiledBlock.from_dict(t) for t in plan.tiled])
         if plan.bn_from_output and not has_bn_from_output(captured):
             captured = apply_bn_from_output(captured, plan.bn_from_output)
+        if plan.bn_from_output and (flagged := flagged_now(captured)):
+            warnings.warn(f"memfit: the plan runs {len(flagged)} BatchNorm(s) from their output ({', '.join(flagged[:3])}"
+                          f"{', ...' if len(flagged) > 3 else ''}) whose weight now has a channel at 0 or too small "
+                          "against its bias (weights loaded or changed after planning): they will run as PyTorch's "
+                          "own BatchNorm, which also saves its input, so steps may go over the plan's peak. Plan "
+                          "again with these weights.", stacklevel=2)
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured
@@ -1236,8 +1242,10 @@ class PlannedModule(nn.Module):
         if not woken:
             return
         path, module = woken[0]
-        self._warn_once("modes", f"memfit: the model's submodule {path!r} ({type(module).__name__}) is in training mode "
-                        "and was in evaluation mode when the plan was made: results are correct (memfit finds the "
+        more = f" and {len(woken) - 1} more" if len(woken) > 1 else ""
+        self._warn_once("modes", f"memfit: the model's submodule {path!r} ({type(module).__name__}){more} "
+                        f"{'are' if more else 'is'} in training mode and {'were' if more else 'was'} in evaluation "
+                        "mode when the plan was made: results are correct (memfit finds the "
                         "buffers it writes in this step, so running statistics move once per step), but what it "
                         "saves in training mode (a Dropout mask, batch statistics) is not in the plan's figures, so "
                         "the step may go over the budget. Plan again with the modules in the modes you train with.")
