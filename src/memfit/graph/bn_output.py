@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from memfit.graph.attributes import has_own_hooks
+from memfit.graph.attributes import has_hooks
 from memfit.graph.capture import Captured, graph_of
 from memfit.variants.bn_from_output import (
     CONDITION_LIMIT,
@@ -138,16 +138,22 @@ class BatchNormFromOutputCall(nn.Module):
         self.name = name
         self.warned = self.warned_hook = False
 
+    def __call__(self, x: Tensor) -> Tensor:
+        """``forward``, without ``nn.Module``'s hooks: a global module hook sees the model's BatchNorm, never this
+        wrapper (a fresh user's hook on every ``BatchNorm2d`` was skipped, and logging hooks met modules that are not
+        in the model)."""
+        return self.forward(x)
+
     def forward(self, x: Tensor) -> Tensor:
         bn = self.bn
-        if has_own_hooks(bn):  # a hook added after planning sees PyTorch's own BatchNorm (which saves its input)
+        if has_hooks([bn]):  # a hook (its own, or global) sees PyTorch's own BatchNorm (which saves its input)
             _warn_hooked(self, bn)
             return bn(x)
         if self.check.bad(self.index, x.dtype):
             if not self.warned:
                 self.warned = True
                 limit = condition_limit(x.dtype)
-                warnings.warn(f"memfit: a channel of {_label(self.name, bn)}'s weight is 0 or below 1/{limit:g} of its "
+                warnings.warn(f"memfit: a channel of {_label(self.name, bn)}'s weight is 0, tiny, or below 1/{limit:g} of its "
                               f"bias (the limit for a {str(x.dtype).removeprefix('torch.')} output), so its backward "
                               "pass from the output would lose precision: it runs as PyTorch's own BatchNorm, which "
                               "also saves its input, so the step may go over the plan's peak. Plan again (the "
@@ -178,8 +184,12 @@ class OutOfPlaceCall(nn.Module):
         self.name = name  # the activation's path in the model, for the warning
         self.warned_hook = False
 
+    def __call__(self, x: Tensor) -> Tensor:
+        """``forward``, without ``nn.Module``'s hooks (as :class:`BatchNormFromOutputCall`)."""
+        return self.forward(x)
+
     def forward(self, x: Tensor) -> Tensor:
-        if has_own_hooks(self.act):  # a hook added after planning: the module itself, on a copy it may overwrite
+        if has_hooks([self.act]):  # a hook (its own, or global): the module itself, on a copy it may overwrite
             _warn_hooked(self, self.act)
             return self.act(x.clone())
         return F.hardtanh(x, self.act.min_val, self.act.max_val)  # (nn.ReLU6 is nn.Hardtanh(0, 6))
@@ -222,9 +232,10 @@ def _warn_hooked(call: nn.Module, module: nn.Module) -> None:
     if call.warned_hook:
         return
     call.warned_hook = True
-    warnings.warn(f"memfit: {_label(call.name, module)} has a module hook that was not there when the plan was "
-                  "made; the plan runs it as PyTorch's own so that the hook runs (BatchNorm then saves its input as well: the "
-                  "step may go over the plan). Plan with the hook registered.", stacklevel=3)
+    warnings.warn(f"memfit: {_label(call.name, module)} has a module hook (its own, registered after planning, or a "
+                  "global one: torch.nn.modules.module.register_module_forward_hook), so the plan runs it as PyTorch's "
+                  "own so that the hook runs (BatchNorm then saves its input as well: the step may go over the plan). "
+                  "Plan with its own hook registered; a global hook keeps it so.", stacklevel=3)
 
 
 def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:
@@ -278,6 +289,14 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
     known = set(bn_activation_pairs(gm, weights=False))  # (a weight that became small runs as PyTorch's own)
     bad = [n for n in names if n not in known]
     if bad or len(set(names)) != len(names):
+        by_name = {n.name: n for n in gm.graph.nodes}
+        node = by_name.get(bad[0]) if bad else None
+        module = gm.get_submodule(node.target) if node is not None and node.op == "call_module" else None
+        if isinstance(module, _BATCHNORMS) and not module.training:
+            raise ValueError(f"the plan runs BatchNorm {node.target!r} from its output (bn_from_output), which it made "
+                             "with that BatchNorm in training mode, and it is in eval() now: put it back in training "
+                             "mode (model.train()) before applying the plan, apply the plan first and call eval() on "
+                             "it after (which needs no new plan), or make a plan with it in eval()")
         what = f"{bad[0]!r}, which is not" if bad else "a node twice; each must be"
         raise ValueError(f"plan runs BatchNorm from its output (bn_from_output) at {what} a training BatchNorm "
                          "whose only reader is an in-place ReLU6 or Hardtanh in this graph "
