@@ -2069,3 +2069,32 @@ def test_old_style_weight_hooks_keep_their_weight_between_steps(norm, budget):
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
     if budget == "min":
         assert "recompute" in planned.plan.decisions.values()
+
+
+def test_hooks_registered_after_planning_on_called_modules_are_warned_about_all_of_them():
+    """A fresh user's finding: forward hooks keeping the output of every convolution, registered after planning,
+    took a step at 70% to 1.32x the budget, and only the convolution the plan ran as a variant was warned about.
+    Now one warning counts every called module with a new hook; results stay plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 10)).train()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: F.cross_entropy(out, y), tiling=False)
+    kept, kept_ref = {}, {}
+    for m, store in ((model, kept), (ref, kept_ref)):
+        for k in (0, 2, 4):
+            m[k].register_forward_hook(lambda mod, i, o, k=k, store=store: store.__setitem__(k, o))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        F.cross_entropy(planned(x), y).backward()
+        F.cross_entropy(planned(x), y).backward()
+    new = [str(w.message) for w in seen if "hook registered after planning" in str(w.message)]
+    assert len(new) == 1 and "3 module(s)" in new[0] and "'0', '2', '4'" in new[0], [str(w.message) for w in seen]
+    F.cross_entropy(ref(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    for k in (0, 2, 4):
+        assert torch.equal(kept[k], kept_ref[k])
+    for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
