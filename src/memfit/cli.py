@@ -509,27 +509,28 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)
     args = parser.parse_args(_glue_negative_budgets(sys.argv[1:] if argv is None else list(argv)))
+    command = sub.choices.get(args.command, parser)  # (its usage line in the error, not the top level's)
     if getattr(args, "device", "cpu") == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is available on this machine (use --device cpu)")
+            command.error("--device cuda: no CUDA device is available on this machine (use --device cpu)")
     if getattr(args, "offload_dir", None) is not None:
         why = _check_offload_dir(args.offload_dir)
         if why:
-            parser.error(why)
+            command.error(why)
     if getattr(args, "no_offload", False) and getattr(args, "strategy", None) in OFFLOAD_STRATEGIES:
-        parser.error(f"--no-offload contradicts --strategy {args.strategy}: the vDNN strategies always offload")
+        command.error(f"--no-offload contradicts --strategy {args.strategy}: the vDNN strategies always offload")
     for flag in ("json", "out") if args.command == "plan" else ("json",):
         path = getattr(args, flag, None)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
+            command.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
         if path and (os.path.isdir(path) or path.endswith(("/", os.sep))):
-            parser.error(f"--{flag} {path} names a folder: name a file in it, e.g. {os.path.join(path, 'plan.json')}")
+            command.error(f"--{flag} {path} names a folder: name a file in it, e.g. {os.path.join(path, 'plan.json')}")
         if path:
             why = _unwritable(path)
             if why:
-                parser.error(f"--{flag} {path}: cannot write there ({why}); name a file in a folder you can write to")
+                command.error(f"--{flag} {path}: cannot write there ({why}); name a file in a folder you can write to")
     import torch
 
     if args.threads:
