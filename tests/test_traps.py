@@ -2098,3 +2098,34 @@ def test_hooks_registered_after_planning_on_called_modules_are_warned_about_all_
         assert torch.equal(kept[k], kept_ref[k])
     for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_global_module_hook_runs_forced_variants_as_pytorchs_own_with_one_warning_that_says_global():
+    """A fresh user's finding: a global module hook registered before planning was reported, per node, as "a module
+    hook that was not there when the plan was made"."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from _models import ChannelMix
+    from memfit.solve.strategies import make_plan
+
+    torch.manual_seed(0)
+    model = ChannelMix().train()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
+    _, captured, costs = memfit.plan(model, x, budget="100%", loss_fn=lambda out: F.cross_entropy(out, y))
+    plan = make_plan("none", captured.graph, costs)
+    plan.variants.update({c.name: "relu-mask" for c in costs.nodes if "relu-mask" in c.variants})
+    assert len(plan.variants) >= 2
+    planned = memfit.optimize(model, x, plan_=plan)
+    handle = register_module_forward_hook(lambda mod, i, o: o * 0.5 if isinstance(mod, nn.ReLU) else None)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            F.cross_entropy(planned(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+    finally:
+        handle.remove()
+    hooked = [str(w.message) for w in seen if "runs as PyTorch's own so that the hook runs" in str(w.message)]
+    assert len(hooked) == 1 and "a global module hook exists" in hooked[0], [str(w.message) for w in seen]
+    for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name

@@ -215,6 +215,11 @@ def conv_libraries() -> dict[str, bool]:
     return {"cudnn": bool(torch.backends.cudnn.enabled), "mkldnn": bool(torch.backends.mkldnn.enabled)}
 
 
+def has_own_hooks_in(modules: list[nn.Module]) -> bool:
+    """Any of ``modules`` has a hook of its own (global module hooks not counted)."""
+    return any(has_own_hooks(m) for m in modules)
+
+
 def autocast_dtype(inputs: tuple) -> str | None:
     """The dtype ``torch.autocast`` casts to on the inputs' device right now (``"torch.bfloat16"``), or ``None``
     outside autocast."""
@@ -718,10 +723,14 @@ class PlannedModule(nn.Module):
         def guarded(env):
             if has_hooks(watched):
                 where = node.target if module is not None and has_hooks(list(module.modules())) else arg.target
-                self._warn_once(f"hooked {where}", f"memfit: {where!r} has a module hook that was not there when the "
-                                f"plan was made; node {node.name}, which the plan runs as {variant!r}, runs as PyTorch's "
-                                "own so that the hook runs and sees PyTorch's values (the step may go over the plan). "
-                                "Plan with the hook registered.")
+                glob = not has_own_hooks_in(watched)
+                what = ("a global module hook exists (torch.nn.modules.module.register_module_forward_hook)" if glob
+                        else f"{where!r} has a module hook that was not there when the plan was made")
+                nodes = f"node {node.name} (and any other)" if glob else f"node {node.name}"
+                self._warn_once("hooked: global" if glob else f"hooked {where}", f"memfit: {what}; {nodes}, which the "
+                                f"plan runs as {variant!r}, runs as PyTorch's own so that the hook runs and sees PyTorch's values "
+                                "(the step may go over the plan). Plan with the hook registered"
+                                f"{' on the module instead' if glob else ''}.")
                 return default(env)
             if slots and _read(slots) != current[1]:  # (model.act.negative_slope = 0.5)
                 try:
