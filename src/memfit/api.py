@@ -31,6 +31,7 @@ from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, InfeasibleBudgetError, make_plan, plan_at_floor
 from memfit.solve.tiling import Option, best_plan_rounding, share_timings, tiling_candidates
+from memfit.variants.bn_from_output import HALF_DTYPES
 from memfit.warn import warn_user
 
 
@@ -322,10 +323,9 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
     no such pair, its profile raises, or a rewritten BatchNorm ran in float16 or bfloat16 (a plain ``.to()`` or
     ``torch.autocast``): there the output gives back the input only while every bias stays below its weight,
     which training soon undoes (:func:`memfit.variants.bn_from_output.condition_limit`)."""
-    half = (torch.float16, torch.bfloat16)
-    if autocast_dtype(inputs) in {str(d) for d in half} or any(
-            isinstance(t, torch.Tensor) and t.dtype in half for t in inputs):
-        return None
+    if autocast_dtype(inputs) in {str(d) for d in HALF_DTYPES} or any(
+            isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES for t in inputs):
+        return None  # (ran_in_half_precision below catches a model that casts inside, after profiling it)
     names = bn_activation_pairs(captured.gm)
     if not names:
         return None

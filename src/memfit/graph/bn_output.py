@@ -26,8 +26,8 @@ so does a planned module made with such weights (a plan loaded onto other weight
 outputs (float16, bfloat16: a plain ``.to()`` or ``torch.autocast``) are left as traced: their rounding is 2**8 to
 2**16 times float32's, so a bias larger than the weight already costs precision, and training soon makes one so
 (:func:`memfit.variants.bn_from_output.condition_limit`). PyTorch's in-place ``hardtanh_`` saves a copy of its
-input, so there the out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU`` saves its result
-in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
+input, so there the out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU``
+saves its result in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
 that cost as much as the recomputation it spared (ResNet-50 and GoogLeNet, measured with
 ``benchmarks/bn_from_output_check.py``, which rewrites those too), so those pairs are left as traced. Both rewritten calls read the model's own modules at every call (mode,
 bounds), so ``model.eval()`` and changed settings carry over; a module hook added to either after planning makes
@@ -48,7 +48,7 @@ from torch import Tensor, fx, nn
 from memfit.graph.attributes import has_hooks
 from memfit.graph.capture import Captured, graph_of
 from memfit.variants.bn_from_output import (
-    CONDITION_LIMIT,
+    HALF_DTYPES,
     bn_from_output,
     condition_limit,
     ill_conditioned,
@@ -98,7 +98,8 @@ class WeightCheck:
     def _flags(self, dtype: torch.dtype | None) -> list[bool]:
         """:func:`ill_conditioned` of every BatchNorm for an output of ``dtype``, computed over the concatenated
         weights and biases of each device and weight dtype (a handful of kernels and one ``.tolist()`` however many
-        BatchNorms there are; one call per BatchNorm cost 0.7 ms a step on MobileNet-V2's 52 on the CPU, and about 300 kernel launches on CUDA)."""
+        BatchNorms there are; one call per BatchNorm cost 0.7 ms a step on MobileNet-V2's 52 on the CPU, and about
+        300 kernel launches on CUDA)."""
         groups: dict[tuple, list[int]] = {}
         for k, bn in enumerate(self.bns):
             if bn.weight is not None:
@@ -152,9 +153,9 @@ class BatchNormFromOutputCall(nn.Module):
         if self.check.bad(self.index, x.dtype):
             if not self.warned:
                 self.warned = True
-                limit = condition_limit(x.dtype)
-                warnings.warn(f"memfit: a channel of {_label(self.name, bn)}'s weight is 0, tiny, or below 1/{limit:g} of its "
-                              f"bias (the limit for a {str(x.dtype).removeprefix('torch.')} output), so its backward "
+                limit, dtype = condition_limit(x.dtype), str(x.dtype).removeprefix("torch.")
+                warnings.warn(f"memfit: a channel of {_label(self.name, bn)}'s weight is 0, tiny, or below "
+                              f"1/{limit:g} of its bias (the limit for a {dtype} output), so its backward "
                               "pass from the output would lose precision: it runs as PyTorch's own BatchNorm, which "
                               "also saves its input, so the step may go over the plan's peak. Plan again (the "
                               "planner leaves such BatchNorms as they are).", stacklevel=2)
@@ -205,25 +206,27 @@ def _label(name: str, module: nn.Module) -> str:
     return f"{name} ({what})" if name else what
 
 
+def _calls(captured: Captured) -> list[BatchNormFromOutputCall]:
+    """The rewritten BatchNorm calls of ``captured`` (the output of :func:`apply_bn_from_output`), in order."""
+    holder = getattr(captured.gm, BFO_ATTR, None)
+    return [c for c in holder.children() if isinstance(c, BatchNormFromOutputCall)] if holder is not None else []
+
+
 def ran_in_half_precision(captured: Captured) -> bool:
     """Whether a BatchNorm that ``captured`` (the output of :func:`apply_bn_from_output`) runs from its output has
     had a float16 or bfloat16 input, e.g. while it was profiled under ``torch.autocast``: there a weight is ill
     conditioned as soon as a bias outgrows it (:func:`memfit.variants.bn_from_output.condition_limit`), which
-    training soon makes so, and the BatchNorm then runs as PyTorch's own, over the plan."""
-    holder = getattr(captured.gm, BFO_ATTR, None)
-    if holder is None:
-        return False
-    return any(condition_limit(d) < CONDITION_LIMIT for call in holder.children()
-               if isinstance(call, BatchNormFromOutputCall) for d in call.check.dtypes)
+    training soon makes so, and the BatchNorm then runs as PyTorch's own, over the plan. (The calls share one
+    :class:`WeightCheck`.)"""
+    calls = _calls(captured)
+    return bool(calls) and any(d in HALF_DTYPES for d in calls[0].check.dtypes)
 
 
 def flagged_now(captured: Captured) -> list[str]:
     """The BatchNorms (paths in the model) that ``captured`` (the output of :func:`apply_bn_from_output`) runs from
     their output but whose weight :func:`ill_conditioned` now flags (at its own dtype): weights loaded or
     changed after planning. They will run as PyTorch's own, which also saves their input."""
-    holder = getattr(captured.gm, BFO_ATTR, None)
-    calls = [c for c in holder.children() if isinstance(c, BatchNormFromOutputCall)] if holder is not None else []
-    return [c.name or type(c.bn).__name__ for c in calls if c.check.bad(c.index)]
+    return [c.name or type(c.bn).__name__ for c in _calls(captured) if c.check.bad(c.index)]
 
 
 def _warn_hooked(call: nn.Module, module: nn.Module) -> None:

@@ -215,11 +215,6 @@ def conv_libraries() -> dict[str, bool]:
     return {"cudnn": bool(torch.backends.cudnn.enabled), "mkldnn": bool(torch.backends.mkldnn.enabled)}
 
 
-def has_own_hooks_in(modules: list[nn.Module]) -> bool:
-    """Any of ``modules`` has a hook of its own (global module hooks not counted)."""
-    return any(has_own_hooks(m) for m in modules)
-
-
 def autocast_dtype(inputs: tuple) -> str | None:
     """The dtype ``torch.autocast`` casts to on the inputs' device right now (``"torch.bfloat16"``), or ``None``
     outside autocast."""
@@ -356,9 +351,9 @@ class PlannedModule(nn.Module):
         if plan.bn_from_output and not has_bn_from_output(captured):
             captured = apply_bn_from_output(captured, plan.bn_from_output)
         if plan.bn_from_output and (flagged := flagged_now(captured)):
-            warnings.warn(f"memfit: the plan runs {len(flagged)} BatchNorm(s) from their output ({', '.join(flagged[:3])}"
-                          f"{', ...' if len(flagged) > 3 else ''}) whose weight now has a channel at 0 or too small "
-                          "against its bias (weights loaded or changed after planning): they will run as PyTorch's "
+            names = ", ".join(flagged[:3]) + (", ..." if len(flagged) > 3 else "")
+            warnings.warn(f"memfit: the plan runs {len(flagged)} BatchNorm(s) from their output ({names}) whose "
+                          "weight now has a channel at 0 or too small against its bias (weights loaded or changed after planning): they will run as PyTorch's "
                           "own BatchNorm, which also saves its input, so steps may go over the plan's peak. Plan "
                           "again with these weights.", stacklevel=2)
         self.__dict__["offload_store"] = offload_store
@@ -723,13 +718,13 @@ class PlannedModule(nn.Module):
         def guarded(env):
             if has_hooks(watched):
                 where = node.target if module is not None and has_hooks(list(module.modules())) else arg.target
-                glob = not has_own_hooks_in(watched)
+                glob = not any(has_own_hooks(m) for m in watched)  # (then a global module hook)
                 what = ("a global module hook exists (torch.nn.modules.module.register_module_forward_hook)" if glob
                         else f"{where!r} has a module hook that was not there when the plan was made")
                 nodes = f"node {node.name} (and any other)" if glob else f"node {node.name}"
                 self._warn_once("hooked: global" if glob else f"hooked {where}", f"memfit: {what}; {nodes}, which the "
-                                f"plan runs as {variant!r}, runs as PyTorch's own so that the hook runs and sees PyTorch's values "
-                                "(the step may go over the plan). Plan with the hook registered"
+                                f"plan runs as {variant!r}, runs as PyTorch's own so that the hook runs and sees "
+                                "PyTorch's values (the step may go over the plan). Plan with the hook registered"
                                 f"{' on the module instead' if glob else ''}.")
                 return default(env)
             if slots and _read(slots) != current[1]:  # (model.act.negative_slope = 0.5)

@@ -41,7 +41,8 @@ Constraint: ``gamma`` must be non-zero in every channel (checked in the backward
 carries an error of about ``ulp(y) / |gamma|`` (:func:`ill_conditioned` tells where that exceeds float32
 rounding, with a tighter limit for a half-precision output, :func:`condition_limit`; memfit's planner then runs
 the layer as PyTorch's own, and does not rewrite BatchNorms with half-precision outputs at all). Gradients
-therefore match PyTorch's to float32 rounding, not bit-for-bit (PyTorch computes ``x_hat`` from ``x``; here it comes from the rounded ``y``).
+therefore match PyTorch's to float32 rounding, not bit-for-bit (PyTorch computes ``x_hat`` from ``x``; here it
+comes from the rounded ``y``).
 
 Activation fusion. Fused with ``LeakyReLU(s)`` for ``s > 0`` (InPlace-ABN uses ``s = 0.01``) the module
 returns ``z = leaky_relu(y, s)`` and saves only ``z``: ``leaky_relu`` is invertible
@@ -74,6 +75,7 @@ from torch import Tensor, nn
 from memfit.variants.single_backward import single_backward
 
 __all__ = [
+    "HALF_DTYPES",
     "BNFromOutputFn",
     "BatchNorm1dFromOutput",
     "BatchNorm2dFromOutput",
@@ -86,12 +88,13 @@ __all__ = [
     "ill_conditioned_channels",
 ]
 
-_REDUCED = (torch.float16, torch.bfloat16)
+#: the half-precision dtypes (float32 per-channel vectors in the backward; :func:`condition_limit` 1)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _stat_dtype(x: Tensor, *params: Tensor | None) -> torch.dtype:
     """dtype of ``native_batch_norm``'s ``save_mean`` / ``save_invstd`` for these arguments."""
-    if x.dtype in _REDUCED and any(p is not None and p.dtype == torch.float32 for p in params):
+    if x.dtype in HALF_DTYPES and any(p is not None and p.dtype == torch.float32 for p in params):
         return torch.float32
     return x.dtype
 
@@ -164,7 +167,7 @@ class BNFromOutputFn(torch.autograd.Function):
                 "x_hat = (y - beta) / gamma from the output. Use plain nn.BatchNorm for this layer.")
         c, ndim = out.shape[1], out.dim()
         # per-channel vectors in float32 for half/bf16 (mixed-precision kernel path), else x's dtype
-        pdt = torch.float32 if out.dtype in _REDUCED else out.dtype
+        pdt = torch.float32 if out.dtype in HALF_DTYPES else out.dtype
         w = weight.to(pdt) if weight is not None else out.new_ones(c, dtype=pdt)
         b = bias.to(pdt) if bias is not None else out.new_zeros(c, dtype=pdt)
         if ctx.slope is not None:
@@ -215,25 +218,25 @@ def condition_limit(dtype: torch.dtype) -> float:
     The rounded output adds an error of about ``eps(dtype) * |bias| / |weight|`` to the recovered ``x_hat``. In
     float32, for one BatchNorm with random upstream gradients, that is 1.5e-6 of the weight gradient at 64 and
     3e-5 at 1024, against PyTorch's 1.3e-7 (``benchmarks/bn_from_output_precision.py``); through a whole model
-    the weight gradient can cancel and the relative error is larger (:data:`CONDITION_LIMIT`). bfloat16's and float16's own
-    rounding is that large already: PyTorch's bfloat16 weight gradient is itself 0.3% off float64's, and run from
-    the output it was 0.35% off at a ratio of 1/8, 0.5% at 1, 1.6% at 8 and 110% at 1024 (and a fresh user's 32x
+    the weight gradient can cancel and the relative error is larger (:data:`CONDITION_LIMIT`). bfloat16's and
+    float16's own rounding is that large already: PyTorch's bfloat16 weight gradient is itself 0.3% off float64's,
+    and run from the output it was 0.35% off at a ratio of 1/8, 0.5% at 1, 1.6% at 8 and 110% at 1024 (and a fresh user's 32x
     off at 500 through a whole model), so in half precision the ratio must stay below 1, where the error is about
     PyTorch's own."""
-    return CONDITION_LIMIT if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps else 1.0
+    return 1.0 if dtype in HALF_DTYPES else CONDITION_LIMIT
 
 
 def ill_conditioned_channels(weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
     """Per channel, whether ``|weight|`` is 0, below ``|bias| / condition_limit(dtype)``, or so small (``< 2**24``
-    times float32's or float64's smallest normal number, or below ``dtype``'s) that the output underflows: a bool tensor of ``weight``'s
-    shape ``(C,)``, on its device, without synchronization. ``bias``: shape ``(C,)`` or None (no bias).
-    ``dtype``: the BatchNorm output's dtype (a bfloat16 activation under ``torch.autocast`` with float32
+    times float32's or float64's smallest normal number, or below ``dtype``'s) that the output underflows: a bool
+    tensor of ``weight``'s shape ``(C,)``, on its device, without synchronization. ``bias``: shape ``(C,)`` or None
+    (no bias). ``dtype``: the BatchNorm output's dtype (a bfloat16 activation under ``torch.autocast`` with float32
     parameters), ``weight``'s by default (:func:`condition_limit`)."""
     out = weight.dtype if dtype is None else dtype
     limit = condition_limit(out)
     # (the backward's per-channel vectors are float32 for half-precision weights: float16's own smallest normal
     # number times 2**24 is 1024, which flagged every float16 BatchNorm: a fresh user's finding)
-    vectors = torch.float32 if weight.dtype in _REDUCED else weight.dtype
+    vectors = torch.float32 if weight.dtype in HALF_DTYPES else weight.dtype
     with torch.no_grad():
         w = weight.abs()
         bad = w < max(torch.finfo(vectors).tiny * 2.0 ** 24, torch.finfo(out).tiny)
