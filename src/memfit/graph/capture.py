@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import has_own_hooks, record_reads
+from memfit.graph.augmented import InplaceProxy, keep_in_place, put_back_updated_state, state_of
 from memfit.graph.calls import dataclass_builder, dataclass_parts
 from memfit.graph.ir import Graph, Node
 
@@ -373,8 +374,12 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
 
 
 class _Tracer(fx.Tracer):
-    """``torch.fx``'s tracer with modules that have hooks kept whole, and numpy scalar constants as the Python
-    scalars they equal."""
+    """``torch.fx``'s tracer with modules that have hooks kept whole, numpy scalar constants as the Python
+    scalars they equal, and augmented assignments (``h += t``) recorded for :func:`keep_in_place`."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        """:class:`InplaceProxy`: ``h += t`` recorded as such, where fx's ``Proxy`` rebinds ``h`` to ``h + t``."""
+        return InplaceProxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
@@ -436,6 +441,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter."""
     tracer = _BufferTracer()
+    state_before = state_of(model)
     try:
         graph = tracer.trace(model)
     except _GradModeChange:
@@ -448,6 +454,9 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
         state = [(name, t, t.detach().clone()) for name, t in itertools.chain(
             model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))]
         plain = _Tracer()
+        for _, module, table, saved in state_before:  # (what the failed attempt assigned: it traces again)
+            getattr(module, table).update({k: saved[k] for k, v in getattr(module, table).items()
+                                           if isinstance(v, fx.Proxy) and k in saved})
         try:
             graph = plain.trace(model)  # raises when the model does not trace at all
         except Exception as again:
@@ -486,6 +495,8 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
                 "gradients 0.85 off). Write buffers with in-place tensor operations (`self.queue[:, :b].copy_(k.t())` rather "
                 "than `self.queue[:, :b] = k.t()`) and keep Python control flow off tensor values, so that the "
                 "model traces with its buffers as graph values.") from exc
+        keep_in_place(plain.root, graph)
+        put_back_updated_state(state_before)
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
             f"memfit traced {type(model).__name__} with its buffers read as constants: with buffers as graph "
@@ -493,6 +504,8 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
             "buffers alone (outside torch.nn modules), such as in-place updates of your own buffers, ran once "
             "while tracing and will not run in training steps.", stacklevel=4)
         return gm
+    keep_in_place(tracer.root, graph)
+    put_back_updated_state(state_before)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 

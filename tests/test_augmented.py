@@ -1,0 +1,165 @@
+"""Augmented assignments (``h += t``) against plain PyTorch, which runs them in place.
+
+torch.fx rebinds the name (``h = h + t``): another name of the same tensor (``skip = h``, a list of skips, the
+model's buffer) kept the old value, and a fresh user's model trained on silently with outputs 0.48 off
+(:mod:`memfit.graph.augmented`)."""
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from _models import plain_and_planned
+from memfit import zoo
+from memfit.bench.harness import compare
+from memfit.graph import capture
+
+
+class NamedTwice(nn.Module):
+    """A fresh user's model: ``skip`` names the tensor ``+=`` updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.l1(x)
+        skip = h
+        h += self.l2(F.relu(x))
+        return self.head(F.relu(skip))
+
+
+class SkipList(nn.Module):
+    """U-Net style: the encoder's output is kept in a list, then updated by ``+=`` (in place in PyTorch, so the
+    decoder's concatenation reads the sum); a second ``+=`` on a tensor nothing else names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c3, self.c4 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(32, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        skips = []
+        h = self.b1(self.c1(x))
+        skips.append(h)
+        h += F.relu(self.b2(self.c2(h * 1.0)))
+        g = self.c3(h)
+        g += 1
+        out = self.c4(torch.cat([g, skips[0]], 1))
+        return self.head(out.mean((2, 3)))
+
+
+class Counters(nn.Module):
+    """Buffers updated by augmented assignments, as PyTorch updates them: in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        self.count += 1
+        h = torch.relu(self.l(x))
+        self.ema *= 0.9
+        self.ema += 0.1 * h.mean(0).detach()
+        return self.out(h + self.ema)
+
+
+@pytest.mark.parametrize("budget", ["min", "100%"])
+def test_an_update_seen_through_another_name_trains_as_pytorch_does(budget):
+    torch.manual_seed(0)
+    model, x = NamedTwice().train(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, budget=budget, loss_fn=lambda out: out.square().mean())
+    out, expected = planned(x), ref(x)
+    assert torch.equal(out, expected)  # (0.48 off)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0)  # (l2's was None)
+
+
+@pytest.mark.parametrize("budget", ["min", "70%"])
+def test_a_skip_list_updated_in_place_trains_as_pytorch_does_under_its_budget(budget):
+    torch.manual_seed(0)
+    model, x = SkipList().train(), torch.randn(4, 3, 32, 32)
+    y = torch.randint(0, 10, (4,))
+    base, planned, fig = plain_and_planned(model, x, y, budget)
+    check = compare(base, fig)
+    assert check["gradients_match"] and check["bn_stats_match"], check
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+
+
+def test_buffers_updated_by_augmented_assignments_count_as_in_pytorch():
+    torch.manual_seed(0)
+    model, x = Counters().train(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, budget="min", loss_fn=lambda out: out.sum())
+    assert model.count.item() == 0 and not model.ema.any()  # planning leaves them as they were
+    for _ in range(3):
+        planned(x).sum().backward()
+        ref(x).sum().backward()
+    assert model.count.item() == ref.count.item() == 3
+    assert torch.equal(model.ema, ref.ema)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0)
+
+
+def test_an_update_of_a_tensor_saved_for_backward_fails_as_in_pytorch():
+    """PyTorch refuses this model at backward (autograd's version check); traced out of place, memfit trained it."""
+
+    class Saved(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            h = self.l(x)
+            a = h * self.w  # saves h
+            h += 1
+            return a + h
+
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        Saved()(x).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        memfit.optimize(Saved(), x, budget="min", loss_fn=lambda out: out.sum())
+
+
+def test_a_residual_addition_nothing_else_reads_stays_out_of_place():
+    """torchvision's ``out += identity``: traced as before (same node name, so plans made before apply), for the
+    solver to choose its in-place form."""
+    gm = capture(zoo.build_model("resnet18")).gm
+    adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (operator.add, operator.iadd)]
+    assert len(adds) == 8 and all(n.target is operator.add for n in adds)
+    assert [n.name for n in adds][:2] == ["add", "add_1"]
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a view taken before its base is updated in place and read after "
+                   "it runs backward through autograd's regenerated view (AsStridedBackward0), which the profile, "
+                   "measuring the view alone, does not see: plain PyTorch's step measured 128 KiB over the prediction")
+def test_a_view_read_after_its_base_was_updated_in_place_is_predicted():
+    class ViewThenUpdate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
+
+        def forward(self, x):
+            h = self.c1(x)
+            v = h[:, :8]
+            h += 1.0  # in place (v is read below): v sees it, as in PyTorch
+            return self.fc(self.c2(h).mean((2, 3)) + v.mean())
+
+    torch.manual_seed(0)
+    model, x = ViewThenUpdate().train(), torch.randn(4, 3, 32, 32)
+    y = torch.randint(0, 10, (4,))
+    base, planned, fig = plain_and_planned(model, x, y, "100%", strategy="none")
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.predicted_peak_bytes
