@@ -484,6 +484,26 @@ def test_deepcopy_after_a_setting_changed_trains_as_the_planned_module_does():
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
+def test_deepcopy_after_an_activation_was_set_in_place_trains_as_plain_pytorch_and_warns():
+    """A fresh user set ``model[2].inplace = True`` after planning: the planned module ran that ReLU as PyTorch's own
+    (warned), its deep copy was refused ("plan asks for variant 'inplace' on node _2, which memfit cannot apply")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).train()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    planned = memfit.optimize(model, x, budget="100%", loss_fn=lambda out: F.cross_entropy(out, y))
+    assert planned.plan.variants.get("_2") == "inplace"
+    model[2].inplace = True
+    plain = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"node _2 \(module '2'\) of the copy runs as PyTorch's own op"):
+        twin = copy.deepcopy(planned)
+    for module in (plain, twin):
+        F.cross_entropy(module(x), y).backward()
+    for (name, a), b in zip(plain.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    assert planned.plan.variants.get("_2") == "inplace"  # the original's plan is its own
+
+
 def _planned_at_min(model, x, y):
     """``memfit.optimize`` at its smallest budget (every node it can recompute in regions), with the plan's
     written buffers found by the profile in the modes the model has now."""

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
 
 import torch
 
-_SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+# (and the standard library's copy module: a warning while copy.deepcopy(planned) runs is the user's deepcopy line)
+_SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)),
+         os.path.abspath(copy.__file__))
 
 
 def warn_user(message: str) -> None:
     """``warnings.warn(message)`` (a ``UserWarning``) attributed to the innermost caller outside memfit and torch:
-    the user's ``memfit.optimize(...)``, ``planned(x)`` or ``loss.backward()`` line."""
+    the user's ``memfit.optimize(...)``, ``planned(x)``, ``copy.deepcopy(planned)`` or ``loss.backward()`` line."""
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP):
         frame, level = frame.f_back, level + 1

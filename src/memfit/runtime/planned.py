@@ -251,6 +251,22 @@ def _bump(*_args) -> None:
     _TREE_VERSION[0] += 1  # (returns None: a registration hook's return value would replace what is registered)
 
 
+def _drop_lost_inplace_forms(gm: fx.GraphModule, plan: Plan) -> list[tuple[str, str]]:
+    """Remove from ``plan.variants`` the in-place forms that their nodes no longer have in ``gm`` (an activation set
+    to ``inplace=True`` after planning has no in-place form of its own: the planned module runs it as PyTorch's own
+    op, warned, and a copy built with the form was refused); ``[(node name, module path or "")]`` removed."""
+    from memfit.variants import OPERAND, inplace_forms
+
+    by_name = {n.name: n for n in gm.graph.nodes}
+    dropped = []
+    for name, variant in list(plan.variants.items()):
+        node = by_name.get(name)
+        if variant in OPERAND and node is not None and variant not in inplace_forms(gm, node):
+            del plan.variants[name]
+            dropped.append((name, node.target if node.op == "call_module" else ""))
+    return dropped
+
+
 def _setting_slots(module: nn.Module | None) -> list[tuple[dict, str]]:
     """``(instance dict, name)`` of the plain settings of ``module`` and its submodules (``negative_slope``,
     ``min_val``...), found once so that a training step only reads them."""
@@ -408,6 +424,7 @@ class PlannedModule(nn.Module):
         plan = copy.deepcopy(self.plan, memo)
         if plan.node_ops:  # (settings changed since planning, which this module runs with: Dropout's p; the copy
             plan.node_ops = node_ops(gm)  # was refused as "solved for a different graph", a fresh-user finding)
+        dropped = _drop_lost_inplace_forms(gm, plan)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
                                      attributes=copy.deepcopy(captured.attributes, memo)),
                             plan, copy.deepcopy(self.report, memo),
@@ -417,6 +434,12 @@ class PlannedModule(nn.Module):
             if "hooks" in key and isinstance(value, dict):
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._warned = set(self._warned)
+        if dropped:  # (what this module does at its next step; the copy was refused, a fresh-user finding)
+            names = ", ".join(f"{n} (module {t!r})" if t else n for n, t in dropped)
+            new._warn_once("copy: in-place forms", f"memfit: node {names} of the copy runs as PyTorch's own op: its "
+                           "settings changed since planning (an activation set to inplace=True), and the plan's "
+                           "in-place form does not apply to the new ones (the step may go over the plan). Plan again "
+                           "for these settings.")
         # the copies of the model and of its submodules kept their own modes (a frozen BatchNorm in eval mode
         # inside a model in training mode stays so); train() would set them all
         new.training = self.training
@@ -732,7 +755,7 @@ class PlannedModule(nn.Module):
                     current[:] = [variant_call(self.gm, node, variant), _read(slots)]
                 except ValueError:  # the variant does not apply to the new settings (a negative slope in place)
                     self._warn_once(f"variant {node.name}", f"memfit: node {node.name}'s settings changed since planning "
-                                    f"({node.target}), and the plan's {variant!r} does not apply to the new ones: it runs "
+                                    f"(module {node.target!r}), and the plan's {variant!r} does not apply to the new ones: it runs "
                                     "as PyTorch's own op (the step may go over the plan). Plan again for these settings.")
                     current[:] = [default, _read(slots)]
             return current[0](env)
