@@ -10,7 +10,8 @@ variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch
 ``--setups`` (``strategy@activation budget in percent``; ``strategy-unpriced@...`` solves with the checkpoint
 regions' own cost left out, as before :mod:`memfit.runtime.overhead`; ``strategy-nonative@...`` without the
 ``conv-native`` variant; ``strategy-nostop@...`` solved as before the early stop was priced: a region's last
-convolution charged its forward time, which the non-reentrant checkpoint never spends) take one training step each in turn (SGD with
+convolution charged its forward time, which the non-reentrant checkpoint never spends; ``strategy-regionN@...``
+solved with each checkpoint region priced at ``N`` ms, the per-node price unchanged) take one training step each in turn (SGD with
 momentum, gradients set to ``None``) for ``--rounds`` rounds after a warm-up
 (:func:`memfit.bench.harness.interleaved_step_seconds`): the overheads are ratios of medians taken in the
 same minutes, so plans can be compared with each other directly. Memory (exact tracker), gradients and
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from contextlib import nullcontext
 from unittest import mock
 
@@ -66,12 +68,16 @@ def main() -> None:
         priced = costs
         if strategy.endswith("-unpriced"):
             priced = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
+        if (m := re.search(r"-region([0-9.]+)$", strategy)):
+            priced = dataclasses.replace(costs, region_seconds=float(m[1]) * 1e-3)
         if strategy.endswith("-nonative"):
             priced = without_variant(costs, "conv-native")
         # (the ablation of the early stop's price: every node's recomputation charged in full again)
         nostop = (mock.patch("memfit.solve.accounting._saves_before_computing", return_value=False)
                   if strategy.endswith("-nostop") else nullcontext())
-        base_strategy = strategy.removesuffix("-unpriced").removesuffix("-nonative").removesuffix("-nostop")
+        base_strategy = re.sub(r"-region[0-9.]+$", "", strategy)
+        for suffix in ("-unpriced", "-nonative", "-nostop"):
+            base_strategy = base_strategy.removesuffix(suffix)
         try:
             with nostop:
                 plan = make_plan(base_strategy, graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
