@@ -9,7 +9,7 @@ as much as the difference being measured. Here every plan comes from one profile
 variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch and every plan of
 ``--setups`` (``strategy@activation budget in percent``; ``strategy-unpriced@...`` solves with the checkpoint
 regions' own cost left out, as before :mod:`memfit.runtime.overhead`; ``strategy-nonative@...`` without the
-``conv-native`` variant; ``strategy-nostop@...`` solved as before the early stop was priced: a region's last
+``conv-native`` variant (``strategy-nopoolcl@...``: without ``maxpool-compact-cl``); ``strategy-nostop@...`` solved as before the early stop was priced: a region's last
 convolution charged its forward time, which the non-reentrant checkpoint never spends; ``strategy-regionN@...``
 solved with each checkpoint region priced at ``N`` ms, the per-node price unchanged) take one training step each in turn (SGD with
 momentum, gradients set to ``None``) for ``--rounds`` rounds after a warm-up
@@ -72,11 +72,13 @@ def main() -> None:
             priced = dataclasses.replace(costs, region_seconds=float(m[1]) * 1e-3)
         if strategy.endswith("-nonative"):
             priced = without_variant(costs, "conv-native")
+        if strategy.endswith("-nopoolcl"):
+            priced = without_variant(costs, "maxpool-compact-cl")
         # (the ablation of the early stop's price: every node's recomputation charged in full again)
         nostop = (mock.patch("memfit.solve.accounting._saves_before_computing", return_value=False)
                   if strategy.endswith("-nostop") else nullcontext())
         base_strategy = re.sub(r"-region[0-9.]+$", "", strategy)
-        for suffix in ("-unpriced", "-nonative", "-nostop"):
+        for suffix in ("-unpriced", "-nonative", "-nopoolcl", "-nostop"):
             base_strategy = base_strategy.removesuffix(suffix)
         try:
             with nostop:
