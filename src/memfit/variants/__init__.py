@@ -7,8 +7,8 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
 * ``bn-from-output``: BatchNorm1d/2d/3d computes its backward from its output (float32 rounding); the planner
   uses it through a rewritten graph (:mod:`memfit.graph.bn_output`), not as a per-node variant;
 * ``maxpool-compact``: MaxPool2d saves uint8 in-window argmax offsets (bit-exact gradients);
-* ``maxpool-compact-cl``: the same, pooled through channels-last copies on the CPU, whose kernel is vectorized
-  (4.5x faster on GoogLeNet's 16 x 16 planes, slower on 32 x 32 ones: the profile times both per node);
+* ``maxpool-compact-cl``: the same, pooled through channels-last copies of groups of planes on the CPU, whose
+  kernel is vectorized (GoogLeNet's pools at batch 16, 128 px: 2-6x faster forward than PyTorch's own);
 * ``conv-split-backward``: Conv1d/2d/3d saves what PyTorch saves but computes its weight and input
   gradients in two calls, so their workspaces never coexist (bit-exact gradients; MONeT's
   convolution-algorithm choice, on the CPU);
