@@ -162,11 +162,21 @@ class _Problem:
     def keep_everything(self) -> Plan:
         """Keeping every activation: plain PyTorch's plan, or, where the variants are allowed, that plan with
         every plain in-place form (:mod:`memfit.variants.inplace`) where the profile offers one (what code
-        written in place by hand, ``out += identity``, runs: ``torch.fx`` traces it out of place), if its
-        replayed peak is no higher. In-place forms are priced below PyTorch's op (``costs._no_faster_than_default``)."""
+        written in place by hand, ``out += identity``, runs: ``torch.fx`` traces it out of place) and every
+        variant that runs a faster kernel of PyTorch's (``VariantSpec.faster_kernel``: the channels-last pooling)
+        where it was measured faster, if its replayed peak is no higher. In-place forms are priced below
+        PyTorch's op (``costs._no_faster_than_default``)."""
+        from memfit.variants import VARIANTS
+
         plain = self.finish([], gap=0.0)
         choice = {i: next(name for name in PLAIN_INPLACE if name in opts)
                   for i, opts in enumerate(self.options or []) if any(name in opts for name in PLAIN_INPLACE)}
+        for i, opts in enumerate(self.options or []):
+            c = self.costs.nodes[i]
+            for name, v in opts.items():
+                if (i not in choice and name in VARIANTS and VARIANTS[name].faster_kernel
+                        and v.fwd_seconds + v.bwd_seconds < c.fwd_seconds + c.bwd_seconds):
+                    choice[i] = name
         if not choice:
             return plain
         in_place = self.finish([], gap=0.0, variants=choice)
