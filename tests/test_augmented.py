@@ -163,3 +163,101 @@ def test_a_view_read_after_its_base_was_updated_in_place_is_predicted():
     base, planned, fig = plain_and_planned(model, x, y, "100%", strategy="none")
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.predicted_peak_bytes
+
+
+class _Lin2(nn.Module):
+    def __init__(self, body) -> None:
+        super().__init__()
+        self.a, self.b, self.body = nn.Linear(8, 8), nn.Linear(8, 8), body
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+def _sigmoid_then_add(m, x):
+    h = torch.sigmoid(m.a(x))  # sigmoid saves its output
+    h += 1.0
+    return h
+
+
+def _relu_then_scale(m, x):
+    h = F.relu(m.a(x))  # relu saves its output
+    h *= 0.5
+    return h
+
+
+@pytest.mark.parametrize("body", [_sigmoid_then_add, _relu_then_scale])
+def test_an_update_of_an_output_its_op_saved_fails_as_in_pytorch(body):
+    """A second fresh user's finding: kept out of place because nothing else read it, it trained silently."""
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _Lin2(body)(x).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        memfit.optimize(_Lin2(body), x, budget="min", loss_fn=lambda out: out.sum())
+
+
+def _broadcast(m, x):
+    h = m.a(x).mean(1, keepdim=True)  # [4, 1]
+    h += m.b(x)  # [4, 8]: PyTorch refuses to broadcast h larger in place
+    return h
+
+
+def test_an_update_that_would_broadcast_its_target_larger_is_refused_with_what_to_write():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        _Lin2(_broadcast)(x)
+    with pytest.raises(RuntimeError, match=r"keeps the left side's shape and dtype.*h = h \+ t"):
+        memfit.optimize(_Lin2(_broadcast), x, budget="min", loss_fn=lambda out: out.sum())
+
+
+def _half_target(m, x):
+    h = m.a(x).to(torch.bfloat16)
+    h += m.b(x)  # float32 added into bfloat16: stays bfloat16 in PyTorch
+    return h.float()
+
+
+def _transposed_view(m, x):
+    h = m.a(x)
+    v = h.T
+    v += 1.0  # updates h
+    return m.b(h)
+
+
+@pytest.mark.parametrize("body", [_half_target, _transposed_view])
+def test_an_update_of_a_cast_or_an_attribute_view_trains_as_pytorch_does(body):
+    torch.manual_seed(0)
+    model, x = _Lin2(body).train(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, budget="min", loss_fn=lambda out: out.square().mean())
+    out, expected = planned(x), ref(x)
+    assert torch.equal(out, expected)  # (bfloat16: 3.6e-3 off; .T: 0.78 off)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_buffers_updated_through_data_count_as_in_pytorch():
+    class DataEma(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(8, 4)
+            self.register_buffer("steps", torch.zeros(()))
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x):
+            h = self.l(x)
+            self.steps.data += 1
+            self.ema.data *= 0.9
+            self.ema.data += 0.1 * h.detach().mean(0)
+            return h
+
+    torch.manual_seed(0)
+    model, x = DataEma().train(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, budget="min", loss_fn=lambda out: out.sum())
+    for _ in range(3):
+        planned(x).sum().backward()
+        ref(x).sum().backward()
+    assert model.steps.item() == ref.steps.item() == 3  # (0 before: the updates were lost)
+    assert torch.equal(model.ema, ref.ema)

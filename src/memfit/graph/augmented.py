@@ -9,22 +9,27 @@ with outputs 0.48 off and a weight's gradient ``None`` where PyTorch's was not.
 :class:`InplaceProxy` records each augmented assignment as the out-of-place node fx made before (same target,
 same node name, so plans made earlier still apply), marked; :func:`keep_in_place` then turns a marked node into
 Python's in-place operator (``operator.iadd``: ``Tensor.__iadd__`` on a tensor, a new value on a Python number)
-wherever the old value may be read again. Out of place is kept only where nothing can tell the difference: the
-left operand is a tensor the forward pass made itself (through no view of anything else) and the addition is its
-only reader. There memfit's solver may still choose the in-place form (:mod:`memfit.variants.inplace`), as for
-torchvision's ``out += identity``. Where a reader before the assignment saved the tensor for backward, PyTorch's
-in-place update makes autograd's version check fail at backward, and now so does the traced graph, as it should.
+unless nothing can tell the difference: the left operand is the output of an op that makes a tensor of its own
+and does not save it for backward (a convolution, a linear layer, a normalization, an addition: not ``sigmoid``,
+whose output its backward reads, which PyTorch's in-place update would make autograd refuse), and the update is
+its only reader. There memfit's solver may still choose the in-place form (:mod:`memfit.variants.inplace`), as for
+torchvision's ``out += identity``. What the graph cannot show, the profile checks on the example batch
+(:func:`check_out_of_place`): the result must keep the left operand's shape and dtype, as PyTorch's in-place
+update does (``h += t`` with ``t`` broadcasting ``h`` larger is refused by PyTorch, a float32 ``t`` added into a
+float16 ``h`` stays float16). Attributes (``h.T``, ``h.data``) are views and take the in-place operator too.
 """
 
 from __future__ import annotations
 
 import operator
+import os
+import traceback
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["InplaceProxy", "keep_in_place", "put_back_updated_state", "state_of"]
+__all__ = ["InplaceProxy", "check_out_of_place", "keep_in_place", "put_back_updated_state", "state_of"]
 
 _MARK = "memfit_augmented"
 
@@ -37,15 +42,34 @@ _AUGMENTED = [("__iadd__", operator.add, operator.iadd), ("__isub__", operator.s
               ("__ilshift__", operator.lshift, operator.ilshift), ("__irshift__", operator.rshift, operator.irshift)]
 
 
+_KEPT = "memfit_augmented_out_of_place"  # (and the user's line, for check_out_of_place's message)
+_HERE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
 class InplaceProxy(fx.Proxy):
     """``torch.fx.Proxy`` whose augmented assignments are recorded as marked out-of-place nodes, for
-    :func:`keep_in_place` to decide (``@=`` is left to Python: a tensor has no ``__imatmul__`` either)."""
+    :func:`keep_in_place` to decide (``@=`` is left to Python: a tensor has no ``__imatmul__`` either); its
+    attributes (``h.T``, ``h.data``) are such proxies too."""
+
+    def __getattr__(self, k: str) -> fx.Proxy:
+        return _InplaceAttribute(self, k)
+
+
+class _InplaceAttribute(fx.proxy.Attribute, InplaceProxy):
+    """fx's lazily recorded attribute (``h.T``), with :class:`InplaceProxy`'s augmented assignments: ``v = h.T;
+    v += 1`` updated a copy, and ``self.ema.data *= 0.9`` never changed the buffer (fresh-user findings)."""
+
+
+def _user_line() -> str:
+    frames = [f for f in traceback.extract_stack() if not os.path.abspath(f.filename).startswith(_HERE)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
 
 
 def _augmented(out_of_place, in_place):
     def method(self: fx.Proxy, other):
         proxy = self.tracer.create_proxy("call_function", out_of_place, (self, other), {})
         proxy.node.meta[_MARK] = in_place
+        proxy.node.meta[_KEPT] = _user_line()
         return proxy
 
     method.__name__ = f"__i{out_of_place.__name__.rstrip('_')}__"
@@ -55,35 +79,29 @@ def _augmented(out_of_place, in_place):
 for _name, _out, _in in _AUGMENTED:
     setattr(InplaceProxy, _name, _augmented(_out, _in))
 
-# ops whose result is a tensor of its own, never its input nor a view of it
+# ops whose result is a tensor of its own (never an input nor a view of one) that their backward does not read
+# (sigmoid, tanh, exp, softmax and ReLU save their output: PyTorch's in-place update of it fails at backward)
 _NEW_TENSOR_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.matmul, operator.neg, operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift,
-    torch.add, torch.sub, torch.mul, torch.div, torch.matmul, torch.mm, torch.bmm, torch.cat, torch.stack,
-    torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.softmax, torch.clone, torch.where,
-    F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.linear,
-    F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.softmax, F.log_softmax, F.gelu,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.matmul,
+    operator.neg, torch.add, torch.sub, torch.mul, torch.matmul, torch.mm, torch.bmm, torch.cat, torch.stack,
+    torch.clone, torch.where, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, F.linear, F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.gelu,
     F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool2d,
     F.interpolate, F.embedding,
 }
-_NEW_TENSOR_METHODS = {"add", "sub", "mul", "div", "matmul", "clone", "sigmoid", "tanh", "exp", "softmax",
-                       "log_softmax", "sum", "mean"}
+_NEW_TENSOR_METHODS = {"add", "sub", "mul", "matmul", "clone", "sum", "mean"}
 _NEW_TENSOR_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.Bilinear, nn.modules.batchnorm._NormBase,
                        nn.GroupNorm, nn.LayerNorm, nn.Embedding, nn.modules.pooling._MaxPoolNd,
-                       nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd, nn.Upsample,
-                       nn.Softmax, nn.LogSoftmax, nn.GELU, nn.Sigmoid, nn.Tanh)
-# (activations with an `inplace` flag, F.relu(..., inplace=True), Dropout (its input itself in eval mode),
-# Identity, Flatten and every other op may return their input or a view of it: followed through to their inputs)
+                       nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd, nn.Upsample, nn.GELU)
 
 
 def _new_tensor(gm: nn.Module, node: fx.Node) -> bool:
-    """Whether ``node``'s value is surely a tensor of its own (not an input, a parameter, or a view)."""
+    """Whether ``node``'s value is surely a tensor of its own that no backward reads (not an input, a parameter,
+    a view, or an output its op saves)."""
     if node.meta.get(_MARK) is not None:  # an augmented assignment kept out of place
         return True
     if node.op == "call_module":
-        m = gm.get_submodule(node.target)
-        return isinstance(m, _NEW_TENSOR_MODULES) or (getattr(m, "inplace", None) is False
-                                                      and type(m).__module__ == "torch.nn.modules.activation")
+        return isinstance(gm.get_submodule(node.target), _NEW_TENSOR_MODULES)
     if node.op == "call_function":
         return node.target in _NEW_TENSOR_FUNCTIONS and not node.kwargs.get("inplace", False)
     if node.op == "call_method":
@@ -91,22 +109,10 @@ def _new_tensor(gm: nn.Module, node: fx.Node) -> bool:
     return False
 
 
-def _aliases(gm: nn.Module, node: fx.Node) -> set[fx.Node]:
-    """``node`` and, through every op that may return its input or a view of it, the nodes it may share memory
-    with."""
-    found, todo = set(), [node]
-    while todo:
-        v = todo.pop()
-        if v not in found:
-            found.add(v)
-            if not _new_tensor(gm, v):
-                todo.extend(v.all_input_nodes)
-    return found
-
-
 def keep_in_place(root: nn.Module, graph: fx.Graph) -> list[fx.Node]:
-    """Turn each augmented assignment :class:`InplaceProxy` recorded into Python's in-place operator where the
-    old value may be read again, and unmark the rest (kept out of place). Reads the graph only (no values).
+    """Turn each augmented assignment :class:`InplaceProxy` recorded into Python's in-place operator unless its left
+    operand is a fresh tensor no backward reads (:func:`_new_tensor`) and the update is its only reader; those stay
+    out of place, marked for :func:`check_out_of_place`. Reads the graph only (no values).
 
     Args:
         root: the traced module (for the types of ``call_module`` nodes).
@@ -121,18 +127,35 @@ def keep_in_place(root: nn.Module, graph: fx.Graph) -> list[fx.Node]:
         if in_place is None:
             continue
         lhs = node.args[0]
-        if isinstance(lhs, fx.Node):
-            group = _aliases(root, lhs)
-            if any(v.op in ("placeholder", "get_attr") or any(u is not node and u not in group for u in v.users)
-                   for v in group):
-                node.target = in_place
-                made.append(node)
-                del node.meta[_MARK]
+        if isinstance(lhs, fx.Node) and not (_new_tensor(root, lhs) and set(lhs.users) == {node}):
+            node.target = in_place
+            made.append(node)
+            del node.meta[_MARK]
+            node.meta.pop(_KEPT, None)
     for node in graph.nodes:
         node.meta.pop(_MARK, None)
     return made
 
 
+def check_out_of_place(node: fx.Node, env: dict, out) -> None:
+    """Raise where ``node``, an augmented assignment :func:`keep_in_place` kept out of place, gives a result of
+    another shape or dtype than its left operand (values of the example batch in ``env``, by node name): PyTorch's
+    in-place update keeps both (it refuses to broadcast ``h`` larger; it casts into ``h``'s dtype).
+
+    Raises:
+        RuntimeError: names the user's line and what to write instead.
+    """
+    line = node.meta.get(_KEPT)
+    lhs = env.get(node.args[0].name) if line and isinstance(node.args[0], fx.Node) else None
+    if not isinstance(lhs, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return
+    if out.shape != lhs.shape or out.dtype != lhs.dtype:
+        raise RuntimeError(
+            f"an augmented assignment at {line} gives a {out.dtype} {list(out.shape)} result from a {lhs.dtype} "
+            f"{list(lhs.shape)} tensor: PyTorch runs it in place, which keeps the left side's shape and dtype (a "
+            "larger broadcast shape is refused, another dtype is cast into it), and memfit, tracing it, would not "
+            "do the same. Write what you mean: `h = h + t` for the new shape or dtype, or `h += t.to(h.dtype)` / "
+            "`h.add_(t)` for PyTorch's in-place update. Your model is as it was.")
 
 _IN_PLACE = {in_place for _, _, in_place in _AUGMENTED}
 
