@@ -81,6 +81,8 @@ def test_hand_edited_plans_get_errors_and_warnings_that_say_what_to_change():
         Plan(strategy="x", nodes=nodes, budget_bytes="90%")
     with pytest.raises(ValueError, match=r"buffer_kinds \{'bn.running_mean': 'bogus'\}"):
         Plan(strategy="x", nodes=nodes, buffer_kinds={"bn.running_mean": "bogus"})
+    with pytest.raises(ValueError, match="variants names 'z', which is not in the graph"):
+        Plan(strategy="x", nodes=nodes, variants={"a": "default", "z": "maxpool-compact"})
     with pytest.raises(ValueError, match="stats_recompute names 'z', which is not in the graph"):
         Plan(strategy="x", nodes=nodes, regions=[["a", "b"]], stats_recompute=["z"])
     with pytest.warns(UserWarning, match="lists c in stats_recompute, but not in a checkpoint region: dropped"):

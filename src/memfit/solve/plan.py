@@ -204,6 +204,9 @@ class Plan:
                 self.decisions[self.nodes[i]] = "recompute"
         if not self.variants:
             self.variants = {n: "default" for n in self.nodes}
+        strays = [n for n in self.variants if n not in self.decisions]
+        if strays:  # (a hand-edited plan: the entry did nothing, silently)
+            raise ValueError(f"plan variants names {strays[0]!r}, which is not in the graph: remove it")
         if not isinstance(self.stats_recompute, list) or not all(isinstance(n, str) for n in self.stats_recompute):
             raise ValueError("plan stats_recompute must be a list of node names")
         unknown = [n for n in self.stats_recompute if n not in self.decisions]
