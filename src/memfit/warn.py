@@ -14,10 +14,15 @@ _SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abs
          os.path.abspath(copy.__file__))
 
 
+def in_library(filename: str) -> bool:
+    """Whether ``filename`` is memfit's, torch's (or the standard library's ``copy``): not the user's code."""
+    return os.path.abspath(filename).startswith(_SKIP)
+
+
 def warn_user(message: str) -> None:
     """``warnings.warn(message)`` (a ``UserWarning``) attributed to the innermost caller outside memfit and torch:
     the user's ``memfit.optimize(...)``, ``planned(x)``, ``copy.deepcopy(planned)`` or ``loss.backward()`` line."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP):
+    while frame is not None and in_library(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level + 1 if frame is not None else 2)

@@ -22,12 +22,13 @@ float16 ``h`` stays float16). Attributes (``h.T``, ``h.data``) are views and tak
 from __future__ import annotations
 
 import operator
-import os
 import traceback
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+
+from memfit.warn import in_library
 
 __all__ = ["InplaceProxy", "check_out_of_place", "keep_in_place", "put_back_updated_state", "state_of"]
 
@@ -43,7 +44,6 @@ _AUGMENTED = [("__iadd__", operator.add, operator.iadd), ("__isub__", operator.s
 
 
 _KEPT = "memfit_augmented_out_of_place"  # (and the user's line, for check_out_of_place's message)
-_HERE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
 
 
 class InplaceProxy(fx.Proxy):
@@ -61,7 +61,7 @@ class _InplaceAttribute(fx.proxy.Attribute, InplaceProxy):
 
 
 def _user_line() -> str:
-    frames = [f for f in traceback.extract_stack() if not os.path.abspath(f.filename).startswith(_HERE)]
+    frames = [f for f in traceback.extract_stack() if not in_library(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
 
 
@@ -98,7 +98,7 @@ _NEW_TENSOR_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.Bilinear, nn.modul
 def _new_tensor(gm: nn.Module, node: fx.Node) -> bool:
     """Whether ``node``'s value is surely a tensor of its own that no backward reads (not an input, a parameter,
     a view, or an output its op saves)."""
-    if node.meta.get(_MARK) is not None:  # an augmented assignment kept out of place
+    if _KEPT in node.meta:  # an augmented assignment kept out of place
         return True
     if node.op == "call_module":
         return isinstance(gm.get_submodule(node.target), _NEW_TENSOR_MODULES)
@@ -123,17 +123,14 @@ def keep_in_place(root: nn.Module, graph: fx.Graph) -> list[fx.Node]:
     """
     made = []
     for node in graph.nodes:
-        in_place = node.meta.get(_MARK)
+        in_place = node.meta.pop(_MARK, None)
         if in_place is None:
             continue
         lhs = node.args[0]
         if isinstance(lhs, fx.Node) and not (_new_tensor(root, lhs) and set(lhs.users) == {node}):
             node.target = in_place
             made.append(node)
-            del node.meta[_MARK]
-            node.meta.pop(_KEPT, None)
-    for node in graph.nodes:
-        node.meta.pop(_MARK, None)
+            del node.meta[_KEPT]
     return made
 
 
@@ -175,15 +172,16 @@ def state_of(model: nn.Module) -> list[tuple[str, nn.Module, str, dict]]:
             for table in ("_buffers", "_parameters")]
 
 
-def put_back_updated_state(state: list[tuple[str, nn.Module, str, dict]]) -> None:
+def put_back_updated_state(state: list[tuple[str, nn.Module, str, dict]], everything: bool = False) -> None:
     """After tracing, put back the buffers and parameters that forward updated by augmented assignments
     (``self.count += 1``, ``self.ema *= 0.9``): Python rebound each name to the traced value, which in PyTorch is
     the same tensor updated in place, and which the graph (made in-place by :func:`keep_in_place`) updates in every
     step. Left there, the ``GraphModule`` built next would hold the tracer's value instead of the tensor. Any other
-    traced value assigned to a buffer is left for :func:`memfit.graph.attributes.record_reads` to refuse."""
+    traced value assigned to a buffer is left for :func:`memfit.graph.attributes.record_reads` to refuse, unless
+    ``everything`` (a failed trace, before tracing again)."""
     for path, module, table, saved in state:
         now = getattr(module, table)
         for name, value in list(now.items()):
-            if name in saved and value is not saved[name] and _updates_in_place(
-                    value, f"{path}.{name}" if path else name):
+            if name in saved and isinstance(value, fx.Proxy) and (everything or _updates_in_place(
+                    value, f"{path}.{name}" if path else name)):
                 now[name] = saved[name]

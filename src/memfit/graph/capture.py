@@ -454,9 +454,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
         state = [(name, t, t.detach().clone()) for name, t in itertools.chain(
             model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))]
         plain = _Tracer()
-        for _, module, table, saved in state_before:  # (what the failed attempt assigned: it traces again)
-            getattr(module, table).update({k: saved[k] for k, v in getattr(module, table).items()
-                                           if isinstance(v, fx.Proxy) and k in saved})
+        put_back_updated_state(state_before, everything=True)  # (what the failed attempt assigned: it traces again)
         try:
             graph = plain.trace(model)  # raises when the model does not trace at all
         except Exception as again:
