@@ -142,27 +142,129 @@ def test_a_residual_addition_nothing_else_reads_stays_out_of_place():
     assert [n.name for n in adds][:2] == ["add", "add_1"]
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a view taken before its base is updated in place and read after "
-                   "it runs backward through autograd's regenerated view (AsStridedBackward0), which the profile, "
-                   "measuring the view alone, does not see: plain PyTorch's step measured 128 KiB over the prediction")
-def test_a_view_read_after_its_base_was_updated_in_place_is_predicted():
-    class ViewThenUpdate(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
+def _slice(h, conv):
+    v = h[:, :8]
+    h += 1.0  # in place (v is read below): v sees it, as in PyTorch
+    c = conv(h)
+    return c, v.mean()
 
-        def forward(self, x):
-            h = self.c1(x)
-            v = h[:, :8]
-            h += 1.0  # in place (v is read below): v sees it, as in PyTorch
-            return self.fc(self.c2(h).mean((2, 3)) + v.mean())
 
+def _transpose(h, conv):
+    v = h.transpose(2, 3)
+    h *= 2.0  # (saves the number as a tensor of 8 bytes: missed once for an in-place node)
+    c = conv(h)
+    return c, v.sum() * 1e-3
+
+
+def _read_before_and_after(h, conv):
+    v = h[:, :8]
+    s = v.mean()  # the view's own backward
+    h += 1.0
+    c = conv(h)
+    return c, s + v.mean()  # a regenerated one
+
+
+def _two_updates_between_reads(h, conv):
+    v = h[:, :8]
+    h += 1.0
+    a = v.mean()
+    h *= 0.5
+    c = conv(h)
+    return c, a + v.mean()
+
+
+def _detached_first(h, conv):
+    v = h[:, :8]
+    h += 1.0
+    d = v.detach().mean()  # asks for no backward node: the regenerated one comes with v.mean() below
+    c = conv(h)
+    return c, v.mean() + d
+
+
+def _update_through_another_view(h, conv):
+    w = h[:, 8:]
+    w *= 2.0  # (the base's CopySlices hides the 8 bytes this saves)
+    c = conv(h)
+    return c, torch.tanh(h).mean()
+
+
+def _view_of_a_view(h, conv):
+    v = h[:, :8]
+    w = v[:, :, 1:]
+    h += 1.0
+    c = conv(h)
+    return c, torch.sigmoid(w).mean()
+
+
+class _ViewThenUpdate(nn.Module):
+    def __init__(self, body) -> None:
+        super().__init__()
+        self.body = body
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        c, extra = self.body(self.c1(x), self.c2)
+        return self.fc(c.mean((2, 3)) + extra)
+
+
+@pytest.mark.parametrize("body", [_slice, _transpose, _read_before_and_after, _two_updates_between_reads,
+                                  _detached_first, _view_of_a_view, _update_through_another_view])
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_a_view_read_after_its_base_was_updated_in_place_is_predicted(body, budget):
+    """Autograd gives such a view a new backward node at its read (AsStridedBackward0), run right after the
+    reader's backward: its gradient of the whole base lived through the second convolution's backward, 128 KiB
+    (256 KiB for the transpose) over the prediction and a ``100%`` budget (:func:`memfit.solve.accounting.
+    regenerated_views`)."""
     torch.manual_seed(0)
-    model, x = ViewThenUpdate().train(), torch.randn(4, 3, 32, 32)
+    model, x = _ViewThenUpdate(body).train(), torch.randn(4, 3, 32, 32)
     y = torch.randint(0, 10, (4,))
-    base, planned, fig = plain_and_planned(model, x, y, "100%", strategy="none")
+    base, planned, fig = plain_and_planned(model, x, y, budget, strategy="none" if budget == "100%" else "memfit")
     assert compare(base, fig)["gradients_match"]
-    assert fig.peak_bytes <= planned.plan.predicted_peak_bytes
+    _predicted_and_under_budget(planned.plan, fig, budget)
+
+
+def _predicted_and_under_budget(plan, fig, budget):
+    """The measured peak is under the budget and within 5% of the prediction; keeping everything, whose
+    prediction needs no headroom, it is under the prediction too. (A plan that recomputes ``h *= 2.0`` measures
+    8 bytes over its prediction, within the headroom: autograd holds the number it saves, without the saved-tensor
+    hooks, from the forward pass, and the recomputation makes another.)"""
+    assert fig.peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes
+    if budget == "100%":
+        assert fig.peak_bytes <= plan.predicted_peak_bytes
+
+
+class _UpdatedByMethodCall(nn.Module):
+    """The first fresh user's ``g.add_(h)``: the name is not rebound, so the graph's later readers read ``g``."""
+
+    def __init__(self, chain: bool) -> None:
+        super().__init__()
+        self.chain = chain
+        self.c1, self.c2, self.c3 = (nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
+                                     nn.Conv2d(8, 8, 3, padding=1))
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.c1(x)
+        g = self.c3(self.c2(h))
+        g.add_(h)
+        if self.chain:
+            g.mul_(0.5)
+        return self.fc(F.adaptive_avg_pool2d(g, 1).flatten(1))
+
+
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_a_value_updated_by_a_method_call_is_predicted(chain, budget):
+    """Its readers' gradient goes to the update's backward node, which autograd made the tensor's own: replayed
+    to the convolution, one activation's gradient was counted twice (256 KiB over the measured peak, which made
+    the smallest feasible budget too high)."""
+    torch.manual_seed(0)
+    model, x = _UpdatedByMethodCall(chain).train(), torch.randn(8, 3, 32, 32)
+    y = torch.randint(0, 10, (8,))
+    base, planned, fig = plain_and_planned(model, x, y, budget, strategy="none" if budget == "100%" else "memfit")
+    assert compare(base, fig)["gradients_match"]
+    _predicted_and_under_budget(planned.plan, fig, budget)
 
 
 class _Lin2(nn.Module):

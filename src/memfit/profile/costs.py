@@ -796,6 +796,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         saved: list[torch.Tensor] = []
         ins = [t for a in node.all_input_nodes for t in tensors_in(env[a.name])]
         versions = [t._version for t in ins]
+        stop_fns = [t.grad_fn for t in ins]  # (before it runs: an in-place node replaces its input's)
         # parameters the node could modify in place (a frozen one updated like a buffer): copied before it runs,
         # the copy kept only when the node did modify it (buffers are all copied before profiling)
         touched = [t for t in ins if id(t) in param_ids] + (
@@ -858,7 +859,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         check_out_of_place(node, env, out)  # (`h += t` traced out of place: PyTorch's shape and dtype kept?)
         env[node.name] = out
         requires[node.name] = [t.requires_grad for t in tensors_in(out)]
-        saved += _saved_scalars(tensors_in(out), ins)
+        saved += _saved_scalars(tensors_in(out), stop_fns) + _scalars_behind_copy_slices(gm, node, env, ins, versions)
         keep_alive.append(saved)
         reach.append({storage_key(mod._buffers[name]) for mod, name in reachable_slots(gm, node)
                       if mod._buffers[name] is not None} | {storage_key(t) for t in ins})
@@ -1403,12 +1404,37 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
     return formats
 
 
-def _saved_scalars(outs: list, ins: list) -> list[torch.Tensor]:
+def _scalars_behind_copy_slices(gm: fx.GraphModule, node: fx.Node, env: dict, ins: list,
+                                versions: list[int]) -> list[torch.Tensor]:
+    """The numbers an in-place update through a view saves (``w = h[:, 8:]; w *= 2.0``): autograd wraps the
+    update's backward node in the base's ``CopySlices``, whose saved values Python cannot reach, so
+    :func:`_saved_scalars` misses them (8 B over a ``min`` budget). The node is run once more on a copy of the view
+    that is no view, and what that run saves is returned (its 0-d tensors: the same count and sizes). Only for
+    functions and methods, under a forked RNG state (a module could update its state twice)."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    mutated = {id(t) for t, v in zip(ins, versions) if t._version != v and t._base is not None and t.requires_grad}
+    if not mutated:
+        return []
+    swap = {a.name: v for a in node.all_input_nodes if isinstance(v := env[a.name], torch.Tensor) and id(v) in mutated}
+    if not swap:
+        return []
+    probes = {k: v.detach().clone().requires_grad_() * 1 for k, v in swap.items()}  # (not a leaf: in place allowed)
+    stop_fns = [t.grad_fn for t in probes.values()]  # (before the update replaces them)
+    devices = [t.device for t in probes.values() if t.device.type == "cuda"]
+    with torch.random.fork_rng(devices=devices):
+        out = node_fn(gm, node)({**env, **probes})
+    return _saved_scalars(tensors_in(out), stop_fns)
+
+
+def _saved_scalars(outs: list, stop_fns: list) -> list[torch.Tensor]:
     """The Python numbers a node's operations save as tensors for backward (``h / 8``, ``h * scale``: autograd
     wraps the number in a 0-d tensor of its own device's memory on the CPU, 8 bytes, and saves it without calling
-    the saved-tensor hooks), found on the autograd graph between the node's outputs and its inputs. A LoRA model
-    scaling every adapter measured 160 B over a ``100%`` budget while they were missed."""
-    stop = {t.grad_fn for t in ins if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    the saved-tensor hooks), found on the autograd graph between the node's outputs and its inputs' backward
+    nodes as they were before it ran (``stop_fns``: an in-place ``h *= 2.0`` makes its own the input's, and its
+    saved 2.0 was missed, 8 B over a ``min`` budget). A LoRA model scaling every adapter measured 160 B over a
+    ``100%`` budget while they were missed."""
+    stop = {fn for fn in stop_fns if fn is not None}
     device = next((t.device for t in outs if isinstance(t, torch.Tensor)), None)
     found: list[torch.Tensor] = []
     seen: set = set()

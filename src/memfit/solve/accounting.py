@@ -196,7 +196,7 @@ class Accounting:
             region_seconds=costs.region_seconds, region_node_seconds=costs.region_node_seconds,
         )
         acc.stop_seconds = [0.0 if _saves_before_computing(c) else t for c, t in zip(costs.nodes, acc.recompute_seconds)]
-        return _with_gradients(acc, costs)
+        return _with_gradients(acc, costs, graph)
 
 
 def _saves_before_computing(c) -> bool:
@@ -206,7 +206,95 @@ def _saves_before_computing(c) -> bool:
     return bool(c.saves) and bool(made) and made <= set(c.unmade_at_stop)
 
 
-def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
+@dataclass
+class RegeneratedView:
+    """A backward node autograd makes for a view after its storage was modified in place (see
+    :func:`regenerated_views`).
+
+    Attributes:
+        view: index of the view node.
+        reader: the first node that reads the view after the update, with a gradient (its backward runs just
+            before this node's).
+        update: the last node that modified the storage in place before ``reader``; it receives the gradient.
+        storage: the view's storage id; the gradient is a new tensor of all of it.
+        readers: every node that reads the view after ``update`` and before the next update (their gradients go
+            here, not to the view's own backward).
+    """
+
+    view: int
+    reader: int
+    update: int
+    storage: int
+    readers: list[int]
+
+
+def regenerated_views(graph: Graph, acc: Accounting, costs: Costs) -> list[RegeneratedView]:
+    """The backward nodes autograd regenerates for views read after their storage was modified in place.
+
+    A view node ``i`` (its output lives in a storage it did not allocate) read after a later node ``u`` modified
+    that storage in place (through the base or another view, not through ``i`` itself) gets, at that read, a new
+    backward node: ``AsStridedBackward0`` in place of the view's own (PyTorch's view replay after a version
+    change, ``torch/csrc/autograd/variable.cpp``). It is numbered just below the reader's node, so the backward
+    pass runs it right after the reader's backward, not at ``i``'s place, and it gives ``u`` a new gradient of the
+    whole storage, where ``i``'s own backward gives ``i``'s input one. Readers before the first update keep
+    ``i``'s own backward; each later update starts another regenerated node. Measured: a ``[4, 8, 32, 32]`` slice
+    of a convolution output read after ``h += 1`` and a second convolution held its storage-sized gradient
+    through that convolution's backward, 131072 B above a replay at ``i``'s place (262144 B for a transpose).
+
+    Only a reader whose output has a gradient (``Accounting.grad_bytes``) asks for the view's backward node; one
+    that has none (``v.detach()``) regenerates nothing (measured: the regenerated node then ran where the
+    later ``v.mean()`` put it).
+    """
+    index = {node.name: k for k, node in enumerate(graph.nodes)}
+    readers: dict[int, list[int]] = {}
+    for k in range(acc.n):
+        for m in set(acc.inputs[k]):
+            if acc.grad_bytes[k] > 0:
+                readers.setdefault(m, []).append(k)
+    out: list[RegeneratedView] = []
+    for i, c in enumerate(costs.nodes):
+        outs = set(c.outputs)
+        if len(outs) != 1 or outs & set(c.creates) or c.mutates or i not in readers:
+            continue
+        (s,) = outs
+        if acc.producer.get(s, -1) < 0:
+            continue
+        updates = [u for u in range(i + 1, readers[i][-1]) if s in acc.mutates[u]]
+        if any(graph.nodes[u].inputs and index.get(graph.nodes[u].inputs[0]) == i for u in updates):
+            continue  # modified through i itself: i's own history is rewritten, nothing is regenerated
+        epochs: dict[int, list[int]] = {}
+        for k in readers[i]:
+            last = max((u for u in updates if u < k), default=None)
+            if last is not None:
+                epochs.setdefault(last, []).append(k)
+        out += [RegeneratedView(i, ks[0], u, s, ks) for u, ks in sorted(epochs.items())]
+    return out
+
+
+def updated_in_place(graph: Graph, acc: Accounting) -> dict[tuple[int, int], int]:
+    """``{(k, m): u}``: node ``k`` reads node ``m``'s value after node ``u`` modified it in place through ``m``
+    itself (``g.add_(h)``, ``F.relu_(g)``: a method call that does not rebind the name, so the graph's later
+    readers still read ``m``); the last such ``u`` before ``k``. Autograd made ``u``'s backward node the tensor's
+    own, so ``k``'s gradient goes to ``u``, which passes it on, not to ``m``. Replayed to ``m``, ``g.add_(h)``
+    into a convolution output counted one activation's gradient too many (262144 B over the measured peak, for
+    plain PyTorch too).
+    """
+    index = {node.name: k for k, node in enumerate(graph.nodes)}
+    updates: dict[int, list[int]] = {}  # m -> the nodes that modify m's value in place through m, in order
+    for u, node in enumerate(graph.nodes):
+        m = index.get(node.inputs[0]) if node.inputs and acc.mutates[u] else None
+        if m is not None and m < u and set(acc.mutates[u]) & set(acc.in_storages[u]):
+            updates.setdefault(m, []).append(u)
+    out: dict[tuple[int, int], int] = {}
+    for k in range(acc.n):
+        for m in set(acc.inputs[k]):
+            last = max((u for u in updates.get(m, ()) if u < k), default=None)
+            if last is not None:
+                out[(k, m)] = last
+    return out
+
+
+def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
     """Replay the gradients of activations through the backward pass, which no plan changes.
 
     ``grad_before[i]``: gradient bytes alive when node i's backward starts; ``grad_during[i]``: alive
@@ -220,6 +308,12 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     and its output's gradient is released, beside the old gradient and the new contribution.
     A parameter several nodes use gets its gradient summed in autograd's buffer (``NodeCost.param_sum_bytes``,
     ``param_buffer_bytes``; see :func:`memfit.profile.costs._param_grads`).
+    A reader of a value modified in place by a method call (``g.add_(h)``) gives its gradient to the modifying
+    node (:func:`updated_in_place`).
+    A view's backward that autograd regenerates (:func:`regenerated_views`) is a node of its own here (numbered
+    from ``n`` up): its readers after the update give it their gradients, it runs right after its first reader's
+    backward and gives the updating node a new gradient of the whole storage; what is alive while it runs counts
+    in that reader's ``grad_sum``.
     """
     n = acc.n
     needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs)
@@ -266,23 +360,39 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
     views = [{index[a] for a in c.grad_views if a in index} for c in costs.nodes]
     before, during = [0] * n, [0] * n
     after: list[int | None] = [None] * n
-    for i in range(n - 1, -1, -1):
-        before[i] = total
+    # regenerated backward nodes of views, numbered from n: each runs right after its first reader's backward
+    regen = {n + j: rv for j, rv in enumerate(regenerated_views(graph, acc, costs))}
+    redirect = updated_in_place(graph, acc)  # (reader, node it reads) -> the node its gradient goes to
+    redirect.update({(k, rv.view): v for v, rv in regen.items() for k in rv.readers})
+    needs_all = needs + [True] * len(regen)
+    order: list[int] = []
+    for k in range(n - 1, -1, -1):
+        order.append(k)
+        order += [v for v, rv in sorted(regen.items(), reverse=True) if rv.reader == k]
+    for i in order:
+        rv = regen.get(i)
+        b = total
+        if rv is None:
+            before[i] = total
         t = grads.pop(i, None)
         own_inplace = inplace.pop(i, True)
         extra = 0  # the contributions to existing gradients, alive while the node's backward runs
         summed = 0  # out-of-place sums: the old gradient and the new contribution beside the sum, after the node
         unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
-        for m in acc.inputs[i]:
+        for m0 in ([rv.update] if rv is not None else acc.inputs[i]):
+            m = redirect.get((i, m0), m0)
             # (no gradient reaches node i, an out-of-place node no later node reads on a path to the loss, so
             # autograd never runs its backward: ``h.detach().mean()`` into a buffer reads ``h`` but gives it no
             # gradient, and a fresh user's EMA buffer was priced as a second contribution to ``h``'s gradient, an
             # activation's size above plain PyTorch's measured peak. An in-place node, ``h.mul_(0.5)`` whose result
             # goes unread, rewrites ``h``'s autograd history, so its backward runs whether or not it is read)
-            if not needs[m] or (t is None and not costs.nodes[i].mutates):
+            if not needs_all[m] or (t is None and (rv is not None or not costs.nodes[i].mutates)):
                 continue
-            passed = acc.grad_alias[i] and t is not None and m not in copies[i]
-            new = 0 if passed else sizes[i].get(m, acc.grad_bytes[m])
+            if rv is not None:  # AsStridedBackward0: a new gradient of the whole storage
+                passed, new = False, acc.nbytes[rv.storage]
+            else:
+                passed = acc.grad_alias[i] and t is not None and m0 not in copies[i]
+                new = 0 if passed else sizes[i].get(m0, acc.grad_bytes[m0])
             if m in grads:
                 old = grads[m]
                 extra += new
@@ -293,17 +403,25 @@ def _with_gradients(acc: Accounting, costs: Costs) -> Accounting:
                     # (torch/csrc/autograd/input_buffer.cpp, accumulate)
                     freed = token_bytes[old] if token_refs[old] == 1 else 0
                     release(old)
-                    attach(m, new_token(acc.grad_bytes[m]))
+                    attach(m, new_token(acc.grad_bytes[m0]))
                     inplace[m] = True
                     summed = max(summed, freed + new)
-                    unmade += acc.grad_bytes[m] - freed
+                    unmade += acc.grad_bytes[m0] - freed
             elif passed:
                 attach(m, t)
-                inplace[m] = own_inplace and m not in views[i]
+                inplace[m] = own_inplace and m0 not in views[i]
             else:
-                attach(m, new_token(max(acc.grad_bytes[m], sizes[i].get(m, 0))))
-                inplace[m] = m not in views[i]
+                attach(m, new_token(new if rv is not None else max(acc.grad_bytes[m0], sizes[i].get(m0, 0))))
+                inplace[m] = rv is not None or m0 not in views[i]
         # autograd adds a contribution once the node's backward has returned, its output's gradient released
+        if rv is not None:  # ran right after its reader's backward returned: counted there
+            during_v = total - unmade + extra
+            if t is not None:
+                release(t)
+            point = max(during_v, total + summed if summed > 0 else 0, total)
+            r = rv.reader
+            after[r] = max(b if after[r] is None else after[r], point)
+            continue
         ends = t is not None and token_refs[t] == 1
         if ends and costs.nodes[i].bwd_workspace_grad_freed is not None:  # (autograd frees it as soon as it is read)
             acc.bwd_ws[i] = costs.nodes[i].bwd_workspace_grad_freed
