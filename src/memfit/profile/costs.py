@@ -103,6 +103,8 @@ class NodeCost:
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
+        view_output: an output is a view of another tensor (``Tensor._base``; a ``Linear``'s output on a 3-D input
+            is one): an in-place update of it rewrites its base's history (``CopySlices``).
         grad_copies: with ``grad_alias``, the input nodes (by name) whose gradient is nevertheless a tensor of
             its own: under autocast, an input of another dtype than the output, whose gradient autograd casts
             (a float32 residual addition that reads a bfloat16 branch), or an input the addition broadcasts
@@ -196,6 +198,7 @@ class NodeCost:
     grad_storage_bytes: dict[str, int] = field(default_factory=dict)
     grad_views: list[str] = field(default_factory=list)
     grad_copy_bytes: int = 0
+    view_output: bool = False
 
 
 @dataclass
@@ -899,6 +902,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
                     cost.grad_bytes += t.numel() * t.element_size()
                 continue
             cost.outputs.append(sid)
+            cost.view_output |= isinstance(t, torch.Tensor) and t._base is not None
             # views included (nn.Identity, flatten): the reader's backward makes a full gradient for the view,
             # which the view's backward then passes on to its input (an MLP with an nn.Identity measured 1 MiB
             # over its replay when views counted 0 here)

@@ -271,19 +271,23 @@ def regenerated_views(graph: Graph, acc: Accounting, costs: Costs) -> list[Regen
     return out
 
 
-def updated_in_place(graph: Graph, acc: Accounting) -> dict[tuple[int, int], int]:
+def updated_in_place(graph: Graph, acc: Accounting, outputs: list[list[int]], view_output: list[bool]
+                     ) -> dict[tuple[int, int], int]:
     """``{(k, m): u}``: node ``k`` reads node ``m``'s value after node ``u`` modified it in place through ``m``
     itself (``g.add_(h)``, ``F.relu_(g)``: a method call that does not rebind the name, so the graph's later
     readers still read ``m``); the last such ``u`` before ``k``. Autograd made ``u``'s backward node the tensor's
     own, so ``k``'s gradient goes to ``u``, which passes it on, not to ``m``. Replayed to ``m``, ``g.add_(h)``
     into a convolution output counted one activation's gradient too many (262144 B over the measured peak, for
-    plain PyTorch too).
+    plain PyTorch too). ``outputs``, ``view_output``: node index -> ``NodeCost.outputs``, ``NodeCost.view_output``
+    (``u`` must modify ``m``'s own storage: an addition's in-place form writing its second operand does not).
     """
     index = {node.name: k for k, node in enumerate(graph.nodes)}
     updates: dict[int, list[int]] = {}  # m -> the nodes that modify m's value in place through m, in order
     for u, node in enumerate(graph.nodes):
         m = index.get(node.inputs[0]) if node.inputs and acc.mutates[u] else None
-        if m is not None and m < u and set(acc.mutates[u]) & set(acc.in_storages[u]):
+        # (an update of a view rewrites its base's history instead: a CopySlices, which the update's own profile
+        # measures; a Linear's output on a 3-D input is a view)
+        if m is not None and m < u and set(acc.mutates[u]) & set(outputs[m]) and not view_output[m]:
             updates.setdefault(m, []).append(u)
     out: dict[tuple[int, int], int] = {}
     for k in range(acc.n):
@@ -362,7 +366,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
     after: list[int | None] = [None] * n
     # regenerated backward nodes of views, numbered from n: each runs right after its first reader's backward
     regen = {n + j: rv for j, rv in enumerate(regenerated_views(graph, acc, costs))}
-    redirect = updated_in_place(graph, acc)  # (reader, node it reads) -> the node its gradient goes to
+    redirect = updated_in_place(graph, acc, [c.outputs for c in costs.nodes], [c.view_output for c in costs.nodes])  # (reader, node it reads) -> the node its gradient goes to
     redirect.update({(k, rv.view): v for v, rv in regen.items() for k in rv.readers})
     needs_all = needs + [True] * len(regen)
     order: list[int] = []
