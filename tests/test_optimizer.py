@@ -343,3 +343,61 @@ def test_a_saved_plan_applies_to_an_optimizer_needing_no_more_memory_whatever_it
     loss_fn(planned(x), y).backward()
     looped.step()
     assert _step_peak(planned, model, looped, x, y, loss_fn) > plan.budget_bytes
+
+
+class _Counting(torch.optim.SGD):
+    """SGD with a constructor argument of its own (measured on a deep copy) that counts its steps."""
+
+    def __init__(self, params, scale, lr=0.1):
+        super().__init__(params, lr=lr, momentum=0.9)
+        self.scale, self.steps = scale, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps += 1
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("kind", ["SGD", "constructor argument"])
+def test_planning_steps_no_optimizer_of_the_users_and_runs_no_step_hook(kind):
+    """A fresh user's LR scheduler wrapped the optimizer's ``step`` on the instance, and the deep copy measured
+    stepped the user's optimizer twice (parameters moved by 0.04); the optimizer's own step hooks and the global
+    ones (an EMA update) fired during planning. Training after planning matches plain PyTorch's from the same
+    state."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    model = _mlp()
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if kind == "SGD" else _Counting(m.parameters(), 0.5)
+        return o, torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=20)
+
+    (opt, sched), (opt_ref, sched_ref) = make(model), make(ref)
+    for m, o, s in ((model, opt, sched), (ref, opt_ref, sched_ref)):  # a step before planning: state exists
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+        s.step()
+    calls = []
+    handles = [register_optimizer_step_post_hook(lambda *a: calls.append("global")),
+               opt.register_step_post_hook(lambda *a: calls.append("own"))]
+    try:
+        planned = memfit.optimize(model, x, "min", optimizer=opt,
+                                  loss_fn=lambda out: nn.functional.cross_entropy(out, y))
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == []
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(torch.equal(opt.state[a]["momentum_buffer"], opt_ref.state[b]["momentum_buffer"])
+               for a, b in zip(model.parameters(), ref.parameters()))
+    for m, o, s in ((planned, opt, sched), (ref, opt_ref, sched_ref)):
+        for _ in range(2):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))

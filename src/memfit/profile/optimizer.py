@@ -10,8 +10,10 @@ user's optimizer class, with the user's hyperparameters, on scratch copies of th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +68,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
     return live_bytes(_state_tensors(optimizer)) + new
 
 
+@contextlib.contextmanager
+def _no_global_step_hooks():
+    """Without the hooks ``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook`` registered
+    for every optimizer (a user's EMA update or step logger), which the scratch steps would otherwise run."""
+    import torch.optim.optimizer as opt_module
+
+    names = [n for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+             if isinstance(getattr(opt_module, n, None), dict)]
+    saved = {n: dict(getattr(opt_module, n)) for n in names}
+    try:
+        for n in names:
+            getattr(opt_module, n).clear()
+        yield
+    finally:
+        for n in names:
+            getattr(opt_module, n).update(saved[n])
+
+
 def measure_optimizer(optimizer: torch.optim.Optimizer | None,
                       trained: set[int] | None = None) -> OptimizerCost | None:
     """Measure ``optimizer``'s state and step temporaries on scratch copies of its parameters.
@@ -74,8 +94,9 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None,
     on zero-valued copies of the trainable parameters (same shapes, dtypes and device) with constant
     gradients; the second step runs under :class:`~memfit.profile.MemoryTracker`. An optimizer whose constructor
     takes arguments of its own is deep-copied instead, with the scratch copies in its parameters' place and its
-    state cleared. The user's optimizer and
-    parameters are not touched. Needs, for a moment, the parameters' size again for the copies, their
+    state cleared (and without an instance ``step`` an LR scheduler wrapped, which would step the user's). The
+    user's optimizer and parameters are not touched, and no step hook runs (the optimizer's own or the global
+    ones: a user's EMA update fired twice during planning). Needs, for a moment, the parameters' size again for the copies, their
     gradients and their state (4x the parameters for Adam).
 
     Args:
@@ -119,12 +140,19 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None,
                 twin = type(optimizer).__new__(type(optimizer))
                 twin.__dict__.update(copy.deepcopy(optimizer.__dict__, memo=dict(scratch_of)))
                 twin.state.clear()
-        twin.step()  # creates the state
-        state = live_bytes(_state_tensors(twin))
-        by_param = {pid: live_bytes([t for t in twin.state.get(s, {}).values() if isinstance(t, torch.Tensor)])
-                    for pid, s in scratch_of.items()}
-        with MemoryTracker(device) as tracker:
-            twin.step()
+                # an LR scheduler wraps the instance's step (`optimizer.step = wrapper(optimizer.step)`): the copy's
+                # would step the user's optimizer (a fresh user's parameters moved by 0.04 during planning)
+                twin.__dict__.pop("step", None)
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # the user's, copied: an EMA
+            if isinstance(getattr(twin, name, None), dict):
+                setattr(twin, name, OrderedDict())
+        with _no_global_step_hooks():
+            twin.step()  # creates the state
+            state = live_bytes(_state_tensors(twin))
+            by_param = {pid: live_bytes([t for t in twin.state.get(s, {}).values() if isinstance(t, torch.Tensor)])
+                        for pid, s in scratch_of.items()}
+            with MemoryTracker(device) as tracker:
+                twin.step()
         step = max(0, tracker.peak_bytes - max(0, tracker.net_bytes))
         del twin, groups, scratch
         return OptimizerCost(state_bytes=state, step_bytes=step, state_by_param=by_param)
