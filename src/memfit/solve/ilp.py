@@ -111,7 +111,8 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
                   start_spans: list[tuple[int, int]] | None = None,
                   start_variants: dict[int, str] | None = None, start_offloads: list[int] | None = None,
                   variants: list[dict[str, object]] | None = None, offload: bool = False,
-                  price_region_starts: bool = False) -> IlpResult:
+                  price_region_starts: bool = False,
+                  exclude: list[list[tuple[int, int]]] | None = None) -> IlpResult:
     """Solve the integer program.
 
     Args:
@@ -133,6 +134,9 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         price_region_starts: also price a region that starts after a kept node (or at the first node) at
             ``acc.region_seconds``, as the replay does; without it only a cut between two adjacent regions is
             priced (n more variables and rows, which slow the search near the floor).
+        exclude: region sets (spans): the solution may not hold every region of one of them (nor regions that
+            contain them): the peak-minimizing program asked again after its answer replayed well above its
+            modelled peak (the recomputation's transients are left to the replay).
 
     Returns:
         :class:`IlpResult`; ``spans`` is ``None`` when no plan fits (status says why).
@@ -160,6 +164,10 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
     if price_region_starts and fix_spans is None and not minimize_peak:
         for i in range(n):  # starts_i >= r_i - r_(i-1): a region begins at i after a kept node (or at node 0)
             m.row({m.var(cost=acc.region_seconds + 1e-7): 1.0, r[i]: -1.0, **({r[i - 1]: 1.0} if i else {})}, lo=0.0)
+    for spans in exclude or ():  # not every one of these regions (or a region containing it): for each, a node
+        inside = {i for lo, hi in spans for i in range(lo, hi + 1)}  # out of regions or a cut inside it
+        joints = [i for lo, hi in spans for i in range(lo + 1, hi + 1)]
+        m.row({**{r[i]: -1.0 for i in inside}, **{c[i]: 1.0 for i in joints}}, lo=1.0 - len(inside))
     peak = m.var(lb=0, ub=INF, cost=1.0) if minimize_peak else None
     if minimize_peak:  # memory only, so that the answer does not depend on noisy timings
         for i in range(n):
