@@ -2129,3 +2129,47 @@ def test_a_global_module_hook_runs_forced_variants_as_pytorchs_own_with_one_warn
     assert len(hooked) == 1 and "a global module hook exists" in hooked[0], [str(w.message) for w in seen]
     for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
+
+
+class _Masked(nn.Module):
+    """A fresh user's token model: only the valid tokens go through the MLP, a size set by the data."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.emb = nn.Embedding(100, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids)[mask]
+        return self.head(h + self.mlp(h))
+
+
+def test_an_activation_larger_than_planned_is_warned_about_once():
+    """Planned on a batch with 10% valid tokens, a batch of the same shapes with 90% measured 4.7x the budget
+    without a word; ``model.up.scale_factor = 3`` after planning 2.0x. Results stay as plain PyTorch's."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (16, 64))
+    few, many = torch.rand(16, 64) < 0.1, torch.rand(16, 64) < 0.9
+    model = _Masked().train()
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, (ids, few), "min", loss_fn=lambda out: out.logsumexp(-1).mean())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the planning batch: no warning
+        planned(ids, few).logsumexp(-1).mean().backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"node getitem's output takes .* when the plan was made"):
+        planned(ids, many).logsumexp(-1).mean().backward()
+    ref(ids, many).logsumexp(-1).mean().backward()
+    assert all(torch.allclose(a.grad, b.grad, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # once
+        warnings.simplefilter("error")
+        planned(ids, many).logsumexp(-1).mean().backward()
+
+    up = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(8, 4, 3, padding=1))
+    x = torch.randn(2, 3, 16, 16)
+    planned = memfit.optimize(up, x, "min", loss_fn=lambda out: out.square().mean())
+    up[1].scale_factor = 3
+    with pytest.warns(UserWarning, match=r"module '1': did one of its settings change"):
+        planned(x).square().mean().backward()

@@ -476,6 +476,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
     result.input_shapes = _shapes(inputs)
+    nbytes = {st.id: st.nbytes for st in costs.storages}
+    result.output_bytes = {c.name: sum(nbytes[sid] for sid in set(c.outputs)) for c in costs.nodes if c.outputs}
     result.input_dtypes = _dtypes(inputs)
     result.input_grads = [t.requires_grad for t in inputs if isinstance(t, torch.Tensor)]
     result.input_values = input_values([n for n in captured.gm.graph.nodes if n.op == "placeholder"],

@@ -593,6 +593,7 @@ class PlannedModule(nn.Module):
             for name in r:
                 last_step[name] = k
         self._index = {n.name: i for i, n in enumerate(nodes)}
+        self._nodes_by_name = {n.name: n for n in nodes}
         self._offloads = {self._index[name] for name in plan.offloads}
         step_of = {}
         for k, (kind, payload) in enumerate(steps):
@@ -1069,6 +1070,44 @@ class PlannedModule(nn.Module):
                 "Plan the model again after changing it (memfit.optimize(model, ...)); a number that changes "
                 "during training can instead live in a tensor that forward reads (register_buffer).")
 
+    def _as_planned(self, args: tuple) -> bool:
+        """Whether the inputs have the plan's shapes and dtypes and the parameters its dtype."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if self.plan.input_shapes and [list(a.shape) for a in tensors] != self.plan.input_shapes:
+            return False
+        if self.plan.input_dtypes and [str(a.dtype) for a in tensors] != self.plan.input_dtypes:
+            return False
+        if self._first_parameter is not None:
+            key, param = self._first_parameter
+            made = self.plan.state_dtypes.get(key)
+            return made is None or str(param.dtype) == made
+        return True
+
+    def _check_size(self, name: str, value) -> None:
+        """Warn once when node ``name``'s output lives in more memory than when the plan was made
+        (``Plan.output_bytes``): a size set by the data (``h = emb(ids)[mask]``, planned on a batch with fewer valid
+        tokens: a fresh user's step measured 4.7x its budget, silently) or by a layer setting changed since
+        planning (``model.up.scale_factor = 3``: 2.0x). Results stay correct."""
+        planned = self.plan.output_bytes.get(name)
+        if planned is None or "larger" in self._warned:
+            return
+        seen: dict[int, int] = {}
+        for t in tensors_in(value):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        now = sum(seen.values())
+        if now > planned + max(4096, planned // 100):
+            node = self._nodes_by_name.get(name)
+            where = (f" (module {node.target!r}: did one of its settings change since planning?)"
+                     if node is not None and node.op == "call_module" else
+                     " (a size set by the data, such as a boolean mask's selection, or by a setting changed since "
+                     "planning)")
+            self._warn_once("larger", f"memfit: node {name}'s output takes {fmt_bytes(now)} in this step and took "
+                            f"{fmt_bytes(planned)} when the plan was made{where}; results are correct, but the planned "
+                            "memory figures do not hold and the step can exceed its budget. Plan with the largest "
+                            "such batch (or the settings as they are now).")
+
     def _check_unfrozen(self) -> None:
         """Warn once when a parameter that was frozen at planning time now requires grad: its gradient (and the
         backward work to make it) is in no account of the plan (a fresh user's unfrozen backbone: 3.2x the budget)."""
@@ -1187,7 +1226,12 @@ class PlannedModule(nn.Module):
                  else contextlib.nullcontext())
         state, finder = self._step_state()
         index = self._index
+        sized = (self._check_size if self.plan.output_bytes and "larger" not in self._warned
+                 and self._as_planned(args) else None)  # (other inputs or parameters are warned about as such)
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
+        if sized is not None:
+            on_value = sized if on_value is None else (lambda name, value, f=on_value: (f(name, value),
+                                                                                          sized(name, value)))
         if off is not None:
             off.produced(-1, [t for a in args for t in tensors_in(a)])  # model inputs: never offloaded
         with hooks, finder if finder is not None else contextlib.nullcontext():
@@ -1198,6 +1242,8 @@ class PlannedModule(nn.Module):
                     env[a] = b(env)
                     if off is not None:
                         off.produced(index[a], tensors_in(env[a]))
+                    if sized is not None:
+                        sized(a, env[a])
                 else:
                     values = [env[n] for n in a.inputs]
                     side = {i: v for i, v in enumerate(values) if state.kind(v) is not None}

@@ -49,6 +49,9 @@ class Plan:
         solve_seconds: wall time the solver took.
         mip_gap: relative optimality gap of the integer program, ``None`` for heuristics.
         input_shapes: shapes of the example inputs the plan was made for (its figures hold for those).
+        output_bytes: node name -> bytes of the storages its outputs live in, as profiled (bytes); a training step
+            that makes one larger (a size set by the data, ``h[mask]``, or by a layer setting changed since
+            planning) is warned about, once.
         state_shapes: shape of every parameter and buffer of the model it was made for, by
             ``state_dict`` key (a plan names graph nodes only, and two models can share node names).
         grads_exist: made for a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
@@ -160,6 +163,7 @@ class Plan:
     state_layouts: dict[str, str] = field(default_factory=dict)
     bn_from_output: list[str] = field(default_factory=list)
     eval_modules: list[str] | None = None
+    output_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.bn_from_output, list) or not all(isinstance(n, str) for n in self.bn_from_output):
