@@ -2173,3 +2173,48 @@ def test_an_activation_larger_than_planned_is_warned_about_once():
     up[1].scale_factor = 3
     with pytest.warns(UserWarning, match=r"module '1': did one of its settings change"):
         planned(x).square().mean().backward()
+
+
+_CFG = {"scale": 1.0}
+_TEMPERATURE = 1.0
+
+
+class _ReadsGlobals(nn.Module):
+    """A fresh user's model reading a config dict and a temperature kept at module level."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self._head(torch.tanh(self.l1(x)) * _CFG["scale"])
+
+    def _head(self, h):  # (a method fx traces into: its globals count too)
+        return self.l2(h) / _TEMPERATURE
+
+
+@pytest.mark.parametrize("change", ["dict item", "number"])
+def test_a_changed_global_the_forward_read_is_refused(change):
+    """torch.fx baked the globals' values into the graph: after ``CFG["scale"] = 3.0`` the planned module trained
+    on with 1.0, outputs 3.5 off plain PyTorch's, silently. Unchanged, the planned module matches plain PyTorch."""
+    global _TEMPERATURE
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model = _ReadsGlobals().train()
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: F.cross_entropy(out, y))
+    F.cross_entropy(planned(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    try:
+        if change == "dict item":
+            _CFG["scale"] = 3.0
+            match = r"global .*_CFG\['scale'\] .* was 1.0 .* is 3.0 now"
+        else:
+            _TEMPERATURE = 0.5
+            match = r"global .*_TEMPERATURE .* was 1.0 .* is 0.5 now"
+        with pytest.raises(RuntimeError, match=match):
+            planned(x)
+    finally:
+        _CFG["scale"], _TEMPERATURE = 1.0, 1.0
+    planned(x)  # (as planned again)

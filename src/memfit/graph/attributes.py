@@ -30,7 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dis
 import enum
+import os
+import sysconfig
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +42,8 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["AttributeLog", "changed_attribute", "has_hooks", "has_own_hooks", "is_plain", "record_reads"]
+__all__ = ["AttributeLog", "changed_attribute", "changed_global", "global_reads", "has_hooks", "has_own_hooks",
+           "is_plain", "record_reads"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -285,3 +290,79 @@ def has_hooks(modules: list[nn.Module]) -> bool:
             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
         return True
     return any(has_own_hooks(m) for m in modules)
+
+
+_SITE = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if p)
+
+
+def _users(code) -> bool:
+    """``code`` is the user's (not memfit's, torch's, the standard library's or an installed package's)."""
+    from memfit.warn import in_library
+
+    name = code.co_filename
+    return not (in_library(name) or name.startswith("<") or os.path.abspath(name).startswith(_SITE))
+
+
+def _codes(code) -> Iterator:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def global_reads(modules: list[nn.Module]) -> list[tuple[str, dict, str, Any]]:
+    """The module-level names (globals) that the traced code reads: the methods of ``modules``' classes (the
+    modules ``torch.fx`` traced into) and the user's functions they call by name, transitively. ``torch.fx``
+    bakes the values they had while tracing into the graph, as it does a module attribute's (a fresh user's
+    ``CFG["scale"] = 3.0`` and ``TEMPERATURE = 0.5`` after planning: outputs 3.5 off, silently).
+
+    Returns ``(label, globals dict, name, value then)`` for each, the value as :func:`changed_global` compares it:
+    plain data by value, a dict or config-like object by identity and its plain fields by value, another object
+    by identity. Modules, classes and callables are left out (functions are followed instead), and so are
+    functions ``torch.fx.wrap`` registered (called live) and code outside the user's files."""
+    wrapped = {(id(g), n) for g, n in getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", {})} \
+        if isinstance(getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", None), dict) else set()
+    stack = [f for m in modules for cls in type(m).__mro__ if cls.__module__ != "builtins"
+             for f in vars(cls).values() if isinstance(f, types.FunctionType)]
+    seen: set = set()
+    out: dict[tuple[int, str], tuple[str, dict, str, Any]] = {}
+    while stack:
+        fn = stack.pop()
+        code, g = fn.__code__, fn.__globals__
+        if code in seen or not _users(code):
+            continue
+        seen.add(code)
+        for c in _codes(code):
+            for ins in dis.get_instructions(c):
+                if ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or ins.argval not in g:
+                    continue
+                name, value = ins.argval, g[ins.argval]
+                if isinstance(value, types.FunctionType):
+                    if (id(g), name) not in wrapped:
+                        stack.append(value)
+                    continue
+                if (isinstance(value, types.ModuleType | type) or callable(value) or name.startswith("__")
+                        or (id(g), name) in out):
+                    continue
+                out[(id(g), name)] = (f"{g.get('__name__', '?')}.{name}", g, name, _snapshot(value))
+    return list(out.values())
+
+
+def changed_global(watched: list[tuple[str, dict, str, Any]]) -> tuple[str, str, str] | None:
+    """The first ``(module.name, value then, value now)`` of ``watched`` (:func:`global_reads`) whose value
+    changed, as text for a message, else ``None``."""
+    for label, g, name, then in watched:
+        now = g.get(name, _MISSING)
+        if now is then or (isinstance(then, _Ref) and then.matches(now)):
+            continue
+        if not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then):
+            continue
+        if isinstance(then, _Ref) and now is then.obj and then.plain is not None:  # (a field changed: name it)
+            fields = _fields(now) or {}
+            for k, v in then.plain.items():
+                if k not in fields or not _equal(fields[k], v):
+                    key = f"[{k!r}]" if isinstance(now, dict) else f".{k}"
+                    return label + key, repr(v), repr(fields[k]) if k in fields else "absent"
+        shown = "absent" if now is _MISSING else repr(now) if is_plain(now) else f"another {type(now).__name__} object"
+        return label, repr(then), shown
+    return None

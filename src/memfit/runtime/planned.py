@@ -29,7 +29,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
-from memfit.graph.attributes import changed_attribute, has_hooks, has_own_hooks, is_plain
+from memfit.graph.attributes import (
+    changed_attribute,
+    changed_global,
+    global_reads,
+    has_hooks,
+    has_own_hooks,
+    is_plain,
+)
 from memfit.graph.bn_output import apply_bn_from_output, flagged_now, has_bn_from_output
 from memfit.graph.calls import (
     bind_inputs,
@@ -550,6 +557,7 @@ class PlannedModule(nn.Module):
         self._attributes = [(path, self.model.get_submodule(path), name, kind, value)
                             for path, values in self.__dict__["_captured"].attributes.items()
                             for name, (kind, value) in values.items()]
+        self._globals = global_reads([m for _, m in self._traced_modules])
         self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self._warned.discard("unfrozen")  # (its parameters are looked at again)
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -1059,6 +1067,15 @@ class PlannedModule(nn.Module):
         (``self.route``, ``self.scale``, a dropout probability kept as a number): the graph holds the value it
         had then, so the planned module would train another function than the model (a fresh user's scale
         changed from 1 to 3: gradients off by 0.23, silently). :mod:`memfit.graph.attributes`."""
+        changed = changed_global(self._globals)
+        if changed is not None:
+            label, then, now = changed
+            raise RuntimeError(
+                f"the global {label} that {type(self.model).__name__}'s forward reads was {then} when memfit traced "
+                f"the model and is {now} now. torch.fx records what forward read as constants, so the planned module "
+                f"still computes with {then}. Plan the model again after changing it (memfit.optimize(model, ...)); a "
+                "value that changes during training can instead live in a tensor that forward reads "
+                "(register_buffer), or be passed to forward as an argument.")
         changed = changed_attribute(self._attributes)
         if changed is not None:
             label, then, now = changed
