@@ -2218,3 +2218,74 @@ def test_a_changed_global_the_forward_read_is_refused(change):
     finally:
         _CFG["scale"], _TEMPERATURE = 1.0, 1.0
     planned(x)  # (as planned again)
+
+
+def _scaled_grad(g):
+    return g * 2.0
+
+
+def _with_hook(h):
+    h.register_hook(_scaled_grad)
+    return h
+
+
+torch.fx.wrap("_with_hook")
+
+
+def _dudx(u, x):
+    return torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+
+
+torch.fx.wrap("_dudx")
+
+
+class _AutogradInForward(nn.Module):
+    def __init__(self, how, d=32):
+        super().__init__()
+        self.how = how
+        self.l1, self.l2, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if self.how == "retain_grad":
+            h.retain_grad()
+        else:
+            h = _with_hook(h)
+        return self.head(torch.tanh(self.l2(h))), h
+
+
+@pytest.mark.parametrize("how", ["retain_grad", "hook"])
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_retain_grad_and_tensor_hooks_in_forward_plan_and_train_as_in_pytorch(how, budget):
+    """A fresh user's ``h.retain_grad()`` (and a hook added by an ``fx.wrap`` function, the README's way for
+    code fx cannot trace) crashed planning with PyTorch's bare "can't retain_grad on Tensor that has
+    requires_grad=False": memfit profiles each operation on detached copies of its inputs."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model = _AutogradInForward(how).train()
+    ref = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, budget, loss_fn=lambda out: F.cross_entropy(out[0], y))
+    out, out_ref = planned(x), ref(x)
+    F.cross_entropy(out[0], y).backward()
+    F.cross_entropy(out_ref[0], y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    if how == "retain_grad":
+        assert torch.equal(out[1].grad, out_ref[1].grad)
+
+
+def test_autograd_grad_in_forward_is_refused_with_what_to_do():
+    """A physics-informed network's ``torch.autograd.grad(u, x, create_graph=True)`` in forward: PyTorch's bare
+    "appears to not have been used in the graph" before."""
+
+    class Pinn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, x):
+            u = self.net(x)
+            return u, _dudx(u, x)
+
+    x = torch.rand(64, 2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"_dudx\(\) .* differentiates through .*memfit.optimize\(model.net"):
+        memfit.optimize(Pinn(), x, "min", variants=False, loss_fn=lambda o: (o[1] ** 2).mean() + (o[0] ** 2).mean())

@@ -8,8 +8,10 @@ nodes are counted once (DESIGN.md, "What memory means").
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import operator
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -668,6 +670,23 @@ def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exc
             f"shapes, dtypes and device). If {call} runs without memfit, this is a memfit bug: please report it.")
 
 
+def _alone_failed(gm: fx.GraphModule, node: fx.Node, exc: Exception) -> str:
+    """The message for a node that runs in the model's forward pass but fails run on its own, on detached
+    copies of its inputs (how memfit times it and how a recomputation would run it): it needs the autograd graph
+    of the operations before it (``torch.autograd.grad(u, x)`` in forward, a physics-informed network's
+    derivative: a fresh user got PyTorch's bare "appears to not have been used in the graph")."""
+    if node.op == "call_module":
+        where = f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
+    else:
+        where = f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
+    return (f"memfit cannot plan the model: {where} (fx node {node.name}) runs in the forward pass but fails run on "
+            f"its own inputs, detached ({type(exc).__name__}: {exc}). memfit profiles and recomputes each operation "
+            "apart from the ones before it, so an operation that differentiates through them (torch.autograd.grad "
+            "of an earlier value in forward) cannot be planned. Compute it outside the planned module: in loss_fn, "
+            "which receives the model's output, or plan only the network it differentiates "
+            "(memfit.optimize(model.net, ...)) and call torch.autograd.grad on the planned network's output.")
+
+
 def _call_loss(loss_fn: Callable, out: Any) -> torch.Tensor:
     """``loss_fn(out)``, checked: a failure or a result that is not a one-element tensor becomes a ``ValueError``
     that names ``loss_fn`` and what it was given (fresh users got PyTorch's bare "Expected input batch_size (8) to
@@ -1294,13 +1313,23 @@ def _isolated(gm: fx.GraphModule, inputs: tuple, requires: dict[str, list[bool]]
 def _value(fn, env: dict):
     """``fn(env)`` without autograd's graph. Under ``torch.no_grad()``, unless that fails: a module hook of the
     user's may call ``output.register_hook`` or ``retain_grad()``, which refuse a tensor that does not require
-    grad (a fresh user's feature hook crashed planning); then with grad, detached."""
+    grad (a fresh user's feature hook crashed planning); then with grad, detached, and if the node itself calls
+    them (``h.retain_grad()`` in forward, a hook added by an ``fx.wrap`` function), on inputs that require grad."""
+    printed = io.StringIO()  # (a failing GraphModule call prints its generated code to stderr: kept if it runs)
     try:
-        with torch.no_grad():
-            return fn(env)
+        with torch.no_grad(), contextlib.redirect_stderr(printed):
+            out = fn(env)
+        sys.stderr.write(printed.getvalue())
+        return out
     except RuntimeError:
-        with torch.enable_grad():
+        pass
+    with torch.enable_grad():
+        try:
             return map_tensors(lambda v: v.detach(), fn(env))
+        except RuntimeError:  # (the node itself calls h.retain_grad() or h.register_hook: h must require grad)
+            def leaf(v):
+                return v.detach().requires_grad_() if v.is_floating_point() or v.is_complex() else v
+            return map_tensors(lambda v: v.detach(), fn({k: map_tensors(leaf, v) for k, v in env.items()}))
 
 
 def _operand_copy(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -1697,7 +1726,10 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
             def forward(env_leaves, fn=fn):
                 return fn(env_leaves[0])
 
-            record.fwd_seconds = median_seconds(forward, device, repeats, setup=setup)
+            try:
+                record.fwd_seconds = median_seconds(forward, device, repeats, setup=setup)
+            except RuntimeError as exc:
+                raise ValueError(_alone_failed(gm, node, exc)) from exc
             if saved_stats and record is cost:
                 _time_stats_recompute(cost, forward, setup, device, repeats)
             if not any(t.requires_grad for t in tensors_in(forward(setup()))) or not (params or make_env()[1]):
