@@ -2289,3 +2289,43 @@ def test_autograd_grad_in_forward_is_refused_with_what_to_do():
     x = torch.rand(64, 2, requires_grad=True)
     with pytest.raises(ValueError, match=r"_dudx\(\) .* differentiates through .*memfit.optimize\(model.net"):
         memfit.optimize(Pinn(), x, "min", variants=False, loss_fn=lambda o: (o[1] ** 2).mean() + (o[0] ** 2).mean())
+
+
+def test_a_model_holding_a_planned_module_is_refused_with_what_to_do():
+    """A fresh user's planned encoder reused in a bigger model: a TraceError at memfit's own line about an
+    InplaceProxy, advising torch.rand_like."""
+    enc = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    x = torch.randn(8, 16)
+    outer = nn.Sequential(memfit.optimize(enc, x, "min", loss_fn=lambda out: out.square().mean()), nn.Linear(16, 4))
+    with pytest.raises(TypeError, match=r"submodule '0' is already planned .*model\[0\] = model\[0\]\.model"):
+        memfit.optimize(outer, x, "min", loss_fn=lambda out: out.square().mean())
+    outer[0] = outer[0].model
+    memfit.optimize(outer, x, "min", loss_fn=lambda out: out.square().mean())
+
+
+class _TestsRequiresGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l1(x)
+        if h.requires_grad:
+            h = h * 2.0
+        return h
+
+
+class _HookInForward(_TestsRequiresGrad):
+    def forward(self, x):
+        h = self.l1(x)
+        h.register_hook(_scaled_grad)
+        return h
+
+
+@pytest.mark.parametrize("model, advice", [(_TestsRequiresGrad, r"a Python test of a tensor's requires_grad"),
+                                           (_HookInForward, r"a tensor hook registered in forward .*torch\.fx\.wrap")])
+def test_trace_errors_advise_for_the_line_that_failed(model, advice):
+    """A fresh user's ``if h.requires_grad:`` was told about data-dependent control flow and torch.where, and
+    ``h.register_hook(fn)`` about returning tensors in a tuple."""
+    with pytest.raises(memfit.TraceError, match=advice):
+        memfit.optimize(model(), torch.randn(4, 8), "min", loss_fn=lambda out: out.square().mean())

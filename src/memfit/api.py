@@ -85,6 +85,12 @@ def _require_training(model: nn.Module) -> None:
     if isinstance(model, PlannedModule):
         raise TypeError("this model is already planned (a PlannedModule): to plan again, for another budget or "
                          "strategy, pass the model it wraps, planned.model")
+    nested = next((name for name, m in model.named_modules() if name and isinstance(m, PlannedModule)), None)
+    if nested is not None:  # (fx traced into it: a TraceError about an InplaceProxy at memfit's own line)
+        path = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in nested.split("."))
+        raise TypeError(f"the model's submodule {nested!r} is already planned (a PlannedModule): memfit plans the "
+                        f"whole model at once. Put the module it wraps in its place ({path} = {path}.model, or "
+                        "build the model from the unplanned module) and plan the model")
     if not model.training:
         raise ValueError("memfit plans a training step: call model.train() first")
     lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()]

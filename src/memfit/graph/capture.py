@@ -363,6 +363,18 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "which needs AttributeError, and it records a dict subclass as a plain dict anyway (attribute access "
                 "lost). Return a dataclass (@dataclasses.dataclass), which memfit traces and gives back as returned, "
                 "or a plain dict read by key.")
+    if re.search(r"\.(register_hook|register_post_accumulate_grad_hook)\(", line):
+        return ("  a tensor hook registered in forward (h.register_hook(fn)), which torch.fx cannot record: move it "
+                "into a function of its own at module level that registers the hook and returns the tensor, marked "
+                "with torch.fx.wrap(\"name\") (`def hooked(h): h.register_hook(fn); return h`; fx records the call, "
+                "which memfit runs in every step), or register it on the output after the planned module's call.")
+    attr = re.search(r"\.(requires_grad|is_cuda|is_leaf|device|dtype|is_floating_point\(\))\b", line)
+    if attr and re.search(r"\b(if|elif|while|assert)\b", line.rsplit(": ", 1)[-1] if ": " in line else line):
+        return (f"  a Python test of a tensor's {attr[1]}, which a traced forward does not have as a bool (torch.fx "
+                "records it as a graph value): memfit plans a training step, so test what the step knows instead "
+                "(torch.is_grad_enabled() or self.training for requires_grad; a dtype or device kept as an attribute "
+                "in __init__), drop the branch the training step does not take, or move that code into a function "
+                "fx keeps whole (torch.fx.wrap).")
     if isinstance(exc, NotImplementedError) and "argument of type" in str(exc):
         return (f"  a value of a class torch.fx cannot record ({str(exc).rsplit(':', 1)[-1].strip()}), returned by "
                 "the forward or passed to an operation: return tensors in a tuple, list, dict, namedtuple or "
