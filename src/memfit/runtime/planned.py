@@ -1110,7 +1110,7 @@ class PlannedModule(nn.Module):
             return
         seen: dict[int, int] = {}
         for t in tensors_in(value):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
                 st = t.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
         now = sum(seen.values())
