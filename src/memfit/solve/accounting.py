@@ -419,9 +419,10 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
                 inplace[m] = rv is not None or m0 not in views[i]
         # autograd adds a contribution once the node's backward has returned, its output's gradient released
         if rv is not None:  # ran right after its reader's backward returned: counted there
+            if t is None:  # (no reader gave it a gradient: autograd never runs it)
+                continue
             during_v = total - unmade + extra
-            if t is not None:
-                release(t)
+            release(t)
             point = max(during_v, total + summed if summed > 0 else 0, total)
             r = rv.reader
             after[r] = max(b if after[r] is None else after[r], point)
