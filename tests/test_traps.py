@@ -2329,3 +2329,49 @@ def test_trace_errors_advise_for_the_line_that_failed(model, advice):
     ``h.register_hook(fn)`` about returning tensors in a tuple."""
     with pytest.raises(memfit.TraceError, match=advice):
         memfit.optimize(model(), torch.randn(4, 8), "min", loss_fn=lambda out: out.square().mean())
+
+
+_ACT = torch.tanh
+
+
+def test_globals_are_watched_as_read(tmp_path, monkeypatch):
+    """A second fresh-user round: a dict key forward never reads raised (a loop's ``CFG["epoch"] += 1``), while a
+    config module's attribute (``myconfig.SCALE``), a helper called as ``myhelpers.scale(h)`` reading its own
+    global, and a function kept as a global (``ACT = F.relu``, then ``F.gelu``) changed silently."""
+    import importlib
+
+    (tmp_path / "s26_config.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "s26_helpers.py").write_text("GAIN = 1.0\n\ndef scale(h):\n    return h * GAIN\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg, helpers = importlib.import_module("s26_config"), importlib.import_module("s26_helpers")
+    monkeypatch.setitem(globals(), "_s26_config", cfg)  # (read as globals by forward, as `import myconfig` is)
+    monkeypatch.setitem(globals(), "_s26_helpers", helpers)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return _s26_helpers.scale(_ACT(self.l1(x)) * _s26_config.SCALE) * _CFG["scale"]  # noqa: F821
+
+    x = torch.randn(4, 8)
+    planned = memfit.optimize(Net(), x, "min", loss_fn=lambda out: out.square().mean())
+    _CFG["epoch"] = 1  # not read by forward: no error
+    try:
+        planned(x).square().mean().backward()
+    finally:
+        del _CFG["epoch"]
+    for change, undo, label in ((lambda: setattr(cfg, "SCALE", 2.0), lambda: setattr(cfg, "SCALE", 1.0),
+                                 r"s26_config\.SCALE .* was 1.0 .* is 2.0"),
+                                (lambda: setattr(helpers, "GAIN", 2.0), lambda: setattr(helpers, "GAIN", 1.0),
+                                 r"s26_helpers\.GAIN .* was 1.0 .* is 2.0"),
+                                (lambda: globals().__setitem__("_ACT", torch.sigmoid),
+                                 lambda: globals().__setitem__("_ACT", torch.tanh), r"test_traps\._ACT")):
+        change()
+        try:
+            with pytest.raises(RuntimeError, match=label):
+                planned(x)
+        finally:
+            undo()
+    planned(x)

@@ -312,47 +312,101 @@ def _codes(code) -> Iterator:
 
 def global_reads(modules: list[nn.Module]) -> list[tuple[str, dict, str, Any]]:
     """The module-level names (globals) that the traced code reads: the methods of ``modules``' classes (the
-    modules ``torch.fx`` traced into) and the user's functions they call by name, transitively. ``torch.fx``
-    bakes the values they had while tracing into the graph, as it does a module attribute's (a fresh user's
+    modules ``torch.fx`` traced into) and the user's functions they call, transitively. ``torch.fx`` bakes the
+    values they had while tracing into the graph, as it does a module attribute's (a fresh user's
     ``CFG["scale"] = 3.0`` and ``TEMPERATURE = 0.5`` after planning: outputs 3.5 off, silently).
 
-    Returns ``(label, globals dict, name, value then)`` for each, the value as :func:`changed_global` compares it:
-    plain data by value, a dict or config-like object by identity and its plain fields by value, another object
-    by identity. Modules, classes and callables are left out (functions are followed instead), and so are
-    functions ``torch.fx.wrap`` registered (called live) and code outside the user's files."""
+    Followed: a global (``SCALE``), a constant key or index of one (``CFG["scale"]``: only that entry is watched,
+    so a loop's ``CFG["epoch"] += 1`` is not a change), an attribute of one of the user's modules
+    (``myconfig.SCALE``, ``myhelpers.scale(h)``), and the user's functions (followed into, and watched by
+    identity: ``ACT = F.gelu`` after planning changes what plain PyTorch computes). Returns ``(label, namespace,
+    name, value then)`` per watched value, compared by :func:`changed_global`: plain data by value, a dict or
+    config-like object read whole by identity and its plain fields by value, another object by identity. Left
+    out: modules and classes themselves, functions ``torch.fx.wrap`` registered are watched but not followed
+    (called live), and code outside the user's files."""
     wrapped = {(id(g), n) for g, n in getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", {})} \
         if isinstance(getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", None), dict) else set()
     stack = [f for m in modules for cls in type(m).__mro__ if cls.__module__ != "builtins"
              for f in vars(cls).values() if isinstance(f, types.FunctionType)]
     seen: set = set()
-    out: dict[tuple[int, str], tuple[str, dict, str, Any]] = {}
+    out: dict[tuple, tuple[str, dict, str, Any]] = {}
+
+    def watch(label: str, space: dict, name: str, value: Any, key: Any = _MISSING) -> None:
+        if key is not _MISSING:  # one entry of a dict, list or tuple, read by a constant key or index
+            if (id(space), name, None) in out:
+                return
+            out[(id(space), name, key)] = (f"{label}[{key!r}]", space, (name, key), _snapshot(value[key]))
+        else:
+            out.setdefault((id(space), name, None), (label, space, name, _snapshot(value)))
+
+    def user_function(f: Any) -> bool:
+        return isinstance(f, types.FunctionType) and _users(f.__code__)
+
     while stack:
         fn = stack.pop()
         code, g = fn.__code__, fn.__globals__
         if code in seen or not _users(code):
             continue
         seen.add(code)
+        prefix = g.get("__name__", "?")
         for c in _codes(code):
-            for ins in dis.get_instructions(c):
-                if ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or ins.argval not in g:
+            ins = list(dis.get_instructions(c))
+            for k, op in enumerate(ins):
+                if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or op.argval not in g:
                     continue
-                name, value = ins.argval, g[ins.argval]
-                if isinstance(value, types.FunctionType):
-                    if (id(g), name) not in wrapped:
-                        stack.append(value)
+                name, value = op.argval, g[op.argval]
+                nxt = ins[k + 1] if k + 1 < len(ins) else None
+                if isinstance(value, types.ModuleType):  # myconfig.SCALE, myhelpers.scale(h)
+                    if nxt is None or nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not _users_module(value):
+                        continue
+                    attr = getattr(value, nxt.argval, _MISSING)
+                    if attr is _MISSING or isinstance(attr, types.ModuleType | type):
+                        continue
+                    if user_function(attr):
+                        stack.append(attr)
+                    watch(f"{value.__name__}.{nxt.argval}", vars(value), nxt.argval, attr)
                     continue
-                if (isinstance(value, types.ModuleType | type) or callable(value) or name.startswith("__")
-                        or (id(g), name) in out):
+                if isinstance(value, type) or name.startswith("__"):
                     continue
-                out[(id(g), name)] = (f"{g.get('__name__', '?')}.{name}", g, name, _snapshot(value))
+                if isinstance(value, types.FunctionType) and (id(g), name) not in wrapped:
+                    stack.append(value)
+                after = ins[k + 2] if k + 2 < len(ins) else None
+                if (nxt is not None and nxt.opname == "LOAD_CONST" and after is not None
+                        and (after.opname == "BINARY_SUBSCR" or (after.opname == "BINARY_OP" and after.argrepr == "[]"))
+                        and isinstance(value, dict | list | tuple)):
+                    try:
+                        watch(f"{prefix}.{name}", g, name, value, nxt.argval)
+                        continue
+                    except (KeyError, IndexError, TypeError):
+                        pass
+                watch(f"{prefix}.{name}", g, name, value)
     return list(out.values())
+
+
+def _users_module(module: types.ModuleType) -> bool:
+    """``module`` is a file of the user's (not memfit's, torch's, the standard library's or a package's)."""
+    path = getattr(module, "__file__", None)
+    return bool(path) and not (os.path.abspath(path).startswith(_SITE) or _library(path))
+
+
+def _library(path: str) -> bool:
+    from memfit.warn import in_library
+
+    return in_library(path)
 
 
 def changed_global(watched: list[tuple[str, dict, str, Any]]) -> tuple[str, str, str] | None:
     """The first ``(module.name, value then, value now)`` of ``watched`` (:func:`global_reads`) whose value
     changed, as text for a message, else ``None``."""
     for label, g, name, then in watched:
-        now = g.get(name, _MISSING)
+        if isinstance(name, tuple):  # one entry, read by a constant key or index
+            whole = g.get(name[0], _MISSING)
+            try:
+                now = whole[name[1]]
+            except (KeyError, IndexError, TypeError):
+                now = _MISSING
+        else:
+            now = g.get(name, _MISSING)
         if now is then or (isinstance(then, _Ref) and then.matches(now)):
             continue
         if not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then):
