@@ -2145,7 +2145,7 @@ class _Masked(nn.Module):
         return self.head(h + self.mlp(h))
 
 
-def test_an_activation_larger_than_planned_is_warned_about_once():
+def test_an_activation_larger_than_planned_is_warned_about():
     """Planned on a batch with 10% valid tokens, a batch of the same shapes with 90% measured 4.7x the budget
     without a word; ``model.up.scale_factor = 3`` after planning 2.0x. Results stay as plain PyTorch's."""
     torch.manual_seed(0)
@@ -2163,9 +2163,16 @@ def test_an_activation_larger_than_planned_is_warned_about_once():
     ref(ids, many).logsumexp(-1).mean().backward()
     assert all(torch.allclose(a.grad, b.grad, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
     model.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():  # once
+    with warnings.catch_warnings():  # once for a size
         warnings.simplefilter("error")
         planned(ids, many).logsumexp(-1).mean().backward()
+
+    model.zero_grad(set_to_none=True)
+    planned = memfit.optimize(model, (ids, few), "min", loss_fn=lambda out: out.logsumexp(-1).mean())
+    with pytest.warns(UserWarning, match=r"node getitem's output takes"):
+        planned(ids, torch.rand(16, 64) < 0.2)
+    with pytest.warns(UserWarning, match=r"Warned again: larger than before"):  # (a second fresh user: silent at 4.4x)
+        planned(ids, many)
 
     up = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(8, 4, 3, padding=1))
     x = torch.randn(2, 3, 16, 16)
