@@ -86,6 +86,46 @@ def _no_global_step_hooks():
             getattr(opt_module, n).update(saved[n])
 
 
+def _attributes_differ(optimizer: torch.optim.Optimizer, twin: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds an attribute of its own that the rebuilt ``twin`` lacks or holds with another
+    value (an optional constructor argument the user gave: ``AdamEMA(params, ema_decay=0.99)``)."""
+    mine, theirs = vars(optimizer), vars(twin)
+    for k, v in mine.items():
+        if k.startswith("_") or k in ("state", "param_groups", "defaults", "step"):
+            continue
+        if k not in theirs:
+            return True
+        try:
+            if not bool(theirs[k] == v):
+                return True
+        except Exception:  # noqa: BLE001 -- (a tensor, an array: compared by identity)
+            if theirs[k] is not v:
+                return True
+    return False
+
+
+def _copy_onto(optimizer: torch.optim.Optimizer, scratch_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` holding the scratch parameters, its state cleared: of the whole ``__dict__``
+    (``copy.deepcopy(optimizer)`` goes through ``Optimizer.__getstate__``, which keeps only defaults, state and
+    param_groups, and loses what the constructor set on self), without an instance ``step`` an LR scheduler
+    wrapped (the copy's would step the user's optimizer: a fresh user's parameters moved by 0.04)."""
+    twin = type(optimizer).__new__(type(optimizer))
+    twin.__dict__.update(copy.deepcopy(optimizer.__dict__, memo=dict(scratch_of)))
+    twin.state.clear()
+    twin.__dict__.pop("step", None)
+    return twin
+
+
+def _advance_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Set every step counter in ``optimizer``'s state (``state["step"]``, a tensor or a number) far on."""
+    for st in optimizer.state.values():
+        v = st.get("step") if isinstance(st, dict) else None
+        if isinstance(v, torch.Tensor):
+            v.fill_(10**7)
+        elif isinstance(v, int | float):
+            st["step"] = type(v)(10**7)
+
+
 def measure_optimizer(optimizer: torch.optim.Optimizer | None,
                       trained: set[int] | None = None) -> OptimizerCost | None:
     """Measure ``optimizer``'s state and step temporaries on scratch copies of its parameters.
@@ -135,14 +175,9 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None,
             try:
                 twin = type(optimizer)(groups)
             except TypeError:  # a constructor with arguments of its own: a copy holding the scratch parameters
-                # (of the whole __dict__: copy.deepcopy(optimizer) goes through Optimizer.__getstate__, which keeps
-                # only defaults, state and param_groups, and loses what the constructor set on self)
-                twin = type(optimizer).__new__(type(optimizer))
-                twin.__dict__.update(copy.deepcopy(optimizer.__dict__, memo=dict(scratch_of)))
-                twin.state.clear()
-                # an LR scheduler wraps the instance's step (`optimizer.step = wrapper(optimizer.step)`): the copy's
-                # would step the user's optimizer (a fresh user's parameters moved by 0.04 during planning)
-                twin.__dict__.pop("step", None)
+                twin = None
+        if twin is None or _attributes_differ(optimizer, twin):  # (an optional argument of its own, given:
+            twin = _copy_onto(optimizer, scratch_of)             # AdamEMA(ema_decay=0.99) measured as Adam, 1.19x)
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # the user's, copied: an EMA
             if isinstance(getattr(twin, name, None), dict):
                 setattr(twin, name, OrderedDict())
@@ -151,9 +186,18 @@ def measure_optimizer(optimizer: torch.optim.Optimizer | None,
             state = live_bytes(_state_tensors(twin))
             by_param = {pid: live_bytes([t for t in twin.state.get(s, {}).values() if isinstance(t, torch.Tensor)])
                         for pid, s in scratch_of.items()}
-            with MemoryTracker(device) as tracker:
-                twin.step()
-        step = max(0, tracker.peak_bytes - max(0, tracker.net_bytes))
+            step = 0
+            for later in (False, True):
+                if later:  # the step far on: RAdam rectifies from its 6th step, ASGD averages after t0 (1.37x, 1.18x)
+                    _advance_step_counts(twin)
+                before = live_bytes(_state_tensors(twin))
+                with MemoryTracker(device) as tracker:
+                    twin.step()
+                # (state the step adds stays: counted as state. The tracker cannot subtract a block made before it
+                # and freed inside, so its net figure would count a replaced state tensor twice: 1.19x over)
+                grown = max(0, live_bytes(_state_tensors(twin)) - before)
+                state += grown
+                step = max(step, tracker.peak_bytes - grown)
         del twin, groups, scratch
         return OptimizerCost(state_bytes=state, step_bytes=step, state_by_param=by_param)
     except Exception as exc:  # noqa: BLE001 -- a custom optimizer can fail in many ways; planning must not
