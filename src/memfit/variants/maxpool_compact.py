@@ -110,7 +110,7 @@ class MaxPool2dCompactFn(torch.autograd.Function):
         if not (grad.is_contiguous() and offset.is_contiguous()) or n * oh * ow <= _chunk(grad.device):
             return _pool_backward(grad, offset, ctx.in_shape, *ctx.args), None, None, None, None, None, None
         gx = grad.new_empty(ctx.in_shape)
-        gx_p, g_p, off_p = gx.view(n, *ctx.in_shape[2:]), grad.view(n, oh, ow), offset.view(n, oh, ow)
+        gx_p, g_p, off_p = gx.view(n, *ctx.in_shape[2:]), grad.reshape(n, oh, ow), offset.view(n, oh, ow)
         for lo, hi in _groups(n, oh * ow, grad.device):
             _pool_backward(g_p[lo:hi], off_p[lo:hi], (hi - lo, *ctx.in_shape[2:]), *ctx.args, out=gx_p[lo:hi])
         return gx, None, None, None, None, None, None
