@@ -537,3 +537,31 @@ def test_min_is_no_higher_than_a_budget_memfit_accepts():
                         loss_fn=lambda out: loss(out, y))
     except memfit.InfeasibleBudgetError as err:  # the floor it names is no higher than a budget accepted
         assert err.smallest_feasible_bytes <= at80.plan.budget_bytes
+
+
+class _UnreadHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c, self.aux = nn.Linear(64, 256), nn.Linear(256, 10), nn.Linear(64, 4096)
+
+    def forward(self, x):
+        return self.c(self.a(x).relu()), self.aux(x).relu()  # the loss reads only the first
+
+
+def test_a_head_the_loss_does_not_read_is_counted_without_gradients_or_state():
+    """A second fresh-user round: its gradients and momentum were counted in the fixed bytes, so the floor was
+    1.5x what plain PyTorch measured and a budget plain PyTorch meets was refused as below the fixed bytes."""
+    from _models import plain_and_planned
+
+    torch.manual_seed(0)
+    model, x = _UnreadHead().train(), torch.randn(32, 64)
+
+    def loss(out, _):
+        return out[0].square().mean()
+
+    base, planned, fig = plain_and_planned(model, x, None, "min", loss=loss)
+    assert fig.peak_bytes <= planned.plan.budget_bytes and planned.plan.fixed_bytes == base.fixed_bytes
+    m = _UnreadHead()  # plain PyTorch's own measured peak is a budget memfit accepts
+    at_plain = memfit.optimize(m, x, base.peak_bytes, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                               loss_fn=lambda out: loss(out, None))
+    assert at_plain.plan.predicted_peak_bytes <= base.peak_bytes

@@ -450,7 +450,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
-    trained = list(captured.gm.parameters())  # (a parameter the step never reads gets no gradient, and no state)
+    # (a parameter the step never reads, or whose output the loss does not read, gets no gradient, and no state)
+    trained = [p for name, p in captured.gm.named_parameters() if name not in set(costs.no_grad_params)]
     _warn_untrained_by_optimizers(model, _optimizers(optimizer), trained)
     state, measured = _counted_state(optimizer, trained)
     if measured is not None:

@@ -258,6 +258,8 @@ class Costs:
             (:mod:`memfit.runtime.overhead`; 0 when not measured).
         region_node_seconds: time each node inside a checkpoint region adds beyond its own recomputation
             (saved-tensor hooks, the recomputation's interpreter), seconds; 0 when not measured.
+        no_grad_params: names (in the traced graph) of trainable parameters the profiled step gives no gradient
+            (a head whose output the loss does not read): no gradient and no optimizer state for them.
     """
 
     device: str
@@ -279,6 +281,7 @@ class Costs:
     headroom_of: int | None = None
     region_seconds: float = 0.0
     region_node_seconds: float = 0.0
+    no_grad_params: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -299,7 +302,8 @@ class Costs:
                    loss_grads=d.get("loss_grads"),
                    buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}),
                    headroom_of=d.get("headroom_of"), region_seconds=d.get("region_seconds", 0.0),
-                   region_node_seconds=d.get("region_node_seconds", 0.0))
+                   region_node_seconds=d.get("region_node_seconds", 0.0),
+                   no_grad_params=d.get("no_grad_params", []))
 
     def with_variants(self, choice: dict[str, str]) -> Costs:
         """The costs of the graph with some nodes replaced by variants (``choice``: node name -> variant
@@ -468,7 +472,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype, requires, snapshot)
             _time_nodes(gm, inputs, costs, device, repeats, requires, saved_stats=with_variants)
             _no_faster_than_default(costs)
-            formats = _grad_formats(gm, inputs, loss_fn, requires)
+            formats, no_grad = _grad_formats(gm, inputs, loss_fn, requires)
             _measure_workspace(gm, inputs, costs, device, requires, formats, grads_exist)
             if loss_fn is not None:
                 costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded = _measure_loss(
@@ -493,15 +497,18 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         if node.op == "call_module":
             for t in module_held(gm.get_submodule(node.target)):
                 state.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    # (a parameter the step gives no gradient, a head whose output the loss does not read, has none: a fresh
+    # user's floor was 1.5x what plain PyTorch measured)
     grad_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                      for p in params if p.requires_grad}.values())
+                      for p in params if p.requires_grad and id(p) not in no_grad}.values())
+    costs.no_grad_params = [name for name, p in gm.named_parameters() if id(p) in no_grad]
     costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes
                          + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs)))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
     costs.region_bytes = torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0
-    _param_grads(gm, costs)
+    _param_grads(gm, costs, no_grad)
     return costs
 
 
@@ -592,7 +599,7 @@ def _no_faster_than_default(costs: Costs) -> None:
             v.bwd_seconds = max(v.bwd_seconds, 1.01 * c.bwd_seconds)
 
 
-def _param_grads(gm: fx.GraphModule, costs: Costs) -> None:
+def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset()) -> None:
     """Assign each trainable parameter's gradient bytes to the last node in forward order that uses it: its
     gradient exists from that node's backward on. A parameter used by several nodes (a layer called twice,
     tied weights) has its gradient summed from the first contribution on, in autograd's buffer for it,
@@ -618,7 +625,7 @@ def _param_grads(gm: fx.GraphModule, costs: Costs) -> None:
             params, users = [], []
         for p in params:
             for u in users:
-                if p.requires_grad and u not in uses.setdefault(id(p), []):
+                if p.requires_grad and id(p) not in no_grad and u not in uses.setdefault(id(p), []):
                     uses[id(p)].append(u)
                     sizes[id(p)] = p.untyped_storage().nbytes()
     for pid, ks in uses.items():
@@ -1398,12 +1405,14 @@ def _seed(t: torch.Tensor, fmt) -> torch.Tensor:
     return torch.ones_like(t, memory_format=fmt or torch.preserve_format)
 
 
-def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str, list[bool]]) -> dict:
+def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str, list[bool]]
+                  ) -> tuple[dict, set[int]]:
     """``{node name: [memory format of the gradient each tensor output receives, or None]}`` in one real
     forward and backward pass (``loss_fn`` on the output, or ones as the output's gradient), so that the
     isolated backward passes start from the layouts the step gives them: a gradient need not have its
     output's layout (a mean's backward makes a contiguous gradient for a channels-last activation).
-    Parameters' ``.grad`` are not touched (``torch.autograd.grad``); the caller restores buffers and RNG."""
+    Parameters' ``.grad`` are not touched (``torch.autograd.grad``); the caller restores buffers and RNG. Also
+    the ``id()`` of the trainable parameters that pass gives no gradient (empty when it gives none at all)."""
     env: dict[str, object] = dict(bind_inputs(gm, inputs))
     formats: dict[str, list] = {}
 
@@ -1432,9 +1441,12 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
             roots = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             seeds = [torch.ones_like(t) for t in roots]
         roots_ok = [r for r in roots if isinstance(r, torch.Tensor) and r.requires_grad]
+        no_grad: set[int] = set()
         if wrt and roots_ok and len(roots_ok) == len(roots):
-            torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
-    return formats
+            grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+            if any(g is not None for g in grads):
+                no_grad = {id(p) for p, g in zip(wrt, grads) if g is None and isinstance(p, nn.Parameter)}
+    return formats, no_grad
 
 
 def _scalars_behind_copy_slices(gm: fx.GraphModule, node: fx.Node, env: dict, ins: list,

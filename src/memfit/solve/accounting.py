@@ -380,6 +380,8 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
             before[i] = total
         t = grads.pop(i, None)
         own_inplace = inplace.pop(i, True)
+        if t is None and rv is None and not costs.nodes[i].mutates:  # no gradient reaches it: autograd never runs
+            acc.bwd_ws[i] = 0  # its backward (a head the loss does not read: its workspace was counted, 16 KiB)
         extra = 0  # the contributions to existing gradients, alive while the node's backward runs
         summed = 0  # out-of-place sums: the old gradient and the new contribution beside the sum, after the node
         unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
