@@ -20,9 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch
-from torch import nn
 
-from _models import plain_and_planned
+from _models import BetweenConvolutions, plain_and_planned
 from memfit.bench.harness import compare
 
 
@@ -71,17 +70,6 @@ def _method_call_add_(h, conv):
     return g, 0.0
 
 
-class _Net(nn.Module):
-    def __init__(self, body) -> None:
-        super().__init__()
-        self.body = body
-        self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
-
-    def forward(self, x):
-        c, extra = self.body(self.c1(x), self.c2)
-        return self.fc(c.mean((2, 3)) + extra)
-
-
 def main() -> None:
     torch.set_num_threads(1)
     print("| pattern | budget | gradients | measured peak | predicted peak | measured - predicted | budget bytes |")
@@ -90,7 +78,7 @@ def main() -> None:
                  _update_through_another_view, _method_call_add_):
         for budget in ("100%", "min"):
             torch.manual_seed(0)
-            model, x, y = _Net(body).train(), torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+            model, x, y = BetweenConvolutions(body).train(), torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
             base, planned, fig = plain_and_planned(model, x, y, budget, strategy="none" if budget == "100%" else "memfit")
             pred = planned.plan.predicted_peak_bytes
             print(f"| {body.__name__.strip('_')} | {budget} | {'equal' if compare(base, fig)['gradients_match'] else 'DIFFER'}"

@@ -87,6 +87,23 @@ class ListOut(nn.Module):
         return [a, b, F.relu(self.c3(b)).flatten(1)]
 
 
+class BetweenConvolutions(nn.Module):
+    """``body(h, conv) -> (c, extra)`` between two 3x3 convolutions on ``[N, 16, H, W]``: ``h`` is the first's
+    output, ``c`` what the head pools (the second convolution's output, usually), ``extra`` a number added to it (a
+    view of ``h`` read after the second convolution, where the gradient autograd makes for it is alive through that
+    convolution's backward). For in-place patterns of the user's code (tests/test_augmented.py,
+    benchmarks/view_update_patterns.py)."""
+
+    def __init__(self, body) -> None:
+        super().__init__()
+        self.body = body
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        c, extra = self.body(self.c1(x), self.c2)
+        return self.fc(c.mean((2, 3)) + extra)
+
+
 def channel_mix_with_relu_mask():
     """Plain PyTorch's figures for one SGD step (momentum 0.9) of :class:`ChannelMix`, then those of a plan
     that keeps everything with every ReLU as ``relu-mask``: ``(base, fig, predicted peak bytes, ReLUs forced)``."""

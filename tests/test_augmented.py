@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from _models import plain_and_planned
+from _models import BetweenConvolutions, plain_and_planned
 from memfit import zoo
 from memfit.bench.harness import compare
 from memfit.graph import capture
@@ -196,17 +196,6 @@ def _view_of_a_view(h, conv):
     return c, torch.sigmoid(w).mean()
 
 
-class _ViewThenUpdate(nn.Module):
-    def __init__(self, body) -> None:
-        super().__init__()
-        self.body = body
-        self.c1, self.c2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 10)
-
-    def forward(self, x):
-        c, extra = self.body(self.c1(x), self.c2)
-        return self.fc(c.mean((2, 3)) + extra)
-
-
 @pytest.mark.parametrize("body", [_slice, _transpose, _read_before_and_after, _two_updates_between_reads,
                                   _detached_first, _view_of_a_view, _update_through_another_view])
 @pytest.mark.parametrize("budget", ["100%", "min"])
@@ -216,7 +205,7 @@ def test_a_view_read_after_its_base_was_updated_in_place_is_predicted(body, budg
     (256 KiB for the transpose) over the prediction and a ``100%`` budget (:func:`memfit.solve.accounting.
     regenerated_views`)."""
     torch.manual_seed(0)
-    model, x = _ViewThenUpdate(body).train(), torch.randn(4, 3, 32, 32)
+    model, x = BetweenConvolutions(body).train(), torch.randn(4, 3, 32, 32)
     y = torch.randint(0, 10, (4,))
     base, planned, fig = plain_and_planned(model, x, y, budget, strategy="none" if budget == "100%" else "memfit")
     assert compare(base, fig)["gradients_match"]
