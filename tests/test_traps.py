@@ -2177,9 +2177,11 @@ def test_an_activation_larger_than_planned_is_warned_about():
     up = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(8, 4, 3, padding=1))
     x = torch.randn(2, 3, 16, 16)
     planned = memfit.optimize(up, x, "min", loss_fn=lambda out: out.square().mean())
-    up[1].scale_factor = 3
-    with pytest.warns(UserWarning, match=r"module '1': did one of its settings change"):
-        planned(x).square().mean().backward()
+    for factor in (3, 5, 8, 13):  # each time it grows 1.5x past the last warned (a third fresh user: silent at 11.7x
+        up[1].scale_factor = factor  # after a cap of three warnings)
+        with pytest.warns(UserWarning, match=r"module '1': did one of its settings change"):
+            planned(x).square().mean().backward()
+        up.zero_grad(set_to_none=True)
 
 
 _CFG = {"scale": 1.0}
