@@ -2384,3 +2384,29 @@ def test_globals_are_watched_as_read(tmp_path, monkeypatch):
         finally:
             undo()
     planned(x)
+
+
+_EPOCH = 0
+
+
+class _WithTrainingStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l1(x) * _CFG["scale"]
+
+    def training_step(self, x):  # (a LightningModule's: forward never calls it, its globals are not in the graph)
+        return self(x).mean() * _EPOCH
+
+
+def test_a_global_only_code_forward_never_runs_reads_may_change():
+    global _EPOCH
+    x = torch.randn(4, 8)
+    planned = memfit.optimize(_WithTrainingStep(), x, "min", loss_fn=lambda out: out.square().mean())
+    try:
+        _EPOCH = 3
+        planned(x).square().mean().backward()
+    finally:
+        _EPOCH = 0

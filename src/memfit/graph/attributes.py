@@ -33,6 +33,7 @@ import copy
 import dis
 import enum
 import os
+import sys
 import sysconfig
 import types
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ import torch.fx
 from torch import nn
 
 __all__ = ["AttributeLog", "changed_attribute", "changed_global", "global_reads", "has_hooks", "has_own_hooks",
-           "is_plain", "record_reads"]
+           "is_plain", "record_calls", "record_reads"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -303,32 +304,44 @@ def _users(code) -> bool:
     return not (in_library(name) or name.startswith("<") or os.path.abspath(name).startswith(_SITE))
 
 
-def _codes(code) -> Iterator:
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _codes(const)
+@contextlib.contextmanager
+def record_calls() -> Iterator[dict]:
+    """``{code: globals}`` of the user's Python functions (:func:`_users`) called inside the block: while
+    ``torch.fx`` traces, those whose code the graph holds (a method of a module other than ``forward`` that forward
+    never calls, a LightningModule's ``training_step``, is not one: its globals are not baked)."""
+    called: dict = {}
+    mine: dict = {}  # code -> whether it is the user's (cached: fx calls many of torch's functions)
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            users = mine.get(code)
+            if users is None:
+                users = mine[code] = _users(code)
+            if users:
+                called.setdefault(code, frame.f_globals)
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield called
+    finally:
+        sys.setprofile(before)
 
 
-def global_reads(modules: list[nn.Module]) -> list[tuple[str, dict, str, Any]]:
-    """The module-level names (globals) that the traced code reads: the methods of ``modules``' classes (the
-    modules ``torch.fx`` traced into) and the user's functions they call, transitively. ``torch.fx`` bakes the
-    values they had while tracing into the graph, as it does a module attribute's (a fresh user's
-    ``CFG["scale"] = 3.0`` and ``TEMPERATURE = 0.5`` after planning: outputs 3.5 off, silently).
+def global_reads(called: list[tuple[Any, dict]]) -> list[tuple[str, dict, str, Any]]:
+    """The module-level names (globals) that the user's code run while tracing (``called``: ``(code, globals)``,
+    from :func:`record_calls`) reads. ``torch.fx`` bakes the values they had then into the graph, as it does a
+    module attribute's (a fresh user's ``CFG["scale"] = 3.0`` and ``TEMPERATURE = 0.5`` after planning: outputs 3.5
+    off, silently).
 
-    Followed: a global (``SCALE``), a constant key or index of one (``CFG["scale"]``: only that entry is watched,
-    so a loop's ``CFG["epoch"] += 1`` is not a change), an attribute of one of the user's modules
-    (``myconfig.SCALE``, ``myhelpers.scale(h)``), and the user's functions (followed into, and watched by
-    identity: ``ACT = F.gelu`` after planning changes what plain PyTorch computes). Returns ``(label, namespace,
-    name, value then)`` per watched value, compared by :func:`changed_global`: plain data by value, a dict or
-    config-like object read whole by identity and its plain fields by value, another object by identity. Left
-    out: modules and classes themselves, functions ``torch.fx.wrap`` registered are watched but not followed
-    (called live), and code outside the user's files."""
-    wrapped = {(id(g), n) for g, n in getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", {})} \
-        if isinstance(getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", None), dict) else set()
-    stack = [f for m in modules for cls in type(m).__mro__ if cls.__module__ != "builtins"
-             for f in vars(cls).values() if isinstance(f, types.FunctionType)]
-    seen: set = set()
+    Watched: a global (``SCALE``), a constant key or index of one (``CFG["scale"]``: only that entry, so a loop's
+    ``CFG["epoch"] += 1`` is not a change), an attribute of one of the user's modules (``myconfig.SCALE``), and a
+    function kept in a global (``ACT = F.gelu`` after planning changes what plain PyTorch computes). Returns
+    ``(label, namespace, name, value then)`` each, compared by :func:`changed_global`: plain data by value, a dict
+    or config-like object read whole by identity and its plain fields by value, another object by identity. Left
+    out: modules and classes themselves, and code outside the user's files or not run while tracing (a function
+    ``torch.fx.wrap`` registered runs live, reading its globals then)."""
     out: dict[tuple, tuple[str, dict, str, Any]] = {}
 
     def watch(label: str, space: dict, name: str, value: Any, key: Any = _MISSING) -> None:
@@ -339,47 +352,33 @@ def global_reads(modules: list[nn.Module]) -> list[tuple[str, dict, str, Any]]:
         else:
             out.setdefault((id(space), name, None), (label, space, name, _snapshot(value)))
 
-    def user_function(f: Any) -> bool:
-        return isinstance(f, types.FunctionType) and _users(f.__code__)
-
-    while stack:
-        fn = stack.pop()
-        code, g = fn.__code__, fn.__globals__
-        if code in seen or not _users(code):
-            continue
-        seen.add(code)
+    for code, g in called:
         prefix = g.get("__name__", "?")
-        for c in _codes(code):
-            ins = list(dis.get_instructions(c))
-            for k, op in enumerate(ins):
-                if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or op.argval not in g:
+        ins = list(dis.get_instructions(code))
+        for k, op in enumerate(ins):
+            if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or op.argval not in g:
+                continue
+            name, value = op.argval, g[op.argval]
+            nxt = ins[k + 1] if k + 1 < len(ins) else None
+            if isinstance(value, types.ModuleType):  # myconfig.SCALE, myhelpers.scale(h)
+                if nxt is None or nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not _users_module(value):
                     continue
-                name, value = op.argval, g[op.argval]
-                nxt = ins[k + 1] if k + 1 < len(ins) else None
-                if isinstance(value, types.ModuleType):  # myconfig.SCALE, myhelpers.scale(h)
-                    if nxt is None or nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not _users_module(value):
-                        continue
-                    attr = getattr(value, nxt.argval, _MISSING)
-                    if attr is _MISSING or isinstance(attr, types.ModuleType | type):
-                        continue
-                    if user_function(attr):
-                        stack.append(attr)
+                attr = getattr(value, nxt.argval, _MISSING)
+                if attr is not _MISSING and not isinstance(attr, types.ModuleType | type):
                     watch(f"{value.__name__}.{nxt.argval}", vars(value), nxt.argval, attr)
+                continue
+            if isinstance(value, type) or name.startswith("__"):
+                continue
+            after = ins[k + 2] if k + 2 < len(ins) else None
+            if (nxt is not None and nxt.opname == "LOAD_CONST" and after is not None
+                    and (after.opname == "BINARY_SUBSCR" or (after.opname == "BINARY_OP" and after.argrepr == "[]"))
+                    and isinstance(value, dict | list | tuple)):
+                try:
+                    watch(f"{prefix}.{name}", g, name, value, nxt.argval)
                     continue
-                if isinstance(value, type) or name.startswith("__"):
-                    continue
-                if isinstance(value, types.FunctionType) and (id(g), name) not in wrapped:
-                    stack.append(value)
-                after = ins[k + 2] if k + 2 < len(ins) else None
-                if (nxt is not None and nxt.opname == "LOAD_CONST" and after is not None
-                        and (after.opname == "BINARY_SUBSCR" or (after.opname == "BINARY_OP" and after.argrepr == "[]"))
-                        and isinstance(value, dict | list | tuple)):
-                    try:
-                        watch(f"{prefix}.{name}", g, name, value, nxt.argval)
-                        continue
-                    except (KeyError, IndexError, TypeError):
-                        pass
-                watch(f"{prefix}.{name}", g, name, value)
+                except (KeyError, IndexError, TypeError):
+                    pass
+            watch(f"{prefix}.{name}", g, name, value)
     return list(out.values())
 
 

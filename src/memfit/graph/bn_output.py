@@ -325,4 +325,5 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
             bound.arguments["inplace"] = False
             act.args, act.kwargs = bound.args, bound.kwargs
     new.recompile()
-    return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes)
+    return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes,
+                    called=captured.called)

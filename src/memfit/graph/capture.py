@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.graph.attributes import has_own_hooks, record_reads
+from memfit.graph.attributes import has_own_hooks, record_calls, record_reads
 from memfit.graph.augmented import InplaceProxy, keep_in_place, put_back_updated_state, state_of
 from memfit.graph.calls import dataclass_builder, dataclass_parts
 from memfit.graph.ir import Graph, Node
@@ -34,12 +34,14 @@ class Captured:
     """A traced model: the fx ``GraphModule`` (sharing parameters and buffers with the user's model),
     its plain-data :class:`Graph`, the model itself, and the plain Python attributes its forward pass read
     while tracing (``{module path: {attribute: value}}``, :mod:`memfit.graph.attributes`): the graph holds
-    their values as constants."""
+    their values as constants. ``called``: ``(code, globals)`` of the user's Python functions that ran while
+    tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read)."""
 
     gm: fx.GraphModule
     graph: Graph
     model: nn.Module | None = None
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    called: list = field(default_factory=list)
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -545,7 +547,7 @@ def capture(model: nn.Module) -> Captured:
     draws: list[str] = []
     try:
         with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-              _watch_random_draws(draws), record_reads(model) as attributes):
+              _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called):
             gm = _trace(model)
     except _ReentrantCheckpoint:
         raise TraceError(
@@ -617,7 +619,8 @@ def capture(model: nn.Module) -> Captured:
         if node.op == "placeholder" and str(node.target).lstrip("*") in kinds:
             node.meta["memfit_kind"] = kinds[str(node.target).lstrip("*")]
     _warn_opaque(gm)
-    return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model))
+    return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
+                    called=list(called.items()))
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

@@ -168,4 +168,5 @@ def apply_tiling(captured: Captured, tiled: list[TiledBlock]) -> Captured:
             graph.erase_node(by_name[n])
     new.add_module(TILED_ATTR, holder)
     new.recompile()
-    return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes)
+    return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes,
+                    called=captured.called)

@@ -433,7 +433,7 @@ class PlannedModule(nn.Module):
             plan.node_ops = node_ops(gm)  # was refused as "solved for a different graph", a fresh-user finding)
         dropped = _drop_lost_inplace_forms(gm, plan)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
-                                     attributes=copy.deepcopy(captured.attributes, memo)),
+                                     attributes=copy.deepcopy(captured.attributes, memo), called=captured.called),
                             plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -557,7 +557,7 @@ class PlannedModule(nn.Module):
         self._attributes = [(path, self.model.get_submodule(path), name, kind, value)
                             for path, values in self.__dict__["_captured"].attributes.items()
                             for name, (kind, value) in values.items()]
-        self._globals = global_reads([m for _, m in self._traced_modules])
+        self._globals = global_reads(self.__dict__["_captured"].called)
         self._frozen_at_build = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self._warned.discard("unfrozen")  # (its parameters are looked at again)
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
