@@ -204,19 +204,22 @@ def test_a_view_read_after_its_base_was_updated_in_place_is_predicted(body, budg
     reader's backward: its gradient of the whole base lived through the second convolution's backward, 128 KiB
     (256 KiB for the transpose) over the prediction and a ``100%`` budget (:func:`memfit.solve.accounting.
     regenerated_views`)."""
+    _one_step_against_plain(lambda: BetweenConvolutions(body), 4, budget)
+
+
+def _one_step_against_plain(make, batch, budget):
+    """One step of ``make()`` on a ``[batch, 3, 32, 32]`` batch, planned at ``budget`` (``strategy="none"`` at
+    ``100%``), against plain PyTorch's: the gradients are equal, the measured peak is under the budget and within
+    5% of the prediction; keeping everything, whose prediction needs no headroom, it is under the prediction too.
+    (A plan that recomputes ``h *= 2.0`` measures 8 bytes over its prediction, within the headroom: autograd holds
+    the number it saves, without the saved-tensor hooks, from the forward pass, and the recomputation makes
+    another.)"""
     torch.manual_seed(0)
-    model, x = BetweenConvolutions(body).train(), torch.randn(4, 3, 32, 32)
-    y = torch.randint(0, 10, (4,))
+    model, x = make().train(), torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
     base, planned, fig = plain_and_planned(model, x, y, budget, strategy="none" if budget == "100%" else "memfit")
     assert compare(base, fig)["gradients_match"]
-    _predicted_and_under_budget(planned.plan, fig, budget)
-
-
-def _predicted_and_under_budget(plan, fig, budget):
-    """The measured peak is under the budget and within 5% of the prediction; keeping everything, whose
-    prediction needs no headroom, it is under the prediction too. (A plan that recomputes ``h *= 2.0`` measures
-    8 bytes over its prediction, within the headroom: autograd holds the number it saves, without the saved-tensor
-    hooks, from the forward pass, and the recomputation makes another.)"""
+    plan = planned.plan
     assert fig.peak_bytes <= plan.budget_bytes
     assert abs(plan.predicted_peak_bytes - fig.peak_bytes) <= 0.05 * fig.peak_bytes
     if budget == "100%":
@@ -248,12 +251,7 @@ def test_a_value_updated_by_a_method_call_is_predicted(chain, budget):
     """Its readers' gradient goes to the update's backward node, which autograd made the tensor's own: replayed
     to the convolution, one activation's gradient was counted twice (256 KiB over the measured peak, which made
     the smallest feasible budget too high)."""
-    torch.manual_seed(0)
-    model, x = _UpdatedByMethodCall(chain).train(), torch.randn(8, 3, 32, 32)
-    y = torch.randint(0, 10, (8,))
-    base, planned, fig = plain_and_planned(model, x, y, budget, strategy="none" if budget == "100%" else "memfit")
-    assert compare(base, fig)["gradients_match"]
-    _predicted_and_under_budget(planned.plan, fig, budget)
+    _one_step_against_plain(lambda: _UpdatedByMethodCall(chain), 8, budget)
 
 
 class _Lin2(nn.Module):

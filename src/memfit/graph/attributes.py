@@ -260,19 +260,26 @@ def changed_attribute(watched: list[tuple[str, nn.Module, str, str, Any]]) -> tu
     (``repr`` of plain values), else ``None``."""
     for path, module, name, kind, then in watched:
         now = _current(module, name, kind)
-        if now is then or (isinstance(then, _Ref) and then.matches(now)):
-            continue
-        if then is ABSENT:
-            if now is _MISSING:
-                continue
-        elif not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then):
+        if _unchanged(then, now):
             continue
         label = f"{path}.{name}" if path else name
-        shown = "absent" if now is _MISSING else repr(now) if is_plain(now) else f"another {type(now).__name__} object"
-        if isinstance(then, _Ref) and now is then.obj:
-            shown = "the same object with other values"
+        shown = "the same object with other values" if isinstance(then, _Ref) and now is then.obj else _shown(now)
         return label, repr(then), shown
     return None
+
+
+def _unchanged(then: Any, now: Any) -> bool:
+    """``now`` (``_MISSING`` where absent) is what ``then`` (a snapshot: :func:`_snapshot`, or ``ABSENT``) watched."""
+    if now is then or (isinstance(then, _Ref) and then.matches(now)):
+        return True
+    if then is ABSENT:
+        return now is _MISSING
+    return not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then)
+
+
+def _shown(now: Any) -> str:
+    """``now`` as a message shows it."""
+    return "absent" if now is _MISSING else repr(now) if is_plain(now) else f"another {type(now).__name__} object"
 
 
 def has_own_hooks(module: nn.Module) -> bool:
@@ -298,9 +305,13 @@ _SITE = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "plat
 
 def _users(code) -> bool:
     """``code`` is the user's (not memfit's, torch's, the standard library's or an installed package's)."""
+    return _users_file(code.co_filename)
+
+
+def _users_file(name: str) -> bool:
+    """The file ``name`` is the user's (see :func:`_users`)."""
     from memfit.warn import in_library
 
-    name = code.co_filename
     return not (in_library(name) or name.startswith("<") or os.path.abspath(name).startswith(_SITE))
 
 
@@ -385,13 +396,7 @@ def global_reads(called: list[tuple[Any, dict]]) -> list[tuple[str, dict, str, A
 def _users_module(module: types.ModuleType) -> bool:
     """``module`` is a file of the user's (not memfit's, torch's, the standard library's or a package's)."""
     path = getattr(module, "__file__", None)
-    return bool(path) and not (os.path.abspath(path).startswith(_SITE) or _library(path))
-
-
-def _library(path: str) -> bool:
-    from memfit.warn import in_library
-
-    return in_library(path)
+    return bool(path) and _users_file(path)
 
 
 def changed_global(watched: list[tuple[str, dict, str, Any]]) -> tuple[str, str, str] | None:
@@ -406,9 +411,7 @@ def changed_global(watched: list[tuple[str, dict, str, Any]]) -> tuple[str, str,
                 now = _MISSING
         else:
             now = g.get(name, _MISSING)
-        if now is then or (isinstance(then, _Ref) and then.matches(now)):
-            continue
-        if not isinstance(then, _Ref) and now is not _MISSING and is_plain(now) and _equal(now, then):
+        if _unchanged(then, now):
             continue
         if isinstance(then, _Ref) and now is then.obj and then.plain is not None:  # (a field changed: name it)
             fields = _fields(now) or {}
@@ -416,6 +419,5 @@ def changed_global(watched: list[tuple[str, dict, str, Any]]) -> tuple[str, str,
                 if k not in fields or not _equal(fields[k], v):
                     key = f"[{k!r}]" if isinstance(now, dict) else f".{k}"
                     return label + key, repr(v), repr(fields[k]) if k in fields else "absent"
-        shown = "absent" if now is _MISSING else repr(now) if is_plain(now) else f"another {type(now).__name__} object"
-        return label, repr(then), shown
+        return label, repr(then), _shown(now)
     return None

@@ -657,13 +657,17 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def _where(gm: fx.GraphModule, node: fx.Node) -> str:
+    """``node`` as a message names it: ``module 'layer1.0' (Bottleneck)`` or ``[method ]name()``."""
+    if node.op == "call_module":
+        return f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
+    return f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
+
+
 def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exception) -> str:
     """The message for a model whose forward pass fails on ``example_inputs``: where (module path and type,
     or function) and what it was given, PyTorch's own error, and what to change."""
-    if node.op == "call_module":
-        where = f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
-    else:
-        where = f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
+    where = _where(gm, node)
     call = "model(*example_inputs)"
     whole = ""
     if len(inputs) == 1 and isinstance(inputs[0], dict):  # a dict none of whose keys names an argument
@@ -682,10 +686,7 @@ def _alone_failed(gm: fx.GraphModule, node: fx.Node, exc: Exception) -> str:
     copies of its inputs (how memfit times it and how a recomputation would run it): it needs the autograd graph
     of the operations before it (``torch.autograd.grad(u, x)`` in forward, a physics-informed network's
     derivative: a fresh user got PyTorch's bare "appears to not have been used in the graph")."""
-    if node.op == "call_module":
-        where = f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
-    else:
-        where = f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
+    where = _where(gm, node)
     return (f"memfit cannot plan the model: {where} (fx node {node.name}) runs in the forward pass but fails run on "
             f"its own inputs, detached ({type(exc).__name__}: {exc}). memfit profiles and recomputes each operation "
             "apart from the ones before it, so an operation that differentiates through them (torch.autograd.grad "

@@ -601,8 +601,7 @@ class PlannedModule(nn.Module):
             for name in r:
                 last_step[name] = k
         self._index = {n.name: i for i, n in enumerate(nodes)}
-        self._nodes_by_name = {n.name: n for n in nodes}
-        self._larger_warned, self._larger_ratio = 0, 0.0  # (see _check_size)
+        self._larger_ratio = 0.0  # the largest output size ratio warned about (see _check_size)
         self._offloads = {self._index[name] for name in plan.offloads}
         step_of = {}
         for k, (kind, payload) in enumerate(steps):
@@ -1088,18 +1087,24 @@ class PlannedModule(nn.Module):
                 "Plan the model again after changing it (memfit.optimize(model, ...)); a number that changes "
                 "during training can instead live in a tensor that forward reads (register_buffer).")
 
-    def _as_planned(self, args: tuple) -> bool:
-        """Whether the inputs have the plan's shapes and dtypes and the parameters its dtype."""
+    def _differences(self, args: tuple) -> tuple[list | None, list | None, tuple[str, str] | None]:
+        """``(input shapes, input dtypes, (planned, current) parameter dtype)``, each ``None`` where it is as the
+        plan was made for."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if self.plan.input_shapes and [list(a.shape) for a in tensors] != self.plan.input_shapes:
-            return False
-        if self.plan.input_dtypes and [str(a.dtype) for a in tensors] != self.plan.input_dtypes:
-            return False
+        shapes = [list(a.shape) for a in tensors]
+        dtypes = [str(a.dtype) for a in tensors]
+        converted = None
         if self._first_parameter is not None:
             key, param = self._first_parameter
             made = self.plan.state_dtypes.get(key)
-            return made is None or str(param.dtype) == made
-        return True
+            if made is not None and str(param.dtype) != made:
+                converted = (made, str(param.dtype))
+        return (shapes if self.plan.input_shapes and shapes != self.plan.input_shapes else None,
+                dtypes if self.plan.input_dtypes and dtypes != self.plan.input_dtypes else None, converted)
+
+    def _as_planned(self, args: tuple) -> bool:
+        """Whether the inputs have the plan's shapes and dtypes and the parameters its dtype."""
+        return not any(d is not None for d in self._differences(args))
 
     def _check_size(self, name: str, value) -> None:
         """Warn when node ``name``'s output lives in more memory than when the plan was made
@@ -1119,9 +1124,9 @@ class PlannedModule(nn.Module):
         now = sum(seen.values())
         if now <= planned + max(4096, planned // 100) or now < 1.5 * self._larger_ratio * planned:
             return
-        self._larger_warned += 1
+        again = self._larger_ratio > 0
         self._larger_ratio = now / planned
-        node = self._nodes_by_name.get(name)
+        node = next((n for n in self.gm.graph.nodes if n.name == name), None)
         where = (f" (module {node.target!r}: did one of its settings change since planning?)"
                  if node is not None and node.op == "call_module" else
                  " (a size set by the data, such as a boolean mask's selection, or by a setting changed since "
@@ -1129,7 +1134,7 @@ class PlannedModule(nn.Module):
         warn_user(f"memfit: node {name}'s output takes {fmt_bytes(now)} in this step and took {fmt_bytes(planned)} "
                   f"when the plan was made{where}; results are correct, but the planned memory figures do not hold "
                   "and the step can exceed its budget. Plan with the largest such batch (or the settings as they "
-                  "are now)." + (" (Warned again: larger than before.)" if self._larger_warned > 1 else ""))
+                  "are now)." + (" (Warned again: larger than before.)" if again else ""))
 
     def _check_unfrozen(self) -> None:
         """Warn once when a parameter that was frozen at planning time now requires grad: its gradient (and the
@@ -1158,38 +1163,31 @@ class PlannedModule(nn.Module):
     def _warn_inputs(self, args: tuple) -> None:
         """Warn (once per kind) that the plan's figures do not hold for these inputs: other shapes, or another
         autocast state."""
-        if self.plan.input_shapes:  # the figures are a training step's
-            shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
-            if shapes != self.plan.input_shapes:  # once per shape: a last short batch each epoch warns once
-                others = sum(key.startswith("shape ") for key in self._warned)
-                if others < 2:
-                    self._warn_once(f"shape {shapes}", f"memfit: the plan was made for inputs of shape "
-                                    f"{self.plan.input_shapes}, called with {shapes}; results are correct but the "
-                                    "planned memory figures do not hold. Make a plan for these shapes.")
-                elif f"shape {shapes}" not in self._warned:  # (dynamic padding warned once per length: 24 times)
-                    self._warned.add(f"shape {shapes}")
-                    self._warn_once("shape many", f"memfit: the planned module was called with a third input shape "
-                                    f"other than the plan's {self.plan.input_shapes} ({shapes}); shapes that vary "
-                                    "(dynamic padding, a variable sequence length) are not warned about any more. "
-                                    "Plan for the largest shape you train with: smaller ones usually stay under its "
-                                    "budget, but measure it.")
-        converted = False
-        if self._first_parameter is not None:  # (model.double() / .half() after planning: 4.4x over, silently)
-            key, param = self._first_parameter
-            made = self.plan.state_dtypes.get(key)
-            converted = made is not None and str(param.dtype) != made
-            if converted:
-                self._warn_once(f"parameters {param.dtype}", f"memfit: the plan was made for {made} parameters and "
-                                f"the model's are now {param.dtype} (model.to(dtype), .double() or .half() after "
-                                "planning); results are correct but the planned memory figures do not hold. Make a "
-                                "plan for the model as it is now.")
-        if self.plan.input_dtypes and not converted:  # (inputs converted with the model: one warning)
-            dtypes = [str(a.dtype) for a in args if isinstance(a, torch.Tensor)]
-            if dtypes != self.plan.input_dtypes:
-                self._warn_once(f"dtype {dtypes}", f"memfit: the plan was made for inputs of dtype "
-                                f"{self.plan.input_dtypes}, called with {dtypes}; results are correct but "
-                                "activations differ in size, so the planned memory figures do not hold. Make a "
-                                "plan for these inputs.")
+        shapes, dtypes, converted = self._differences(args)
+        if shapes is not None:  # once per shape: a last short batch each epoch warns once (the figures are a step's)
+            others = sum(key.startswith("shape ") for key in self._warned)
+            if others < 2:
+                self._warn_once(f"shape {shapes}", f"memfit: the plan was made for inputs of shape "
+                                f"{self.plan.input_shapes}, called with {shapes}; results are correct but the "
+                                "planned memory figures do not hold. Make a plan for these shapes.")
+            elif f"shape {shapes}" not in self._warned:  # (dynamic padding warned once per length: 24 times)
+                self._warned.add(f"shape {shapes}")
+                self._warn_once("shape many", f"memfit: the planned module was called with a third input shape "
+                                f"other than the plan's {self.plan.input_shapes} ({shapes}); shapes that vary "
+                                "(dynamic padding, a variable sequence length) are not warned about any more. "
+                                "Plan for the largest shape you train with: smaller ones usually stay under its "
+                                "budget, but measure it.")
+        if converted is not None:  # (model.double() / .half() after planning: 4.4x over, silently)
+            made, now_dtype = converted
+            self._warn_once(f"parameters {now_dtype}", f"memfit: the plan was made for {made} parameters and "
+                            f"the model's are now {now_dtype} (model.to(dtype), .double() or .half() after "
+                            "planning); results are correct but the planned memory figures do not hold. Make a "
+                            "plan for the model as it is now.")
+        elif dtypes is not None:  # (inputs converted with the model: one warning)
+            self._warn_once(f"dtype {dtypes}", f"memfit: the plan was made for inputs of dtype "
+                            f"{self.plan.input_dtypes}, called with {dtypes}; results are correct but "
+                            "activations differ in size, so the planned memory figures do not hold. Make a "
+                            "plan for these inputs.")
         made, now = self.plan.state_layouts, None
         if made and self._first_weight is not None and self._first_weight[0] in made:
             key, weight = self._first_weight
