@@ -30,7 +30,8 @@ from torch import fx, nn
 
 from memfit.warn import in_library
 
-__all__ = ["InplaceProxy", "check_out_of_place", "keep_in_place", "put_back_updated_state", "state_of"]
+__all__ = ["InplaceProxy", "assign_into", "check_out_of_place", "fresh_constants", "keep_in_place", "put_back_updated_state",
+           "state_of"]
 
 _MARK = "memfit_augmented"
 
@@ -54,10 +55,26 @@ class InplaceProxy(fx.Proxy):
     def __getattr__(self, k: str) -> fx.Proxy:
         return _InplaceAttribute(self, k)
 
+    def __setitem__(self, key, value) -> None:
+        """``h[key] = value`` (and ``h[key] += t``, which Python runs as a read, an in-place update of that view and
+        this assignment): recorded as :func:`assign_into`, which PyTorch runs as eager code does (fx's ``Proxy``
+        has no ``__setitem__``, and a model with a slice assignment could not be traced at all)."""
+        proxy = self.tracer.create_proxy("call_function", assign_into, (self, key, value), {})
+        proxy.node.meta[_KEPT + "_line"] = _user_line()
+
 
 class _InplaceAttribute(fx.proxy.Attribute, InplaceProxy):
     """fx's lazily recorded attribute (``h.T``), with :class:`InplaceProxy`'s augmented assignments: ``v = h.T;
     v += 1`` updated a copy, and ``self.ema.data *= 0.9`` never changed the buffer (fresh-user findings)."""
+
+
+def assign_into(tensor: torch.Tensor, key, value) -> torch.Tensor:
+    """``tensor[key] = value`` as eager PyTorch runs it (an in-place write into ``tensor``'s storage: autograd
+    rewrites ``tensor``'s history as a ``CopySlices``), returning ``tensor``: the node a traced slice assignment
+    becomes (:meth:`InplaceProxy.__setitem__`). Later readers of ``tensor`` read the written storage, as in the
+    user's code; the profile sees the write through the version counter, like any in-place method's."""
+    tensor[key] = value
+    return tensor
 
 
 def _user_line() -> str:
@@ -131,6 +148,44 @@ def keep_in_place(root: nn.Module, graph: fx.Graph) -> list[fx.Node]:
             node.target = in_place
             made.append(node)
             del node.meta[_KEPT]
+    return made
+
+
+def _writes_into(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first operand in place (``h.add_(t)``, ``h += t`` made in place,
+    ``h[k] = v``)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") or node.target == "__setitem__"
+    return node.op == "call_function" and (node.target in _IN_PLACE or node.target in (assign_into, operator.setitem))
+
+
+def fresh_constants(graph: fx.Graph) -> list[fx.Node]:
+    """Give each tensor constant the forward pass writes into a fresh copy per call. ``torch.fx`` runs a
+    tensor made from constants alone (``out = torch.zeros(4, 16, 34, 34)``) once, while tracing, and keeps it
+    (``get_attr _tensor_constant<i>``); eager PyTorch makes a new one in every call. Written into
+    (``out[:, :, 1:-1, 1:-1] = h``), the kept one took the first step's autograd history and planning failed
+    with PyTorch's "you can only change requires_grad flags of leaf variables"; every step would have written
+    into the same tensor. A ``clone`` of it after the ``get_attr`` (one new tensor per call, as in PyTorch) now
+    stands in for it in every reader.
+
+    Returns:
+        The clone nodes added.
+    """
+    reads: dict[str, list[fx.Node]] = {}  # (fx makes a get_attr node per read of a constant)
+    for node in graph.nodes:
+        if node.op == "get_attr" and str(node.target).startswith("_tensor_constant"):
+            reads.setdefault(str(node.target), []).append(node)
+    made = []
+    for nodes in reads.values():
+        if not any(_writes_into(user) and user.args[0] is node for node in nodes for user in node.users):
+            continue
+        with graph.inserting_after(nodes[0]):
+            copy = graph.call_method("clone", (nodes[0],))
+        for node in nodes:
+            node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+        for node in nodes[1:]:
+            graph.erase_node(node)
+        made.append(copy)
     return made
 
 

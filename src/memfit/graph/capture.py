@@ -20,7 +20,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import has_own_hooks, record_calls, record_reads
-from memfit.graph.augmented import InplaceProxy, keep_in_place, put_back_updated_state, state_of
+from memfit.graph.augmented import (
+    InplaceProxy,
+    assign_into,
+    fresh_constants,
+    keep_in_place,
+    put_back_updated_state,
+    state_of,
+)
 from memfit.graph.calls import dataclass_builder, dataclass_parts
 from memfit.graph.ir import Graph, Node
 
@@ -312,11 +319,6 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return (f"  {', '.join(name or 'the model' for name in compiled[:3])} is wrapped in torch.compile, which "
                 f"torch.fx cannot trace: plan the model with the module itself ({compiled[0] or 'model'}._orig_mod "
                 "in its place); memfit runs PyTorch's eager kernels.")
-    if "does not support item assignment" in str(exc):
-        return ("  an assignment into part of a tensor (x[:, :4] = 0), which torch.fx cannot record: write it as "
-                "an operation that returns a new tensor (x.masked_fill(mask, 0), x.index_fill(1, idx, 0), "
-                "torch.where, torch.cat of the parts), or move that line into a function fx keeps whole "
-                "(torch.fx.wrap).")
     frames = traceback.extract_tb(exc.__traceback__)
     torch_nn = torch.__file__.rsplit("/", 1)[0] + "/nn/modules/"
     inner = [f for f in frames if f.filename.startswith(torch_nn)]
@@ -496,7 +498,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
         reads = {n for n in graph.nodes if n.op == "get_attr" and n.target in buffers}
         writes = sorted({str(n.args[0].target) for n in graph.nodes if n.args and n.args[0] in reads and (
             (n.op == "call_method" and (n.target.endswith("_") or n.target == "__setitem__"))
-            or (n.op == "call_function" and n.target is operator.setitem))})
+            or (n.op == "call_function" and n.target in (operator.setitem, assign_into)))})
         baked = [n for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith("_tensor_constant")]
         if writes and baked:
             raise TraceError(
@@ -504,10 +506,11 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
                 f"({type(exc).__name__}: {exc})\n  failing line: {_user_frame(exc)}\n  With them read as constants "
                 f"the forward pass writes {', '.join(writes[:4])} in every step but uses values computed from "
                 "buffers once, while tracing (a MoCo queue read through `self.queue.clone()` trained with "
-                "gradients 0.85 off). Write buffers with in-place tensor operations (`self.queue[:, :b].copy_(k.t())` rather "
-                "than `self.queue[:, :b] = k.t()`) and keep Python control flow off tensor values, so that the "
-                "model traces with its buffers as graph values.") from exc
+                "gradients 0.85 off). Keep Python control flow off tensor values, so that the model traces with its "
+                "buffers as graph values: then writes into them (`self.queue[:, :b] = k.t()`, "
+                "`self.queue[:, :b].copy_(k.t())`) run in every step.") from exc
         keep_in_place(plain.root, graph)
+        fresh_constants(graph)
         put_back_updated_state(state_before)
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
@@ -517,6 +520,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
             "while tracing and will not run in training steps.", stacklevel=4)
         return gm
     keep_in_place(tracer.root, graph)
+    fresh_constants(graph)
     put_back_updated_state(state_before)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 

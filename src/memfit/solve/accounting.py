@@ -387,6 +387,9 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
         for m0 in ([rv.update] if rv is not None else acc.inputs[i]):
             m = redirect.get((i, m0), m0)
+            # (the gradient has the size of the value read; a value that needed none when made, `torch.zeros`, and
+            # was then written with one, `out[:, :, 1:-1] = h`, has its update's)
+            grad_m0 = acc.grad_bytes[m0] or (acc.grad_bytes[m] if m != m0 else 0)
             # (no gradient reaches node i, an out-of-place node no later node reads on a path to the loss, so
             # autograd never runs its backward: ``h.detach().mean()`` into a buffer reads ``h`` but gives it no
             # gradient, and a fresh user's EMA buffer was priced as a second contribution to ``h``'s gradient, an
@@ -398,7 +401,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
                 passed, new = False, acc.nbytes[rv.storage]
             else:
                 passed = acc.grad_alias[i] and t is not None and m0 not in copies[i]
-                new = 0 if passed else sizes[i].get(m0, acc.grad_bytes[m0])
+                new = 0 if passed else sizes[i].get(m0, grad_m0)
             if m in grads:
                 old = grads[m]
                 extra += new
@@ -409,15 +412,15 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
                     # (torch/csrc/autograd/input_buffer.cpp, accumulate)
                     freed = token_bytes[old] if token_refs[old] == 1 else 0
                     release(old)
-                    attach(m, new_token(acc.grad_bytes[m0]))
+                    attach(m, new_token(grad_m0))
                     inplace[m] = True
                     summed = max(summed, freed + new)
-                    unmade += acc.grad_bytes[m0] - freed
+                    unmade += grad_m0 - freed
             elif passed:
                 attach(m, t)
                 inplace[m] = own_inplace and m0 not in views[i]
             else:
-                attach(m, new_token(new if rv is not None else max(acc.grad_bytes[m0], sizes[i].get(m0, 0))))
+                attach(m, new_token(new if rv is not None else max(grad_m0, sizes[i].get(m0, 0))))
                 inplace[m] = rv is not None or m0 not in views[i]
         # autograd adds a contribution once the node's backward has returned, its output's gradient released
         if rv is not None:  # ran right after its reader's backward returned: counted there
