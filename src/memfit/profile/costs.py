@@ -617,7 +617,11 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
             params, users = list(gm.get_submodule(node.target).parameters()), [k]
         elif node.op == "get_attr":
             value = _attr(gm, node.target)
-            params = [value] if isinstance(value, nn.Parameter) else []
+            # (a module read as a value is passed to a function, a torch.fx.wrap one: its readers' backward
+            # passes make its parameters' gradients; they were counted as there from the backward's start, a
+            # packed LSTM's 4 MB over the measured peak)
+            params = ([value] if isinstance(value, nn.Parameter) else list(value.parameters())
+                      if isinstance(value, nn.Module) else [])
             # its readers' backward passes make the contributions (each reader's workspace holds its own): a
             # positional embedding added twice had its first contribution held in no account until the second
             users = sorted({index[u.name] for u in node.users if u.name in index}, reverse=True) or [k]
@@ -1294,6 +1298,11 @@ def _isolated(gm: fx.GraphModule, inputs: tuple, requires: dict[str, list[bool]]
         fn = node_fn(gm, node)
         params = [p for p in (gm.get_submodule(node.target).parameters() if node.op == "call_module" else [])
                   if p.requires_grad]
+        # a module passed as an argument (`run_rnn(self.rnn, h, lengths)`, a torch.fx.wrap function): its
+        # parameters get their gradients from this node's backward
+        seen = {id(p) for p in params}
+        params += [p for a in node.all_input_nodes if isinstance(env.get(a.name), nn.Module)
+                   for p in env[a.name].parameters() if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
 
         def make_env(node=node, clone=False, names=None):
             local = dict(env)
