@@ -2406,3 +2406,33 @@ def test_a_global_only_code_forward_never_runs_reads_may_change():
         planned(x).square().mean().backward()
     finally:
         _EPOCH = 0
+
+
+class _NamedLikeFx(nn.Module):
+    """A VAE-style head named ``self.code`` and a graph network's adjacency buffer ``self.graph``: names
+    ``torch.fx.GraphModule`` uses for its own attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.code = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("graph", torch.rand(8, 8))
+
+    def forward(self, x):
+        return self.code(F.relu(self.a(self.graph @ x)))
+
+
+def test_attributes_named_like_the_graph_modules_own_are_refused_with_what_to_do():
+    """Found by a fresh user: a bare "`code` is not an nn.Module" from inside memfit, and for ``graph`` a
+    TraceError advising about control flow. Now a TraceError names them, and the container it advises plans and
+    trains as PyTorch does."""
+    torch.manual_seed(0)
+    m = _NamedLikeFx().train()
+    plain = fresh_copy(m)
+    x, y = torch.randn(8, 16), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(memfit.TraceError, match=r"submodule `self.code`, buffer `self.graph` have names .*"
+                                                r"nn.Sequential\(model\)"):
+        memfit.optimize(m, x, budget="min")
+    planned = memfit.optimize(nn.Sequential(m), x, budget="min", loss_fn=lambda o: F.cross_entropy(o, y))
+    for module in (plain, planned):
+        F.cross_entropy(module(x), y).backward()
+    _same(_grads(plain), _grads(m), tol=0.0)

@@ -438,6 +438,36 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 _TENSOR_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 
+def _graph_module_names() -> set[str]:
+    """The attribute names ``torch.fx.GraphModule`` has beyond ``nn.Module``'s (``code``, ``graph``, ``meta``,
+    ``recompile``, ...)."""
+    gm = fx.GraphModule(nn.Module(), fx.Graph())
+    plain = nn.Module()
+    return (set(dir(gm)) | set(vars(gm))) - set(dir(plain)) - set(vars(plain))
+
+
+def _check_names(model: nn.Module, graph: fx.Graph) -> None:
+    """Raise where the forward pass uses a submodule, parameter, buffer or tensor attribute of the model itself
+    whose name ``torch.fx.GraphModule`` uses for its own (``self.code``, ``self.graph``): the graph module memfit
+    runs holds the model's attributes under their names, and there the name means fx's (a fresh user's VAE head
+    ``self.code`` failed with a bare "`code` is not an nn.Module"; a graph network's ``self.graph`` adjacency
+    buffer with advice about control flow)."""
+    used = {str(n.target).split(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    clash = sorted(used & _graph_module_names())
+    if clash:
+        kinds = {name: ("submodule" if name in model._modules else "parameter" if name in model._parameters
+                        else "buffer" if name in model._buffers else "attribute") for name in clash}
+        raise TraceError(
+            f"{type(model).__name__}'s {', '.join(f'{kinds[n]} `self.{n}`' for n in clash)} "
+            f"{'has a name' if len(clash) == 1 else 'have names'} that torch.fx's GraphModule uses for its own "
+            f"attributes ({', '.join(sorted(_graph_module_names() - {n for n in _graph_module_names() if n.startswith('_')}))[:160]}"
+            f"...), and memfit runs your model as a GraphModule holding its attributes by name. Rename "
+            f"{'it' if len(clash) == 1 else 'them'} (`self.{clash[0]}_` or a more specific name; map old checkpoints' "
+            f"state_dict keys), or plan the model inside a container, `memfit.optimize(nn.Sequential(model), ...)`, "
+            "where the names sit one level down (parameters are shared: keep saving `model.state_dict()`). "
+            "Your model is as it was.")
+
+
 def _trace(model: nn.Module) -> fx.GraphModule:
     """:func:`_trace_graph`, leaving ``model`` as it was. ``torch.fx`` stores each tensor constant the forward makes
     (``torch.arange(16)``, ``torch.ones(16, 16)``) as an attribute ``_tensor_constant<i>`` of the module it traces,
@@ -512,6 +542,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
         keep_in_place(plain.root, graph)
         fresh_constants(graph)
         put_back_updated_state(state_before)
+        _check_names(model, graph)
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
             f"memfit traced {type(model).__name__} with its buffers read as constants: with buffers as graph "
@@ -522,6 +553,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
     keep_in_place(tracer.root, graph)
     fresh_constants(graph)
     put_back_updated_state(state_before)
+    _check_names(model, graph)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
