@@ -13,6 +13,10 @@ DECISIONS = ("keep", "recompute", "offload")
 MIN_OFFLOAD_BYTES = 1 << 16  # smaller saved storages are never offloaded: a copy's fixed cost outweighs them
 
 
+_NOT_LISTED = (": remove that entry, or, if the plan's nodes list was edited, make the plan again (nodes lists the "
+               "model's graph nodes in order, as solved)")
+
+
 @dataclass
 class Plan:
     """What to do with every activation of one training step.
@@ -199,7 +203,7 @@ class Plan:
         self.decisions = {n: "keep" for n in self.nodes}
         for name in self.offloads:
             if name not in self.decisions:
-                raise ValueError(f"plan offloads node {name!r}, which is not in the graph")
+                raise ValueError(f"plan offloads node {name!r}, which is not in the plan's nodes{_NOT_LISTED}")
             self.decisions[name] = "offload"
         for lo, hi in self.region_spans():
             for i in range(lo, hi + 1):
@@ -210,12 +214,12 @@ class Plan:
             self.variants = {n: "default" for n in self.nodes}
         strays = [n for n in self.variants if n not in self.decisions]
         if strays:  # (a hand-edited plan: the entry did nothing, silently)
-            raise ValueError(f"plan variants names {strays[0]!r}, which is not in the graph: remove it")
+            raise ValueError(f"plan variants names {strays[0]!r}, which is not in the plan's nodes{_NOT_LISTED}")
         if not isinstance(self.stats_recompute, list) or not all(isinstance(n, str) for n in self.stats_recompute):
             raise ValueError("plan stats_recompute must be a list of node names")
         unknown = [n for n in self.stats_recompute if n not in self.decisions]
         if unknown:
-            raise ValueError(f"plan stats_recompute names {unknown[0]!r}, which is not in the graph: remove it")
+            raise ValueError(f"plan stats_recompute names {unknown[0]!r}, which is not in the plan's nodes{_NOT_LISTED}")
         outside = [n for n in self.stats_recompute if self.decisions[n] != "recompute"]
         if outside:  # (a region removed by hand): nothing recomputes them, from statistics or otherwise
             warnings.warn(f"plan lists {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''} in stats_recompute, "
