@@ -29,7 +29,7 @@ def _step(model, x, seed=1):
 
 
 def _check_against_pytorch(planned, model, reference, x):
-    with pytest.warns(UserWarning, match="copies it first"):
+    with pytest.warns(UserWarning, match="copies (it|them) first"):
         out = _step(planned, x)
     ref = _step(reference, x)
     assert torch.equal(out, ref), (out - ref).abs().max()
@@ -61,6 +61,38 @@ def test_dropout_that_returns_its_input_after_planning(change):
         else:
             m.drop.p = 0.0
     _check_against_pytorch(planned, model, reference, x)
+
+
+class _TwoDropouts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _DropThenReLU(), _DropThenReLU()
+        self.b.fc = nn.Linear(4, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_dropouts_returning_their_input_are_warned_about_once_together():
+    """A fresh user's ViT with Dropout switched to eval after planning got one warning per block (four, each
+    naming 1.0 MiB); now one names them all, with the copies' total, once."""
+    torch.manual_seed(0)
+    model = _TwoDropouts().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    planned = memfit.optimize(model, x, "100%", loss_fn=_loss, time_limit=5)
+    for m in (model, reference):
+        m.a.drop.eval()
+        m.b.drop.eval()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = _step(planned, x)
+    found = [str(w.message) for w in seen if "copies" in str(w.message)]
+    assert len(found) == 1 and "a_drop" in found[0] and "b_drop" in found[0], found
+    ref = _step(reference, x)
+    _step(reference, x)
+    assert torch.equal(out, ref)
 
 
 def test_dropout_that_returns_its_input_inside_a_checkpoint_region():

@@ -399,6 +399,7 @@ class PlannedModule(nn.Module):
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
         self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
         self._warned: set[str] = set()  # the warnings given, each once (see _warn_once)
+        self._aliased: list[tuple] = []  # nodes found returning an input the plan writes into (see _fresh)
         self._last_call: weakref.ref | None = None  # the previous training call's _Call, while its graph lives
         self._build()
 
@@ -441,6 +442,7 @@ class PlannedModule(nn.Module):
             if "hooks" in key and isinstance(value, dict):
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._warned = set(self._warned)
+        new._aliased = []
         if dropped:  # (what this module does at its next step; the copy was refused, a fresh-user finding)
             names = ", ".join(f"{n} (module {t!r})" if t else n for n, t in dropped)
             new._warn_once("copy: in-place forms", f"memfit: node {names} of the copy runs as PyTorch's own op: its "
@@ -793,15 +795,9 @@ class PlannedModule(nn.Module):
                            and t.numel() and t.untyped_storage().data_ptr() == ptr), None)
             if shared is None and out._base is None:
                 return out
-            self._warn_once(f"alias {node.name}", f"memfit: node {node.name} returned "
-                            f"{'its input ' + repr(shared) if shared else 'a view'}, and the plan writes into its "
-                            f"result in place at node {writer}, which needs a tensor of its own there; memfit "
-                            "copies it first so that the values stay PyTorch's, and the step may go over the plan by "
-                            f"{fmt_bytes(out.untyped_storage().nbytes())}. This happens when a layer returns its input "
-                            "in a setting it was not planned in (nn.Dropout after eval() or with p=0; .contiguous(), "
-                            ".float() or .reshape() for another input shape or dtype): plan again in that setting; or "
-                            "where a plan edited by hand names an in-place form after a view (permute, transpose), "
-                            "which memfit's planner does not offer there.")
+            if f"alias {node.name}" not in self._warned:
+                self._warned.add(f"alias {node.name}")
+                self._aliased.append((node.name, shared, writer, out.untyped_storage().nbytes()))
             return out.clone()
 
         return fresh
@@ -1240,7 +1236,31 @@ class PlannedModule(nn.Module):
                             "correct but activations differ in size, so the planned memory figures do not hold. "
                             "Make a plan in the autocast state you train in.")
 
+    def _warn_aliased(self) -> None:
+        """One warning for the nodes :meth:`_fresh` found returning an input (or a view) since the last one."""
+        if not self._aliased:
+            return
+        found, self._aliased = self._aliased, []
+        names = ", ".join(f"{n} (its input {s!r})" if s else f"{n} (a view)" for n, s, _, _ in found[:4])
+        writers = ", ".join(w for _, _, w, _ in found[:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        warn_user(f"memfit: node{'s' if len(found) > 1 else ''} {names}{more} returned what {'they' if len(found) > 1 else 'it'} "
+                  f"read, and the plan writes into {'their results' if len(found) > 1 else 'its result'} in place "
+                  f"(at {writers}{' ...' if more else ''}), which needs a tensor of its own there; memfit copies "
+                  f"{'them' if len(found) > 1 else 'it'} first so that the values stay PyTorch's, and the step may go "
+                  f"over the plan by up to {fmt_bytes(sum(b for *_, b in found))}. This happens when a layer returns "
+                  "its input in a setting it was not planned in (nn.Dropout after eval() or with p=0; .contiguous(), "
+                  ".float() or .reshape() for another input shape or dtype): plan again in that setting; or where a "
+                  "plan edited by hand names an in-place form after a view (permute, transpose), which memfit's "
+                  "planner does not offer there.")
+
     def _run(self, env: dict[str, Any], args: tuple):
+        try:
+            return self._run_step(env, args)
+        finally:
+            self._warn_aliased()
+
+    def _run_step(self, env: dict[str, Any], args: tuple):
         self._check_unfrozen()
         off = self._offload_step(args) if self._offloads else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off is not None
