@@ -8,7 +8,9 @@ at ``100%`` (keeping everything: the prediction needs no headroom) and ``min``: 
 with plain PyTorch's, the measured total peak (exact tracker) with the predicted one and the budget. Patterns: a view
 read after its base was updated in place (autograd regenerates its backward as AsStridedBackward0,
 :func:`memfit.solve.accounting.regenerated_views`), an update through another view (the base's CopySlices), and
-``g.add_(h)`` (a method call the name is not rebound to: :func:`memfit.solve.accounting.updated_in_place`).
+``g.add_(h)`` (a method call the name is not rebound to: :func:`memfit.solve.accounting.updated_in_place`), and
+assignments into part of a tensor (``h[:, :4] = t``, ``h[h < 0] = 0``, zeros padded into: ``tests/_models.SLICE_ASSIGNMENTS``,
+traced as :func:`memfit.graph.augmented.assign_into`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch
 
-from _models import BetweenConvolutions, plain_and_planned
+from _models import SLICE_ASSIGNMENTS, BetweenConvolutions, plain_and_planned
 from memfit.bench.harness import compare
 
 
@@ -75,7 +77,7 @@ def main() -> None:
     print("| pattern | budget | gradients | measured peak | predicted peak | measured - predicted | budget bytes |")
     print("|---|---|---|---|---|---|---|")
     for body in (_slice, _transpose, _read_before_and_after, _two_updates_between_reads, _view_of_a_view,
-                 _update_through_another_view, _method_call_add_):
+                 _update_through_another_view, _method_call_add_, *SLICE_ASSIGNMENTS):
         for budget in ("100%", "min"):
             torch.manual_seed(0)
             model, x, y = BetweenConvolutions(body).train(), torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))

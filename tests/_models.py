@@ -139,3 +139,75 @@ def plain_and_planned(model, x, y, budget, loss=F.cross_entropy, lr=0.01, strate
                               optimizer=torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
                               loss_fn=lambda out: loss(out, y))
     return base, planned, measure_training(planned, planned, (x,), y, loss, steps=1, grads_exist=grads_exist)
+
+
+# Assignments into part of a tensor between two convolutions (bodies for :class:`BetweenConvolutions`; tests/test_augmented.py,
+# benchmarks/view_update_patterns.py)
+
+
+def into_slice(h, conv):
+    h[:, :4] = torch.tanh(h[:, 4:8])
+    return conv(h), 0.0
+
+
+def slice_updated(h, conv):
+    h[:, :4] += 1.0  # (Python: read the view, update it in place, assign it back)
+    return conv(h), 0.0
+
+
+def number_into_columns(h, conv):
+    h[..., 0] = 0
+    return conv(h), 0.0
+
+
+def by_mask(h, conv):
+    h[h < 0] = 0.0
+    return conv(h), 0.0
+
+
+def by_index(h, conv):
+    h[:, torch.tensor([1, 3, 5])] = torch.sigmoid(h[:, 8:11])
+    return conv(h), 0.0
+
+
+def traced_bound(h, conv):
+    n = h.shape[1] // 2
+    h[:, :n] *= 0.5
+    return conv(h), 0.0
+
+
+def view_read_after_assignment(h, conv):
+    v = h[:, :8]
+    h[:, 8:] = 1.0
+    return conv(h), v.mean()
+
+
+def padded_into_zeros(h, conv):
+    # the zeros need no gradient when made, then get one from the assignment: its size was missed (295,936 B
+    # over the prediction and the budget)
+    out = h.new_zeros(h.shape[0], h.shape[1], h.shape[2] + 2, h.shape[3] + 2)
+    out[:, :, 1:-1, 1:-1] = h
+    return conv(out)[:, :, 1:-1, 1:-1], 0.0
+
+
+def padded_into_constant_zeros(h, conv):
+    # fx makes `torch.zeros` of constant sizes once, while tracing: written into, it took the first step's history
+    # and planning failed ("you can only change requires_grad flags of leaf variables"); now a copy per step
+    out = torch.zeros(4, 16, 34, 34)
+    out[:, :, 1:-1, 1:-1] = h
+    return conv(out)[:, :, 1:-1, 1:-1], 0.0
+
+
+def constant_mask_written(h, conv):
+    m = torch.ones(16, 32, 32)
+    m[:, :, :2] = h.mean(0)[:, :, :2]
+    return conv(h * m), 0.0
+
+
+def zeros_added_into(h, conv):
+    g = h.new_zeros(h.shape)
+    g.add_(h)  # (the same for a method call: 262,144 B over the prediction and the budget before)
+    return conv(g), 0.0
+
+
+SLICE_ASSIGNMENTS = (into_slice, slice_updated, number_into_columns, by_mask, by_index, traced_bound, view_read_after_assignment, padded_into_zeros, padded_into_constant_zeros, constant_mask_written, zeros_added_into)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from _models import BetweenConvolutions, plain_and_planned
+from _models import SLICE_ASSIGNMENTS, BetweenConvolutions, plain_and_planned
 from memfit import zoo
 from memfit.bench.harness import compare
 from memfit.graph import capture
@@ -207,74 +207,7 @@ def test_a_view_read_after_its_base_was_updated_in_place_is_predicted(body, budg
     _one_step_against_plain(lambda: BetweenConvolutions(body), 4, budget)
 
 
-def _into_slice(h, conv):
-    h[:, :4] = torch.tanh(h[:, 4:8])
-    return conv(h), 0.0
-
-
-def _slice_updated(h, conv):
-    h[:, :4] += 1.0  # (Python: read the view, update it in place, assign it back)
-    return conv(h), 0.0
-
-
-def _number_into_columns(h, conv):
-    h[..., 0] = 0
-    return conv(h), 0.0
-
-
-def _by_mask(h, conv):
-    h[h < 0] = 0.0
-    return conv(h), 0.0
-
-
-def _by_index(h, conv):
-    h[:, torch.tensor([1, 3, 5])] = torch.sigmoid(h[:, 8:11])
-    return conv(h), 0.0
-
-
-def _traced_bound(h, conv):
-    n = h.shape[1] // 2
-    h[:, :n] *= 0.5
-    return conv(h), 0.0
-
-
-def _view_read_after_assignment(h, conv):
-    v = h[:, :8]
-    h[:, 8:] = 1.0
-    return conv(h), v.mean()
-
-
-def _padded_into_zeros(h, conv):
-    # the zeros need no gradient when made, then get one from the assignment: its size was missed (295,936 B
-    # over the prediction and the budget)
-    out = h.new_zeros(h.shape[0], h.shape[1], h.shape[2] + 2, h.shape[3] + 2)
-    out[:, :, 1:-1, 1:-1] = h
-    return conv(out)[:, :, 1:-1, 1:-1], 0.0
-
-
-def _padded_into_constant_zeros(h, conv):
-    # fx makes `torch.zeros` of constant sizes once, while tracing: written into, it took the first step's history
-    # and planning failed ("you can only change requires_grad flags of leaf variables"); now a copy per step
-    out = torch.zeros(4, 16, 34, 34)
-    out[:, :, 1:-1, 1:-1] = h
-    return conv(out)[:, :, 1:-1, 1:-1], 0.0
-
-
-def _constant_mask_written(h, conv):
-    m = torch.ones(16, 32, 32)
-    m[:, :, :2] = h.mean(0)[:, :, :2]
-    return conv(h * m), 0.0
-
-
-def _zeros_added_into(h, conv):
-    g = h.new_zeros(h.shape)
-    g.add_(h)  # (the same for a method call: 262,144 B over the prediction and the budget before)
-    return conv(g), 0.0
-
-
-@pytest.mark.parametrize("body", [_into_slice, _slice_updated, _number_into_columns, _by_mask, _by_index,
-                                  _traced_bound, _view_read_after_assignment, _padded_into_zeros, _zeros_added_into,
-                                  _padded_into_constant_zeros, _constant_mask_written])
+@pytest.mark.parametrize("body", SLICE_ASSIGNMENTS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("budget", ["100%", "min"])
 def test_an_assignment_into_part_of_a_tensor_trains_as_pytorch_within_its_prediction(body, budget):
     """``h[:, :4] = t`` and ``h[:, :4] += 1`` could not be traced (fx's proxy has no ``__setitem__``); now
