@@ -190,24 +190,11 @@ def padded_into_zeros(h, conv):
     return conv(out)[:, :, 1:-1, 1:-1], 0.0
 
 
-def padded_into_constant_zeros(h, conv):
-    # fx makes `torch.zeros` of constant sizes once, while tracing: written into, it took the first step's history
-    # and planning failed ("you can only change requires_grad flags of leaf variables"); now a copy per step
-    out = torch.zeros(4, 16, 34, 34)
-    out[:, :, 1:-1, 1:-1] = h
-    return conv(out)[:, :, 1:-1, 1:-1], 0.0
-
-
-def constant_mask_written(h, conv):
-    m = torch.ones(16, 32, 32)
-    m[:, :, :2] = h.mean(0)[:, :, :2]
-    return conv(h * m), 0.0
-
-
 def zeros_added_into(h, conv):
     g = h.new_zeros(h.shape)
     g.add_(h)  # (the same for a method call: 262,144 B over the prediction and the budget before)
     return conv(g), 0.0
 
 
-SLICE_ASSIGNMENTS = (into_slice, slice_updated, number_into_columns, by_mask, by_index, traced_bound, view_read_after_assignment, padded_into_zeros, padded_into_constant_zeros, constant_mask_written, zeros_added_into)
+SLICE_ASSIGNMENTS = (into_slice, slice_updated, number_into_columns, by_mask, by_index, traced_bound,
+                     view_read_after_assignment, padded_into_zeros, zeros_added_into)

@@ -216,6 +216,40 @@ def test_an_assignment_into_part_of_a_tensor_trains_as_pytorch_within_its_predic
     _one_step_against_plain(lambda: BetweenConvolutions(body), 4, budget)
 
 
+class _IntoZeros(nn.Module):
+    """A fresh user's finding: a Linear's output written into ``torch.zeros`` of plain-number sizes, then read."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make, self.l = make, nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l(x)
+        z = self.make(h)
+        z[:, 1:-1] = h
+        return (z * 2).sum(1)
+
+
+def test_a_write_into_a_tensor_made_from_plain_numbers_is_refused_and_the_advised_forms_train_as_pytorch():
+    """fx makes ``torch.zeros(4, 10)`` once, while tracing, and computes ``z * 2`` then too, before the write:
+    the planned step's output was 0.55-2.9 off and the Linear got no gradient, silently. Now a TraceError names the
+    line and advises ``h.new_zeros``; both forms it names plan and train with PyTorch's values and gradients."""
+    x = torch.randn(4, 8)
+    with pytest.raises(memfit.TraceError, match=r"(?s)plain numbers.*failing line: .*test_augmented.py.*z\[:, 1:-1\] = h"
+                                                r".*h.new_zeros"):
+        memfit.optimize(_IntoZeros(lambda h: torch.zeros(4, 10)).train(), x, budget="100%")
+    for make in (lambda h: h.new_zeros(4, 10), lambda h: torch.zeros(4, 10, device=h.device, dtype=h.dtype)):
+        torch.manual_seed(0)
+        model = _IntoZeros(make).train()
+        plain = copy.deepcopy(model)
+        planned = memfit.optimize(model, x, budget="100%")
+        for m in (plain, planned):
+            m(x).sum().backward()
+        assert torch.equal(plain(x), planned(x))
+        for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+
+
 class _Written(nn.Module):
     """Six convolutions with slice assignments between them: into a layer's output, an augmented one adding a
     kept skip's slice, and one into that skip read after (so that regions recompute across writes)."""
@@ -403,3 +437,21 @@ def test_buffers_updated_through_data_count_as_in_pytorch():
         ref(x).sum().backward()
     assert model.steps.item() == ref.steps.item() == 3  # (0 before: the updates were lost)
     assert torch.equal(model.ema, ref.ema)
+
+
+class _IntoAWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.l.weight[:, 0] = 0.0  # PyTorch refuses it too: a view of a leaf that requires grad
+        return self.l(x)
+
+
+def test_a_failing_write_is_named_by_the_users_line():
+    """A fresh user's error named memfit's ``assign_into()`` alone."""
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable"):
+        _IntoAWeight()(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"at .*test_augmented.py:\d+: self.l.weight\[:, 0\] = 0.0"):
+        memfit.optimize(_IntoAWeight().train(), torch.randn(4, 8), budget="100%")

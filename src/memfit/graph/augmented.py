@@ -30,8 +30,18 @@ from torch import fx, nn
 
 from memfit.warn import in_library
 
-__all__ = ["InplaceProxy", "assign_into", "check_out_of_place", "fresh_constants", "keep_in_place", "put_back_updated_state",
-           "state_of"]
+__all__ = [
+    "WRITE_LINE",
+    "InplaceProxy",
+    "assign_into",
+    "check_out_of_place",
+    "keep_in_place",
+    "put_back_updated_state",
+    "state_of",
+    "user_line",
+    "writes_into",
+    "written_constants",
+]
 
 _MARK = "memfit_augmented"
 
@@ -60,7 +70,7 @@ class InplaceProxy(fx.Proxy):
         this assignment): recorded as :func:`assign_into`, which PyTorch runs as eager code does (fx's ``Proxy``
         has no ``__setitem__``, and a model with a slice assignment could not be traced at all)."""
         proxy = self.tracer.create_proxy("call_function", assign_into, (self, key, value), {})
-        proxy.node.meta[_KEPT + "_line"] = _user_line()
+        proxy.node.meta[_KEPT + "_line"] = user_line()
 
 
 class _InplaceAttribute(fx.proxy.Attribute, InplaceProxy):
@@ -77,7 +87,7 @@ def assign_into(tensor: torch.Tensor, key, value) -> torch.Tensor:
     return tensor
 
 
-def _user_line() -> str:
+def user_line() -> str:
     frames = [f for f in traceback.extract_stack() if not in_library(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
 
@@ -86,7 +96,7 @@ def _augmented(out_of_place, in_place):
     def method(self: fx.Proxy, other):
         proxy = self.tracer.create_proxy("call_function", out_of_place, (self, other), {})
         proxy.node.meta[_MARK] = in_place
-        proxy.node.meta[_KEPT] = _user_line()
+        proxy.node.meta[_KEPT] = user_line()
         return proxy
 
     method.__name__ = f"__i{out_of_place.__name__.rstrip('_')}__"
@@ -151,7 +161,7 @@ def keep_in_place(root: nn.Module, graph: fx.Graph) -> list[fx.Node]:
     return made
 
 
-def _writes_into(node: fx.Node) -> bool:
+def writes_into(node: fx.Node) -> bool:
     """Whether ``node`` writes into its first operand in place (``h.add_(t)``, ``h += t`` made in place,
     ``h[k] = v``)."""
     if node.op == "call_method":
@@ -159,34 +169,18 @@ def _writes_into(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _IN_PLACE or node.target in (assign_into, operator.setitem))
 
 
-def fresh_constants(graph: fx.Graph) -> list[fx.Node]:
-    """Give each tensor constant the forward pass writes into a fresh copy per call. ``torch.fx`` runs a
-    tensor made from constants alone (``out = torch.zeros(4, 16, 34, 34)``) once, while tracing, and keeps it
-    (``get_attr _tensor_constant<i>``); eager PyTorch makes a new one in every call. Written into
-    (``out[:, :, 1:-1, 1:-1] = h``), the kept one took the first step's autograd history and planning failed
-    with PyTorch's "you can only change requires_grad flags of leaf variables"; every step would have written
-    into the same tensor. A ``clone`` of it after the ``get_attr`` (one new tensor per call, as in PyTorch) now
-    stands in for it in every reader.
+WRITE_LINE = "memfit_write_line"  # node.meta key: the user's line of an in-place write (set while tracing)
 
-    Returns:
-        The clone nodes added.
-    """
-    reads: dict[str, list[fx.Node]] = {}  # (fx makes a get_attr node per read of a constant)
-    for node in graph.nodes:
-        if node.op == "get_attr" and str(node.target).startswith("_tensor_constant"):
-            reads.setdefault(str(node.target), []).append(node)
-    made = []
-    for nodes in reads.values():
-        if not any(_writes_into(user) and user.args[0] is node for node in nodes for user in node.users):
-            continue
-        with graph.inserting_after(nodes[0]):
-            copy = graph.call_method("clone", (nodes[0],))
-        for node in nodes:
-            node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
-        for node in nodes[1:]:
-            graph.erase_node(node)
-        made.append(copy)
-    return made
+
+def written_constants(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes that write into a tensor constant (``get_attr _tensor_constant<i>``): a tensor the forward pass
+    makes from plain numbers (``z = torch.zeros(4, 10)``), which ``torch.fx`` makes once, while tracing, and
+    keeps. fx also computes, then and once, whatever reads that tensor with no traced value (``z * 2``,
+    ``z.sum(1)``, ``z[:, 0] = z[:, 1]``), so those read it before a write of a traced value into it
+    (``z[:, 1:-1] = h``): a fresh user's ViT built its token sequence so, and trained with its embedding's gradient
+    missing and the loss 0.006 off, silently. :func:`memfit.graph.capture.capture` refuses these."""
+    return [user for node in graph.nodes if node.op == "get_attr" and str(node.target).startswith("_tensor_constant")
+            for user in node.users if writes_into(user) and user.args and user.args[0] is node]
 
 
 def check_out_of_place(node: fx.Node, env: dict, out) -> None:

@@ -21,12 +21,15 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import has_own_hooks, record_calls, record_reads
 from memfit.graph.augmented import (
+    WRITE_LINE,
     InplaceProxy,
     assign_into,
-    fresh_constants,
     keep_in_place,
     put_back_updated_state,
     state_of,
+    user_line,
+    writes_into,
+    written_constants,
 )
 from memfit.graph.calls import dataclass_builder, dataclass_parts
 from memfit.graph.ir import Graph, Node
@@ -397,6 +400,13 @@ class _Tracer(fx.Tracer):
         """:class:`InplaceProxy`: ``h += t`` recorded as such, where fx's ``Proxy`` rebinds ``h`` to ``h + t``."""
         return InplaceProxy(node, self)
 
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        """fx's, with the user's line kept on each in-place write (for :func:`_refuse_written_constants`)."""
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        if writes_into(proxy.node):
+            proxy.node.meta[WRITE_LINE] = user_line()
+        return proxy
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
         ran once, while tracing: a fresh user's Grad-CAM hooks on ResNet's ``layer4`` captured nothing)."""
@@ -436,6 +446,22 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _TENSOR_CONSTANT = re.compile(r"_tensor_constant\d+")
+
+
+def _refuse_written_constants(model: nn.Module, graph: fx.Graph) -> None:
+    """Raise where the forward pass writes a traced value into a tensor made from plain numbers
+    (:func:`memfit.graph.augmented.written_constants`)."""
+    written = written_constants(graph)
+    if written:
+        line = written[0].meta.get(WRITE_LINE, "?")
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} writes into a tensor made from plain numbers (such as "
+            "`z = torch.zeros(4, 10)`), at\n"
+            f"  failing line: {line}\n"
+            "  torch.fx makes that tensor once, while tracing, and computes then, once, what reads it without a "
+            "traced value (`z * 2`, `z.sum(1)`), before this write: the planned step would use values without it. "
+            "Make the tensor from a traced one, `h.new_zeros(4, 10)` (or `torch.zeros(4, 10, device=h.device, "
+            "dtype=h.dtype)`), so that it is made in every step. Your model is as it was.")
 
 
 def _graph_module_names() -> set[str]:
@@ -540,8 +566,8 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
                 "buffers as graph values: then writes into them (`self.queue[:, :b] = k.t()`, "
                 "`self.queue[:, :b].copy_(k.t())`) run in every step.") from exc
         keep_in_place(plain.root, graph)
-        fresh_constants(graph)
         put_back_updated_state(state_before)
+        _refuse_written_constants(model, graph)
         _check_names(model, graph)
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
@@ -551,8 +577,8 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
             "while tracing and will not run in training steps.", stacklevel=4)
         return gm
     keep_in_place(tracer.root, graph)
-    fresh_constants(graph)
     put_back_updated_state(state_before)
+    _refuse_written_constants(model, graph)
     _check_names(model, graph)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 

@@ -21,7 +21,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.graph.attributes import has_hooks
-from memfit.graph.augmented import check_out_of_place
+from memfit.graph.augmented import WRITE_LINE, check_out_of_place
 from memfit.graph.calls import bind_inputs, call_name, compute_nodes, map_tensors, node_fn, tensors_in
 from memfit.graph.capture import Captured
 from memfit.profile.buffers import FindWrites, buffer_storages, by_storage, reachable_slots, storage_key
@@ -665,7 +665,8 @@ def _where(gm: fx.GraphModule, node: fx.Node) -> str:
     """``node`` as a message names it: ``module 'layer1.0' (Bottleneck)`` or ``[method ]name()``."""
     if node.op == "call_module":
         return f"module {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
-    return f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}()"
+    line = node.meta.get(WRITE_LINE)  # an in-place write: the user's line says more than assign_into()
+    return f"{'method ' if node.op == 'call_method' else ''}{call_name(node)}(){f' at {line}' if line else ''}"
 
 
 def _failed_on_inputs(gm: fx.GraphModule, node: fx.Node, inputs: tuple, exc: Exception) -> str:
