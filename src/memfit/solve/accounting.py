@@ -118,6 +118,7 @@ class Accounting:
     stats_bytes: list[int] = field(default_factory=list)
     buffers: list[list[str]] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
+    unreached: set[int] = field(default_factory=set)
     stateful: set[str] = field(default_factory=set)
     region_seconds: float = 0.0
     region_node_seconds: float = 0.0
@@ -196,7 +197,7 @@ class Accounting:
             region_seconds=costs.region_seconds, region_node_seconds=costs.region_node_seconds,
         )
         acc.stop_seconds = [0.0 if _saves_before_computing(c) else t for c, t in zip(costs.nodes, acc.recompute_seconds)]
-        return _with_gradients(acc, costs, graph)
+        return _drop_unreached_saves(_with_gradients(acc, costs, graph))
 
 
 def _saves_before_computing(c) -> bool:
@@ -320,8 +321,9 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
     in that reader's ``grad_sum``.
     """
     n = acc.n
-    needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs)
-             for i in range(n)]
+    # (an alias that needs no gradient, `h.detach()`, lives in a storage that does: nothing passes through it)
+    needs = [acc.grad_bytes[i] > 0 or any(costs.storages[s].requires_grad for s in costs.nodes[i].outputs
+                                          if s in costs.nodes[i].creates) for i in range(n)]
     token_bytes: dict[int, int] = {}
     token_refs: dict[int, int] = {}
     grads: dict[int, int] = {}  # node -> token
@@ -369,6 +371,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
     redirect = updated_in_place(graph, acc, [c.outputs for c in costs.nodes], [c.view_output for c in costs.nodes])  # (reader, node it reads) -> the node its gradient goes to
     redirect.update({(k, rv.view): v for v, rv in regen.items() for k in rv.readers})
     needs_all = needs + [True] * len(regen)
+    unreached: set[int] = set()  # nodes no gradient reaches
     order: list[int] = []
     for k in range(n - 1, -1, -1):
         order.append(k)
@@ -382,6 +385,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         own_inplace = inplace.pop(i, True)
         if t is None and rv is None and not costs.nodes[i].mutates:  # no gradient reaches it: autograd never runs
             acc.bwd_ws[i] = 0  # its backward (a head the loss does not read: its workspace was counted, 16 KiB)
+            unreached.add(i)
         extra = 0  # the contributions to existing gradients, alive while the node's backward runs
         summed = 0  # out-of-place sums: the old gradient and the new contribution beside the sum, after the node
         unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
@@ -454,4 +458,47 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
             total += c.param_buffer_bytes - c.param_buffer_end_bytes
     acc.grad_before, acc.grad_during, acc.grad_sum = before, during, after
     acc.needs_grad = needs
+    acc.unreached = unreached
+    return acc
+
+
+def _drop_unreached_saves(acc: Accounting) -> Accounting:
+    """What a node no gradient reaches saves is freed with its autograd graph, in the forward pass, not at a
+    backward that never runs: once every value whose gradient function holds the node's (its output, and the
+    outputs of the nodes no gradient reaches that read it with a gradient) has had its last forward use. A
+    ``.detach()``ed branch through a trainable encoder (SimSiam, BYOL, MoCo's key encoder shared with the query)
+    was counted as keeping its activations to the backward pass: 10,801,188 B predicted against 7,909,416 B measured
+    for plain PyTorch at ``100%``. A graph that reaches a model output (an auxiliary head the loss does not read)
+    lives as long as the caller keeps that output, so it is left as it was: saved until the backward pass. Such
+    nodes are kept out of checkpoint regions (``recomputable``)."""
+    readers: dict[int, list[int]] = {}
+    for k in range(acc.n):
+        for m in set(acc.inputs[k]):
+            readers.setdefault(m, []).append(k)
+    outputs_of = [[s for s in acc.creates[i] if s not in acc.internal[i]] for i in range(acc.n)]
+    dies: dict[int, int | None] = {}  # node -> forward index after which its autograd graph is gone
+    for i in range(acc.n - 1, -1, -1):
+        if i not in acc.unreached or acc.mutates[i]:
+            continue
+        # (its own tensor's last reader: another tensor may share the storage and live on, `z = h.detach()`)
+        t: int | None = acc.n if set(outputs_of[i]) & acc.output_storages else max(readers.get(i, []) + [i])
+        for k in readers.get(i, []):
+            if acc.grad_bytes[i] > 0 and acc.grad_bytes[k] > 0:  # k's gradient function holds i's
+                t = None if dies.get(k) is None else max(t, dies[k])
+            if t is None:
+                break
+        dies[i] = t if t is not None and t < acc.n else None
+    for i, t in dies.items():
+        if t is None or not acc.saves[i]:
+            continue
+        for s in acc.saves[i]:
+            acc.savers[s] = [q for q in acc.savers[s] if q != i]
+            acc.fwd_last[s] = max(acc.fwd_last.get(s, i), t)
+        acc.saves[i] = []
+        # (inside a checkpoint region the recomputation would run it again, and the non-reentrant checkpoint holds
+        # what it saves until the region's backward ends; kept out of regions, nothing is lost: it saves nothing)
+        # (and so are the nodes that read its tensor: a region holds its inputs, and with them the autograd graph)
+        if acc.recomputable:
+            for k in [i] + readers.get(i, []):
+                acc.recomputable[k] = False
     return acc
