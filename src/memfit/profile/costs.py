@@ -508,7 +508,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
     costs.region_bytes = torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0
-    _param_grads(gm, costs, no_grad)
+    _param_grads(gm, costs, no_grad, _reached(gm, requires))
     return costs
 
 
@@ -599,20 +599,40 @@ def _no_faster_than_default(costs: Costs) -> None:
             v.bwd_seconds = max(v.bwd_seconds, 1.01 * c.bwd_seconds)
 
 
-def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset()) -> None:
+def _reached(gm: fx.GraphModule, requires: dict[str, list[bool]]) -> set[str]:
+    """The nodes a gradient from the model's outputs can reach: back from the outputs through values that require
+    grad (not through ``h.detach()``, whose value needs none)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    todo, seen = list(out.all_input_nodes), set()
+    while todo:
+        k = todo.pop()
+        flags = requires.get(k.name)
+        if k.name in seen or (flags is not None and not any(flags)):
+            continue
+        seen.add(k.name)
+        todo += k.all_input_nodes
+    return seen
+
+
+def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset(),
+                 reached: set[str] | None = None) -> None:
     """Assign each trainable parameter's gradient bytes to the last node in forward order that uses it: its
     gradient exists from that node's backward on. A parameter used by several nodes (a layer called twice,
     tied weights) has its gradient summed from the first contribution on, in autograd's buffer for it,
     not only once its last contribution arrives (an MLP calling one Linear four times measured 1 MiB, that
     weight's gradient, over its replay before this); each further contribution is summed into that buffer
     (``param_sum_bytes``), and the buffer is held from the first contribution to the last
-    (``param_buffer_bytes`` / ``param_buffer_end_bytes``)."""
+    (``param_buffer_bytes`` / ``param_buffer_end_bytes``). Only nodes a gradient reaches (``reached``, node names;
+    all when ``None``) count as users: a second call of an encoder whose output is ``.detach()``ed (MoCo's key
+    branch) got its parameters' gradients, 465,152 B, counted from the start of the backward pass."""
     uses: dict[int, list[int]] = {}  # parameter id -> nodes using it, in backward order
     sizes: dict[int, int] = {}
     nodes = list(zip(compute_nodes(gm), costs.nodes))
     index = {node.name: k for k, (node, _) in enumerate(nodes)}
     for k in range(len(nodes) - 1, -1, -1):
         node = nodes[k][0]
+        if reached is not None and node.op != "get_attr" and node.name not in reached:
+            continue
         if node.op == "call_module":
             params, users = list(gm.get_submodule(node.target).parameters()), [k]
         elif node.op == "get_attr":
@@ -624,7 +644,8 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
                       if isinstance(value, nn.Module) else [])
             # its readers' backward passes make the contributions (each reader's workspace holds its own): a
             # positional embedding added twice had its first contribution held in no account until the second
-            users = sorted({index[u.name] for u in node.users if u.name in index}, reverse=True) or [k]
+            users = sorted({index[u.name] for u in node.users if u.name in index
+                            and (reached is None or u.name in reached)}, reverse=True) or [k]
         else:
             params, users = [], []
         for p in params:
