@@ -636,25 +636,8 @@ def test_a_detached_branch_through_a_trainable_encoder_frees_what_it_saved_at_on
     """Found by a fresh user: what the detached branch saved was counted until the backward pass, which never
     reaches it (PyTorch frees it with the branch's autograd graph, at the detach): 1.37x plain PyTorch's measured
     peak at ``100%``, and budgets plain PyTorch meets refused."""
-    from memfit.bench.harness import compare, fresh_copy, measure_training
-
     torch.manual_seed(0)
-    model = _StopGradient().train()
-    x1, x2 = torch.randn(128, 128), torch.randn(128, 128)
-
-    def loss(out, _):
-        return out
-
-    base = measure_training(*[fresh_copy(model)] * 2, (x1, x2), None, loss, steps=1)
-    m = fresh_copy(model)
-    planned = memfit.optimize(m, (x1, x2), budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                              loss_fn=lambda out: out)
-    fig = measure_training(planned, planned, (x1, x2), None, loss, steps=1)
-    assert compare(base, fig)["gradients_match"]
-    assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.005 * fig.peak_bytes, (
-        planned.plan.predicted_peak_bytes, fig.peak_bytes)
-    if budget == "min":
-        assert fig.peak_bytes <= planned.plan.budget_bytes
+    _two_views_against_plain(_StopGradient().train(), torch.randn(128, 128), torch.randn(128, 128), budget)
 
 
 class _KeyAfterQuery(nn.Module):
@@ -675,11 +658,14 @@ def test_parameters_get_their_gradients_where_a_gradient_reaches_them(budget):
     """Found by a fresh user (a MoCo-style model): each parameter's gradient was placed at the last node using it,
     the detached key branch, which no gradient reaches, so it was counted from the backward pass's start: 575,752 B
     over the measured peak of a model like this one."""
-    from memfit.bench.harness import compare, fresh_copy, measure_training
-
     torch.manual_seed(0)
-    model = _KeyAfterQuery().train()
-    x1, x2 = torch.randn(64, 128), torch.randn(64, 128)
+    _two_views_against_plain(_KeyAfterQuery().train(), torch.randn(64, 128), torch.randn(64, 128), budget)
+
+
+def _two_views_against_plain(model, x1, x2, budget):
+    """One SGD step of ``model(x1, x2)`` (which returns its loss), planned at ``budget``, against plain PyTorch's:
+    equal gradients, the measured peak within 0.5% of the prediction (and under the budget at ``min``)."""
+    from memfit.bench.harness import compare, fresh_copy, measure_training
 
     def loss(out, _):
         return out
