@@ -69,8 +69,7 @@ class InplaceProxy(fx.Proxy):
         """``h[key] = value`` (and ``h[key] += t``, which Python runs as a read, an in-place update of that view and
         this assignment): recorded as :func:`assign_into`, which PyTorch runs as eager code does (fx's ``Proxy``
         has no ``__setitem__``, and a model with a slice assignment could not be traced at all)."""
-        proxy = self.tracer.create_proxy("call_function", assign_into, (self, key, value), {})
-        proxy.node.meta[_KEPT + "_line"] = user_line()
+        self.tracer.create_proxy("call_function", assign_into, (self, key, value), {})  # (its line: WRITE_LINE)
 
 
 class _InplaceAttribute(fx.proxy.Attribute, InplaceProxy):

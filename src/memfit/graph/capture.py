@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
-import operator
 import re
 import traceback
 import warnings
@@ -23,7 +23,6 @@ from memfit.graph.attributes import has_own_hooks, record_calls, record_reads
 from memfit.graph.augmented import (
     WRITE_LINE,
     InplaceProxy,
-    assign_into,
     keep_in_place,
     put_back_updated_state,
     state_of,
@@ -464,12 +463,20 @@ def _refuse_written_constants(model: nn.Module, graph: fx.Graph) -> None:
             "dtype=h.dtype)`), so that it is made in every step. Your model is as it was.")
 
 
-def _graph_module_names() -> set[str]:
+def _check_traced(model: nn.Module, graph: fx.Graph) -> None:
+    """What a traced graph must not have before memfit builds its GraphModule (:func:`_refuse_written_constants`,
+    :func:`_check_names`)."""
+    _refuse_written_constants(model, graph)
+    _check_names(model, graph)
+
+
+@functools.cache
+def _graph_module_names() -> frozenset[str]:
     """The attribute names ``torch.fx.GraphModule`` has beyond ``nn.Module``'s (``code``, ``graph``, ``meta``,
     ``recompile``, ...)."""
     gm = fx.GraphModule(nn.Module(), fx.Graph())
     plain = nn.Module()
-    return (set(dir(gm)) | set(vars(gm))) - set(dir(plain)) - set(vars(plain))
+    return frozenset((set(dir(gm)) | set(vars(gm))) - set(dir(plain)) - set(vars(plain)))
 
 
 def _check_names(model: nn.Module, graph: fx.Graph) -> None:
@@ -479,14 +486,15 @@ def _check_names(model: nn.Module, graph: fx.Graph) -> None:
     ``self.code`` failed with a bare "`code` is not an nn.Module"; a graph network's ``self.graph`` adjacency
     buffer with advice about control flow)."""
     used = {str(n.target).split(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")}
-    clash = sorted(used & _graph_module_names())
+    reserved = _graph_module_names()
+    clash = sorted(used & reserved)
     if clash:
         kinds = {name: ("submodule" if name in model._modules else "parameter" if name in model._parameters
                         else "buffer" if name in model._buffers else "attribute") for name in clash}
         raise TraceError(
             f"{type(model).__name__}'s {', '.join(f'{kinds[n]} `self.{n}`' for n in clash)} "
             f"{'has a name' if len(clash) == 1 else 'have names'} that torch.fx's GraphModule uses for its own "
-            f"attributes ({', '.join(sorted(_graph_module_names() - {n for n in _graph_module_names() if n.startswith('_')}))[:160]}"
+            f"attributes ({', '.join(sorted(n for n in reserved if not n.startswith('_')))[:160]}"
             f"...), and memfit runs your model as a GraphModule holding its attributes by name. Rename "
             f"{'it' if len(clash) == 1 else 'them'} (`self.{clash[0]}_` or a more specific name; map old checkpoints' "
             f"state_dict keys), or plan the model inside a container, `memfit.optimize(nn.Sequential(model), ...)`, "
@@ -552,9 +560,8 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
                 "call of the model). Your model is as it was.") from exc
         buffers = {name for name, _ in model.named_buffers()}
         reads = {n for n in graph.nodes if n.op == "get_attr" and n.target in buffers}
-        writes = sorted({str(n.args[0].target) for n in graph.nodes if n.args and n.args[0] in reads and (
-            (n.op == "call_method" and (n.target.endswith("_") or n.target == "__setitem__"))
-            or (n.op == "call_function" and n.target in (operator.setitem, assign_into)))})
+        writes = sorted({str(n.args[0].target) for n in graph.nodes if n.args and n.args[0] in reads
+                         and writes_into(n)})
         baked = [n for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith("_tensor_constant")]
         if writes and baked:
             raise TraceError(
@@ -567,8 +574,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
                 "`self.queue[:, :b].copy_(k.t())`) run in every step.") from exc
         keep_in_place(plain.root, graph)
         put_back_updated_state(state_before)
-        _refuse_written_constants(model, graph)
-        _check_names(model, graph)
+        _check_traced(model, graph)
         gm = fx.GraphModule(plain.root, graph, type(model).__name__)
         warnings.warn(
             f"memfit traced {type(model).__name__} with its buffers read as constants: with buffers as graph "
@@ -578,8 +584,7 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
         return gm
     keep_in_place(tracer.root, graph)
     put_back_updated_state(state_before)
-    _refuse_written_constants(model, graph)
-    _check_names(model, graph)
+    _check_traced(model, graph)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 

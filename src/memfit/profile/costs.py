@@ -1322,9 +1322,9 @@ def _isolated(gm: fx.GraphModule, inputs: tuple, requires: dict[str, list[bool]]
                   if p.requires_grad]
         # a module passed as an argument (`run_rnn(self.rnn, h, lengths)`, a torch.fx.wrap function): its
         # parameters get their gradients from this node's backward
-        seen = {id(p) for p in params}
-        params += [p for a in node.all_input_nodes if isinstance(env.get(a.name), nn.Module)
-                   for p in env[a.name].parameters() if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        for a in node.all_input_nodes:
+            if isinstance(env.get(a.name), nn.Module):
+                params += [p for p in env[a.name].parameters() if p.requires_grad and all(p is not q for q in params)]
 
         def make_env(node=node, clone=False, names=None):
             local = dict(env)

@@ -229,6 +229,15 @@ class RegeneratedView:
     readers: list[int]
 
 
+def _readers(acc: Accounting) -> dict[int, list[int]]:
+    """Node index -> the nodes that read its value, in forward order."""
+    readers: dict[int, list[int]] = {}
+    for k in range(acc.n):
+        for m in set(acc.inputs[k]):
+            readers.setdefault(m, []).append(k)
+    return readers
+
+
 def regenerated_views(graph: Graph, acc: Accounting, costs: Costs) -> list[RegeneratedView]:
     """The backward nodes autograd regenerates for views read after their storage was modified in place.
 
@@ -247,11 +256,7 @@ def regenerated_views(graph: Graph, acc: Accounting, costs: Costs) -> list[Regen
     later ``v.mean()`` put it).
     """
     index = {node.name: k for k, node in enumerate(graph.nodes)}
-    readers: dict[int, list[int]] = {}
-    for k in range(acc.n):
-        for m in set(acc.inputs[k]):
-            if acc.grad_bytes[k] > 0:
-                readers.setdefault(m, []).append(k)
+    readers = {m: with_grad for m, ks in _readers(acc).items() if (with_grad := [k for k in ks if acc.grad_bytes[k] > 0])}
     out: list[RegeneratedView] = []
     for i, c in enumerate(costs.nodes):
         outs = set(c.outputs)
@@ -471,10 +476,7 @@ def _drop_unreached_saves(acc: Accounting) -> Accounting:
     for plain PyTorch at ``100%``. A graph that reaches a model output (an auxiliary head the loss does not read)
     lives as long as the caller keeps that output, so it is left as it was: saved until the backward pass. Such
     nodes are kept out of checkpoint regions (``recomputable``)."""
-    readers: dict[int, list[int]] = {}
-    for k in range(acc.n):
-        for m in set(acc.inputs[k]):
-            readers.setdefault(m, []).append(k)
+    readers = _readers(acc)
     outputs_of = [[s for s in acc.creates[i] if s not in acc.internal[i]] for i in range(acc.n)]
     dies: dict[int, int | None] = {}  # node -> forward index after which its autograd graph is gone
     for i in range(acc.n - 1, -1, -1):
