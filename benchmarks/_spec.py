@@ -58,6 +58,58 @@ def profile_once(model, x, y, loss):
     return captured, costs
 
 
+def memfit_options(model, x, y, loss, captured, costs):
+    """The graphs :func:`memfit.plan` solves for the ``memfit`` strategy besides the traced one (blocks in row
+    stripes, :func:`memfit.api.tiled_options`; BatchNorm run from its output, :func:`memfit.api.bn_from_output_option`),
+    profiled once from ``captured`` and its profile ``costs``: ``(options, rounding)``, ``options`` starting with the
+    traced graph itself, ``rounding`` ``None`` where the model has no BatchNorm -> in-place activation pair."""
+    from memfit.api import bn_from_output_option, tiled_options
+    from memfit.solve.tiling import Option
+
+    def loss_fn(out):
+        return loss(out, y)
+
+    options = [Option(captured, costs), *tiled_options(captured, costs, (x,), loss_fn)]
+    return options, bn_from_output_option(captured, costs, (x,), loss_fn)
+
+
+def solve_as_planned(strategy: str, options, rounding, budget_bytes: int, time_limit: float, edit=None):
+    """Solve ``strategy`` at ``budget_bytes`` as :func:`memfit.plan` does without offloading: ``memfit`` over every
+    graph of ``options`` and ``rounding`` (:func:`memfit_options`; the fastest plan, the rounding one only where it
+    is :data:`memfit.api.BN_FROM_OUTPUT_MARGIN` faster), any other strategy over the traced graph (``options[0]``)
+    alone. ``edit(costs) -> costs`` changes every graph's profile for the solve (an ablation). Returns ``(plan,
+    option)``, the option being the graph the plan runs with its profile as measured, not edited (simulate the plan
+    with its ``captured.graph`` and ``costs`` for the plan's predicted time).
+
+    Raises:
+        InfeasibleBudgetError: as :func:`memfit.solve.strategies.make_plan`.
+    """
+    import dataclasses
+
+    from memfit.api import BN_FROM_OUTPUT_MARGIN
+    from memfit.solve.strategies import make_plan
+    from memfit.solve.tiling import best_plan_rounding
+
+    measured = {}  # id of an edited option -> the option as profiled
+
+    def edited(option):
+        if edit is None or option is None:
+            return option
+        out = dataclasses.replace(option, costs=edit(option.costs))
+        measured[id(out)] = option
+        return out
+
+    def solve(option):
+        return make_plan(strategy, option.captured.graph, option.costs, budget_bytes=budget_bytes,
+                         time_limit=time_limit, use_offload=False)
+
+    if strategy != "memfit":
+        return solve(edited(options[0])), options[0]
+    plan, option = best_plan_rounding([edited(o) for o in options], edited(rounding), solve, False,
+                                      BN_FROM_OUTPUT_MARGIN)
+    return plan, measured.get(id(option), option)
+
+
 def profiled_spec(spec: str, costs_file: str | None = None):
     """:func:`zoo_setup` and :func:`profile_once` of ``spec``, with plain PyTorch's plan: ``(captured, costs, plain,
     activation)``, ``activation`` being plain PyTorch's predicted activation peak (bytes) that budgets in percent

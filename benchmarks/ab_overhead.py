@@ -6,7 +6,9 @@
 Issue 3 compares the two at equal measured overhead. ``memfit bench`` times each row against its own plain
 PyTorch run, and on the shared development machine plain PyTorch's median moved by up to 10% between rows,
 as much as the difference being measured. Here every plan comes from one profile (with the operator
-variants, as ``memfit`` profiles; ``remat-ilp`` ignores them), and plain PyTorch and every plan of
+variants, as ``memfit`` profiles; ``remat-ilp`` ignores them; ``memfit`` setups are solved, as :func:`memfit.plan`
+solves them, over the graphs with blocks in row stripes and with BatchNorm run from its output too, profiled once:
+``_spec.solve_as_planned``), and plain PyTorch and every plan of
 ``--setups`` (``strategy@activation budget in percent``; ``strategy-unpriced@...`` solves with the checkpoint
 regions' own cost left out, as before :mod:`memfit.runtime.overhead`; ``strategy-nonative@...`` without the
 ``conv-native`` variant (``strategy-nopoolcl@...``: without ``maxpool-compact-cl``); ``strategy-nostop@...`` solved as before the early stop was priced: a region's last
@@ -36,7 +38,7 @@ from unittest import mock
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _spec import measured_setup, profile_once, without_variant
+from _spec import measured_setup, memfit_options, profile_once, solve_as_planned, without_variant
 
 import memfit
 from memfit.bench.frontier import memory_at_overhead
@@ -58,6 +60,7 @@ def main() -> None:
     model, x, y, loss, base = measured_setup(args.spec)
     captured, costs = profile_once(model, x, y, loss)
     graph, fixed = captured.graph, costs.fixed_bytes
+    options, rounding = memfit_options(model, x, y, loss, captured, costs)
     plain_plan = make_plan("none", graph, costs)
     act = plain_plan.predicted_peak_bytes - fixed
     print(f"plain PyTorch: activation peak {base.activation_peak_bytes / 2**20:.1f} MiB measured, "
@@ -65,15 +68,18 @@ def main() -> None:
     rows, setups = [], [(plain := fresh_copy(model), plain)]
     for setup in args.setups.split(","):
         strategy, pct = setup.split("@")
-        priced = costs
-        if strategy.endswith("-unpriced"):
-            priced = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
-        if (m := re.search(r"-region([0-9.]+)$", strategy)):
-            priced = dataclasses.replace(costs, region_seconds=float(m[1]) * 1e-3)
-        if strategy.endswith("-nonative"):
-            priced = without_variant(costs, "conv-native")
-        if strategy.endswith("-nopoolcl"):
-            priced = without_variant(costs, "maxpool-compact-cl")
+
+        def priced(c, strategy=strategy):  # the setup's ablation of a profile
+            if strategy.endswith("-unpriced"):
+                c = dataclasses.replace(c, region_seconds=0.0, region_node_seconds=0.0)
+            if (m := re.search(r"-region([0-9.]+)$", strategy)):
+                c = dataclasses.replace(c, region_seconds=float(m[1]) * 1e-3)
+            if strategy.endswith("-nonative"):
+                c = without_variant(c, "conv-native")
+            if strategy.endswith("-nopoolcl"):
+                c = without_variant(c, "maxpool-compact-cl")
+            return c
+
         # (the ablation of the early stop's price: every node's recomputation charged in full again)
         nostop = (mock.patch("memfit.solve.accounting._saves_before_computing", return_value=False)
                   if strategy.endswith("-nostop") else nullcontext())
@@ -81,9 +87,9 @@ def main() -> None:
         for suffix in ("-unpriced", "-nonative", "-nopoolcl", "-nostop"):
             base_strategy = base_strategy.removesuffix(suffix)
         try:
-            with nostop:
-                plan = make_plan(base_strategy, graph, priced, budget_bytes=int(fixed + float(pct) / 100 * act),
-                                 time_limit=args.time_limit, use_offload=False)
+            with nostop:  # (memfit over the graphs memfit.plan solves: row stripes, BatchNorm from its output)
+                plan, option = solve_as_planned(base_strategy, options, rounding, int(fixed + float(pct) / 100 * act),
+                                                args.time_limit, edit=priced)
         except InfeasibleBudgetError as exc:
             print(f"{setup}: infeasible (smallest feasible {100 * (exc.smallest_feasible_bytes - fixed) / act:.1f}%)")
             continue
@@ -91,30 +97,33 @@ def main() -> None:
         fig = measure_training(planned, planned, (x,), y, loss, steps=1)
         timed = memfit.PlannedModule(capture(fresh_copy(model)), plan)
         setups.append((timed, timed))
-        rows.append((strategy, pct, plan, fig))
+        rows.append((strategy, pct, plan, fig, option))
     seconds = interleaved_step_seconds(setups, (x,), y, loss, rounds=args.rounds)
     print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds}); a region costs "
           f"{costs.region_seconds * 1e3:.2f} ms + {costs.region_node_seconds * 1e3:.3f} ms per node")
-    free = dataclasses.replace(costs, region_seconds=0.0, region_node_seconds=0.0)
-    plain_free = simulate(graph, free, plain_plan).step_seconds
+    def free(c):  # a profile without the regions' own cost
+        return dataclasses.replace(c, region_seconds=0.0, region_node_seconds=0.0)
+
+    plain_free = simulate(graph, free(costs), plain_plan).step_seconds
     print("| strategy | budget | activation peak | predicted overhead (without the regions' own cost) | measured overhead "
           "| regions (nodes) | variants | gradients |")
     print("|---|---|---|---|---|---|---|---|")
-    for k, (strategy, pct, plan, fig) in enumerate(rows, start=1):
+    for k, (strategy, pct, plan, fig, option) in enumerate(rows, start=1):
         check = compare(base, fig)
+        g, c = option.captured.graph, option.costs  # (the graph the plan runs, its profile as measured)
         if rounds_differently(plan):
             one = rounding_check(model, plan, (x,), y, loss)
             check = rounding_verdict(one) | {"max_abs_grad_diff": one["vs_float64"]}
         print(f"| {strategy} | {pct}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
-              f"| {simulate(graph, costs, plan).step_seconds / plain_plan.predicted_step_seconds:.3f}x "
-              f"({simulate(graph, free, plan).step_seconds / plain_free:.3f}x) "
+              f"| {simulate(g, c, plan).step_seconds / plain_plan.predicted_step_seconds:.3f}x "
+              f"({simulate(g, free(c), plan).step_seconds / plain_free:.3f}x) "
               f"| {seconds[k] / seconds[0]:.3f}x | {len(plan.regions)} ({sum(hi - lo + 1 for lo, hi in plan.region_spans())}) "
               f"| {plan.counts()['variants'] or '-'} "
               f"| {'equal' if check['gradients_match'] and check['bn_stats_match'] else 'DIFFER'}"
               f"{' to float32 rounding' if 'rounding_check' in check else ''} ({check['max_abs_grad_diff']:.1e}) |",
               flush=True)
     measured = {}  # strategy -> [(measured overhead, activation peak as a fraction of plain PyTorch's)]
-    for k, (strategy, _, _, fig) in enumerate(rows, start=1):
+    for k, (strategy, _, _, fig, _) in enumerate(rows, start=1):
         measured.setdefault(strategy, []).append((seconds[k] / seconds[0],
                                                   fig.activation_peak_bytes / base.activation_peak_bytes))
     print_equal_overhead(measured)
