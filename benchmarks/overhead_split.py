@@ -2,8 +2,8 @@
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/overhead_split.py mobilenet_v2:32:128 --budget 33 --rounds 10
 
-Solves ``memfit`` at ``--budget`` percent of plain PyTorch's activation peak from one profile (as
-``ab_overhead.py``), then times, round-robin with plain PyTorch (:func:`memfit.bench.harness.interleaved_step_seconds`,
+Solves ``memfit`` at ``--budget`` percent of plain PyTorch's activation peak from one profile, over the graphs
+:func:`memfit.plan` solves (as ``ab_overhead.py``: ``_spec.solve_as_planned``), then times, round-robin with plain PyTorch (:func:`memfit.bench.harness.interleaved_step_seconds`,
 SGD with momentum, one intra-op thread, memory retained):
 
 * ``plan``: the plan as solved;
@@ -28,7 +28,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from _spec import profile_once, timed_plans, zoo_setup
+from _spec import memfit_options, profile_once, solve_as_planned, timed_plans, zoo_setup
 
 from memfit.solve.simulator import simulate
 from memfit.solve.strategies import make_plan
@@ -60,8 +60,9 @@ def main() -> None:
     graph, fixed = captured.graph, costs.fixed_bytes
     plain_plan = make_plan("none", graph, costs)
     act = plain_plan.predicted_peak_bytes - fixed
-    plan = make_plan("memfit", graph, costs, budget_bytes=int(fixed + args.budget / 100 * act),
-                     time_limit=args.time_limit, use_offload=False)
+    options, rounding = memfit_options(model, x, y, loss, captured, costs)
+    plan, option = solve_as_planned("memfit", options, rounding, int(fixed + args.budget / 100 * act),
+                                    args.time_limit)
     rows = parts(plan)
     seconds = timed_plans(model, [p for _, p in rows], x, y, loss, args.rounds)
     print(f"plain PyTorch step {seconds[0]:.3f} s (median of {args.rounds}); plan: {len(plan.regions)} regions, "
@@ -69,7 +70,7 @@ def main() -> None:
     print("| setup | predicted overhead | measured overhead | measured - predicted |")
     print("|---|---|---|---|")
     for k, (name, p) in enumerate(rows, start=1):
-        pred = simulate(graph, costs, p).step_seconds / plain_plan.predicted_step_seconds
+        pred = simulate(option.captured.graph, option.costs, p).step_seconds / plain_plan.predicted_step_seconds
         meas = seconds[k] / seconds[0]
         print(f"| {name} | {pred:.3f}x | {meas:.3f}x | {meas - pred:+.3f}x |", flush=True)
 
