@@ -664,7 +664,8 @@ def test_parameters_get_their_gradients_where_a_gradient_reaches_them(budget):
 
 def _two_views_against_plain(model, x1, x2, budget):
     """One SGD step of ``model(x1, x2)`` (which returns its loss), planned at ``budget``, against plain PyTorch's:
-    equal gradients, the measured peak within 0.5% of the prediction (and under the budget at ``min``)."""
+    equal gradients, the measured peak within 0.5% of the prediction and under the budget (at ``100%`` the loss,
+    the model's own output, was counted as freed once read: 4 B over)."""
     from memfit.bench.harness import compare, fresh_copy, measure_training
 
     def loss(out, _):
@@ -678,5 +679,4 @@ def _two_views_against_plain(model, x1, x2, budget):
     assert compare(base, fig)["gradients_match"]
     assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.005 * fig.peak_bytes, (
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
-    if budget == "min":
-        assert fig.peak_bytes <= planned.plan.budget_bytes
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)

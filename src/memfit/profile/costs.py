@@ -239,7 +239,9 @@ class Costs:
             optimizer: :func:`memfit.profile.optimizer.measure_optimizer`); 0 when unknown.
         loss_held_bytes: bytes the loss value itself keeps allocated (the training loop holds ``loss``
             through ``backward()`` and ``step()``): usually a few bytes, but in some builds a reduced loss
-            (``F.mse_loss``) is a view of its whole element-wise buffer; plus the gradient ``loss.backward()``
+            (``F.mse_loss``) is a view of its whole element-wise buffer, and a loss that is one of the model's outputs
+            (a model returning its own loss) holds that output's storage, which is then in ``loss_keeps`` too;
+            plus the gradient ``loss.backward()``
             seeds the backward pass with (``ones_like(loss)``), alive until that pass ends. Measured with
             ``loss_bytes``.
         region_bytes: bytes each checkpoint region holds on the device from its forward pass until its backward
@@ -1230,7 +1232,13 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         if leaves and loss.requires_grad:
             with _no_autocast(device):
                 grads_of = torch.autograd.grad(loss, leaves, allow_unused=True)
-        held = 0 if loss.untyped_storage().data_ptr() in out_storages else loss.untyped_storage().nbytes()
+        # (a loss that is an output, or a view of one, ``loss_fn=lambda out: out``: the loop holds that output's
+        # storage to the end of the step, so it is kept through the loss's backward and held after; counted as
+        # freed once the loss had read it, a model returning its own loss measured 4 B over a 100% budget)
+        ptr = loss.untyped_storage().data_ptr()
+        if ptr in out_storages:
+            kept[ptr] = out_storages[ptr]
+        held = loss.untyped_storage().nbytes()
         # ``loss.backward()`` seeds the backward pass with ``torch.ones_like(loss)``, which it holds until the
         # whole backward pass is done (counted here through the optimizer step too: a few bytes over)
         if loss.requires_grad:
