@@ -443,8 +443,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     captured = _captured or capture(model)
     if not isinstance(example_inputs, dict):  # (a dict binds by name: nothing of it falls into *args)
         check_var_positional(captured.gm, inputs)
+    outside = _outside_params(captured.gm, _optimizers(optimizer))
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
-                          grads_exist=grads_exist, user_inputs=given)
+                          grads_exist=grads_exist, user_inputs=given, held=tuple(outside))
     _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
@@ -453,7 +454,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     # (a parameter the step never reads, or whose output the loss does not read, gets no gradient, and no state)
     trained = [p for name, p in captured.gm.named_parameters() if name not in set(costs.no_grad_params)]
     _warn_untrained_by_optimizers(model, _optimizers(optimizer), trained)
-    state, measured = _counted_state(optimizer, trained)
+    # (parameters an optimizer trains outside the model, a head in the loss: their state too)
+    state, measured = _counted_state(optimizer, trained + [p for p in outside if p.requires_grad])
     if measured is not None:
         costs.step_bytes = measured.step_bytes
     fixed = costs.fixed_bytes + state
@@ -623,6 +625,20 @@ def _refuse_nothing_trains(model: nn.Module) -> None:
                      "require grad'. Unfreeze the parameters to train (p.requires_grad_(True)) and plan again; a "
                      "model run without a backward pass (a frozen teacher) needs no plan: run it under "
                      "torch.no_grad()")
+
+
+def _outside_params(gm: nn.Module, opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The parameters the optimizers ``opts`` hold that are not ``gm``'s (a classification head kept in the loss,
+    trained by the same optimizer), each once: they, their state and, where the loss gives them one, their gradient
+    are part of the step's memory."""
+    own = {id(p) for p in gm.parameters()}
+    found: dict[int, torch.Tensor] = {}
+    for opt in opts:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in own:
+                    found.setdefault(id(p), p)
+    return list(found.values())
 
 
 def _counted_state(optimizer, trained: list[torch.Tensor]):

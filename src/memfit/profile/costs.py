@@ -412,7 +412,7 @@ def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]], flags: list[tupl
 
 def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                   with_variants: bool = True, loss_fn=None, grads_exist: bool = False,
-                  user_inputs: tuple = ()) -> Costs:
+                  user_inputs: tuple = (), held: tuple = ()) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
 
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
@@ -446,6 +446,13 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         user_inputs: the caller's own input tensors, when ``example_inputs`` are copies of them: a tensor
             ``loss_fn`` holds that is one of them (an autoencoder's ``F.mse_loss(out, x)``) is counted once, as
             an input (a fresh user's 4 MiB input was counted twice).
+        held: tensors the training step holds outside the model and ``loss_fn`` (the parameters an optimizer
+            trains besides the model's): counted once each in the fixed bytes.
+
+    The fixed bytes also count what ``loss_fn`` holds (its targets, and the parameters and buffers of the modules
+    it calls: a classification head kept in the loss, a teacher, a GAN's discriminator) and the gradients its
+    backward gives parameters outside the model (a head's: a fresh user's 41 MB ArcFace-style head in the loss
+    measured 6.2x the budget, its weights, gradient and momentum uncounted).
 
     Returns:
         :class:`Costs`.
@@ -453,6 +460,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     gm = captured.gm
     inputs = tuple(example_inputs)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    loss_param_grads = 0  # gradients the loss's backward gives parameters outside the model (bytes)
     device = tensors[0].device if tensors else torch.device("cpu")
     params = list(gm.parameters())
     fixed_ptrs = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())}
@@ -477,8 +485,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             formats, no_grad = _grad_formats(gm, inputs, loss_fn, requires)
             _measure_workspace(gm, inputs, costs, device, requires, formats, grads_exist)
             if loss_fn is not None:
-                costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded = _measure_loss(
-                    gm, inputs, loss_fn, device, requires)
+                (costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded,
+                 loss_param_grads) = _measure_loss(gm, inputs, loss_fn, device, requires)
                 costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
                 costs.loss_grads = sorted({costs.output_ids[k] for k in graded if k < len(costs.output_ids)
@@ -504,8 +512,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     grad_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                       for p in params if p.requires_grad and id(p) not in no_grad}.values())
     costs.no_grad_params = [name for name, p in gm.named_parameters() if id(p) in no_grad]
-    costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes
-                         + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs)))
+    costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes + loss_param_grads
+                         + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs), held))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
@@ -1159,15 +1167,16 @@ def _closure_values(loss_fn) -> list:
     return found
 
 
-def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple) -> int:
-    """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``):
-    they are alive for the whole step, like the inputs (:func:`_closure_values`); parameters, buffers and the
-    inputs are not counted again."""
+def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = ()) -> int:
+    """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``, and the
+    parameters and buffers of the modules it calls: a head, a teacher, a discriminator) and of ``held``: they are
+    alive for the whole step, like the inputs (:func:`_closure_values`); the model's parameters and buffers and the
+    inputs are not counted again, nor is a storage twice."""
     seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
     total = 0
-    for obj in _closure_values(loss_fn):
+    for obj in [*_closure_values(loss_fn), *held]:
         if isinstance(obj, nn.Module):
-            continue
+            obj = [*obj.parameters(), *obj.buffers()]
         for t in tensors_in(obj):
             ptr = t.untyped_storage().data_ptr()
             if ptr not in seen and t.device.type != "meta":
@@ -1185,8 +1194,10 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int, list[int], list[int]]:
-    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded)`` (see :class:`Costs`): transient bytes of
+                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int, list[int], list[int], int]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads)`` (see :class:`Costs`;
+    ``param_grads``: bytes of the gradients the loss's backward gives parameters outside the model, a head or a
+    discriminator the loss calls, which the step keeps as ``.grad``): transient bytes of
     ``loss_fn`` forward and backward on the model's output, beyond the output's gradient (which the replay
     counts as an activation gradient); the bytes the loss value's own storage keeps; the peak of the loss's
     forward alone, while the outputs are alive and their gradients are not; and the positions (in
@@ -1198,7 +1209,8 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     Outputs that require grad in the model's forward (``requires``, by the output node's name; without it,
     floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
     passed through) as they are. The backward computes the gradients of those leaves only
-    (``torch.autograd.grad``): a loss that reads the model's parameters adds nothing to their ``.grad``."""
+    (``torch.autograd.grad``), and those of the leaves outside the model the loss reaches (a head's weight):
+    a loss that reads the model's parameters adds nothing to their ``.grad``."""
     out = _value(lambda _: gm(*inputs), {})
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     values = tensors_in(out)
@@ -1227,11 +1239,14 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
                          "`.detach()`, a `torch.no_grad()` or a tensor made from `.item()` inside loss_fn): its "
                          "backward pass would compute nothing (PyTorch's loss.backward() raises 'element 0 of "
                          "tensors does not require grad'). Return the loss computed from the output.")
+    # leaves outside the model that the loss reaches (the stand-ins stop the walk at the model's outputs)
+    own = {id(t) for t in [*stand_ins, *gm.parameters()]}
+    outside = [t for t in _loss_leaves(loss) if id(t) not in own]
     with MemoryTracker(device) as backward:
         grads_of: tuple = ()
-        if leaves and loss.requires_grad:
+        if (leaves or outside) and loss.requires_grad:
             with _no_autocast(device):
-                grads_of = torch.autograd.grad(loss, leaves, allow_unused=True)
+                grads_of = torch.autograd.grad(loss, leaves + outside, allow_unused=True)
         # (a loss that is an output, or a view of one, ``loss_fn=lambda out: out``: the loop holds that output's
         # storage to the end of the step, so it is kept through the loss's backward and held after; counted as
         # freed once the loss had read it, a model returning its own loss measured 4 B over a 100% budget)
@@ -1244,11 +1259,30 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         if loss.requires_grad:
             held += loss.numel() * loss.element_size()
         del loss
+    # (the outputs' gradients are activation gradients to the replay, the others' fixed bytes: neither transient)
     grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
+    param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):] if g is not None)
     during = max(forward.peak_bytes, forward.net_bytes + backward.peak_bytes)
     positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
-    graded = [k for k, g in zip([k for k, f in enumerate(flags) if f], grads_of) if g is not None]
-    return max(0, during - grads), held, forward.peak_bytes, positions, graded
+    graded = [k for k, g in zip([k for k, f in enumerate(flags) if f], grads_of[:len(leaves)]) if g is not None]
+    return max(0, during - grads), held, forward.peak_bytes, positions, graded, param_grads
+
+
+def _loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that ``loss``'s autograd graph reaches (its ``AccumulateGrad`` nodes'
+    variables), each once, in the order found."""
+    found: dict[int, torch.Tensor] = {}
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        variable = getattr(fn, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), variable)
+        todo += [f for f, _ in fn.next_functions]
+    return list(found.values())
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:
