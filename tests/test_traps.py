@@ -2454,3 +2454,28 @@ def test_attributes_named_like_the_graph_modules_own_are_refused_with_what_to_do
     for module in (plain, planned):
         F.cross_entropy(module(x), y).backward()
     _same(_grads(plain), _grads(m), tol=0.0)
+
+
+def test_torchscript_modules_are_refused_before_anything_runs():
+    """Found by a fresh user: a ``torch.jit.script``-ed Conv-BatchNorm-ReLU block was planned (its BatchNorm
+    statistics moved by the profile), then the planned module's first call failed with an internal
+    ``AttributeError``. Now a TraceError names the block, and the model is as it was."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.jit.script(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()))
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x):
+            return self.fc(self.c(x).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(2, 3, 16, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memfit.TraceError, match=r"'c' is a TorchScript module .*Plan the module before scripting"):
+        memfit.optimize(model, x, "min")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    traced = torch.jit.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).train(), torch.randn(2, 4))
+    with pytest.raises(memfit.TraceError, match="the model itself is a TorchScript module"):
+        memfit.optimize(traced, torch.randn(2, 4), "min")

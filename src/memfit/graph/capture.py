@@ -315,8 +315,8 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     compiled = [name for name, m in model.named_modules() if hasattr(m, "_orig_mod")]
     if compiled == [""]:  # the model itself: memfit.optimize(torch.compile(model), ...)
         return ("  the model is wrapped in torch.compile, which torch.fx cannot trace: plan the model itself "
-                "(model._orig_mod), and compile the planned module if you like; memfit runs PyTorch's eager "
-                "kernels.")
+                "(model._orig_mod) and train the planned module uncompiled; memfit runs PyTorch's eager kernels, "
+                "and its plan's budget holds for them.")
     if compiled:
         return (f"  {', '.join(name or 'the model' for name in compiled[:3])} is wrapped in torch.compile, which "
                 f"torch.fx cannot trace: plan the model with the module itself ({compiled[0] or 'model'}._orig_mod "
@@ -588,6 +588,25 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
+def _refuse_scripted(model: nn.Module) -> None:
+    """Refuse TorchScript modules (``torch.jit.script`` / ``torch.jit.trace``), before anything runs: torch.fx
+    cannot see into them, and a fresh user's scripted Conv-BatchNorm-ReLU block was planned, had its BatchNorm
+    statistics moved by the profile, and then failed at the planned module's first call with an internal
+    ``AttributeError``."""
+    scripted: list[str] = []
+    for name, m in model.named_modules():  # the outermost ones (a scripted block's children are scripted too)
+        if isinstance(m, torch.jit.ScriptModule) and not any(
+                s == "" or name.startswith(s + ".") for s in scripted):
+            scripted.append(name)
+    if scripted:
+        where = "the model itself" if scripted[0] == "" else ", ".join(repr(n) for n in scripted[:3])
+        raise TraceError(
+            f"{where} {'is a TorchScript module' if len(scripted) == 1 else 'are TorchScript modules'} "
+            "(torch.jit.script or torch.jit.trace), which torch.fx cannot trace and memfit cannot plan. Plan the "
+            "module before scripting it: build the model with the plain nn.Module in its place (the module you "
+            "passed to torch.jit.script), and train the planned module as it is.")
+
+
 def capture(model: nn.Module) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
@@ -610,6 +629,7 @@ def capture(model: nn.Module) -> Captured:
         UserWarning: the model traces only with its buffers read as constants (a buffer in Python control
             flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
+    _refuse_scripted(model)
     checkpoints: list[str] = []
     draws: list[str] = []
     try:
