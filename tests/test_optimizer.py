@@ -223,6 +223,25 @@ def test_infeasible_budget_names_the_optimizer_step():
     assert err.value.step_bytes > 0
 
 
+def test_infeasible_budget_blames_the_optimizer_step_only_where_it_sets_the_floor():
+    """Found by a fresh user: Adam's temporaries, over half of the floor above the fixed bytes but below it, were
+    said to "set this floor: no plan and hardly any batch size changes them", where the backward pass set it and a
+    smaller batch met the budget. Batch 384: the floor is above Adam's step; batch 256: the step is the floor."""
+    for batch, blamed in ((384, False), (256, True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256),
+                              nn.ReLU(), nn.Linear(256, 10)).train()
+        x, opt = torch.randn(batch, 256), torch.optim.Adam(model.parameters(), lr=1e-3)
+        with pytest.raises(memfit.InfeasibleBudgetError) as below_fixed:
+            memfit.plan(model, x, "1%", optimizer=opt, time_limit=5)
+        with pytest.raises(memfit.InfeasibleBudgetError) as err:
+            memfit.plan(model, x, below_fixed.value.fixed_bytes + 1000, optimizer=opt, time_limit=5)
+        floor = err.value.smallest_feasible_bytes - err.value.fixed_bytes
+        assert err.value.step_bytes > floor / 2  # (what the advice went by)
+        assert ("optimizer step's temporaries, which set this floor" in str(err.value)) == blamed, str(err.value)
+        assert ("lower the batch size" in str(err.value)) == (not blamed), str(err.value)
+
+
 def test_a_saved_plan_names_its_optimizer():
     model, x = _mlp().train(), torch.randn(4, 256)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

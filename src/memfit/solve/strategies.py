@@ -33,11 +33,12 @@ class InfeasibleBudgetError(ValueError):
     (not given), and ``optimizer_state_bytes`` the state it holds (bytes): the advice names an optimizer with
     less state only where one has less. ``input_bytes`` is the example batch's part of ``fixed_bytes``: where
     the budget is below the fixed bytes but above their part no batch size changes, the advice is a smaller
-    batch."""
+    batch. ``margin_bytes`` is the headroom ``smallest_feasible_bytes`` includes above its plan's peak; the advice
+    blames the optimizer step's temporaries (``step_bytes``) only where that peak is the step's."""
 
     def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0,
                  stopped_at: float | None = None, optimizer: str | None = None, optimizer_state_bytes: int = 0,
-                 input_bytes: int = 0):
+                 input_bytes: int = 0, margin_bytes: int = 0):
         self.budget_bytes = budget_bytes
         self.stopped_at = stopped_at
         self.smallest_feasible_bytes = smallest_feasible_bytes
@@ -46,9 +47,12 @@ class InfeasibleBudgetError(ValueError):
         self.optimizer = optimizer
         self.optimizer_state_bytes = optimizer_state_bytes
         self.input_bytes = input_bytes
-        # the optimizer step's temporaries are most of the floor above the fixed bytes: no plan changes
-        # them, and a smaller batch barely does
-        by_step = step_bytes > (smallest_feasible_bytes - fixed_bytes) // 2
+        self.margin_bytes = margin_bytes
+        # the optimizer step's temporaries set the floor (its peak, less the headroom ``margin_bytes``, is the step's:
+        # the activations are gone by then): no plan changes them, and a smaller batch barely does. (Where the
+        # backward pass sets it, a smaller batch does: a fresh user's ResNet-18 was told otherwise with 18 MiB of
+        # AdamW temporaries under a floor 26.9 MB above the fixed bytes, which batch 16 met.)
+        by_step = step_bytes > 0 and step_bytes >= 0.98 * (smallest_feasible_bytes - margin_bytes - fixed_bytes)
         below_fixed = budget_bytes < fixed_bytes
         if optimizer_state_bytes == 0:  # no state to lose (or no optimizer given): fewer trained parameters
             lighter = "fewer trainable parameters (a frozen one has no gradient, no state and no step)"
@@ -68,9 +72,10 @@ class InfeasibleBudgetError(ValueError):
                     f"which set this floor: no plan and hardly any batch size changes them (a smaller model, "
                     f"{lighter}, does)" if by_step else ". Raise the budget, or lower the batch size")
         elif budget_bytes < model_bytes:
-            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers, and below their "
-                    f"{model_bytes} bytes ({fmt_bytes(model_bytes)}) that no batch size changes"
-                    f"{' (' + batch + ')' if batch else ''}: raise it, or make them smaller ({lighter})")
+            rest = f", all but the input batch's {input_bytes} bytes ({fmt_bytes(input_bytes)})" if input_bytes else ""
+            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers, and below the "
+                    f"{model_bytes} bytes ({fmt_bytes(model_bytes)}) of them that no batch size changes{rest}: raise "
+                    f"it, or make those smaller ({lighter})")
         else:
             # the input and the activations grow with the batch, the rest does not: a rough target
             share = (budget_bytes - model_bytes) / max(1, smallest_feasible_bytes - model_bytes)
@@ -83,14 +88,16 @@ class InfeasibleBudgetError(ValueError):
                    "--time-limit may find a lower one; a busy machine slows that search)")
         super().__init__(
             f"no plan fits a budget of {budget_bytes} bytes ({fmt_bytes(budget_bytes)}); the smallest "
-            f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}){stopped}, "
+            f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}, "
+            f"{fmt_bytes(smallest_feasible_bytes - budget_bytes)} more){stopped}, "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
             f"buffers, optimizer state, inputs){hint}.")
 
     def for_optimizer(self, optimizer: str, state_bytes: int) -> InfeasibleBudgetError:
         """The same error, its advice for ``optimizer`` (a class name) holding ``state_bytes`` of state."""
         return InfeasibleBudgetError(self.budget_bytes, self.smallest_feasible_bytes, self.fixed_bytes,
-                                     self.step_bytes, self.stopped_at, optimizer, state_bytes, self.input_bytes)
+                                     self.step_bytes, self.stopped_at, optimizer, state_bytes, self.input_bytes,
+                                     self.margin_bytes)
 
 
 #: extra headroom on CUDA (bytes): on an H200, a ResNet-18 plan at batch 8, 64 px measured 2.0 MB above its
@@ -573,4 +580,5 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
         return prob.keep_everything()
     floor = prob.smallest_feasible(time_limit, lows)
     raise InfeasibleBudgetError(budget_bytes, floor, fixed, acc.step_bytes, prob.stopped_at(),
-                                input_bytes=prob.costs.input_bytes)
+                                input_bytes=prob.costs.input_bytes,
+                                margin_bytes=prob.margin if floor < prob.plain.peak_bytes else 0)
