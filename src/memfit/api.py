@@ -443,7 +443,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     captured = _captured or capture(model)
     if not isinstance(example_inputs, dict):  # (a dict binds by name: nothing of it falls into *args)
         check_var_positional(captured.gm, inputs)
-    outside = _outside_params(captured.gm, _optimizers(optimizer))
+    outside = _outside_params([model, captured.gm], _optimizers(optimizer))
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist, user_inputs=given, held=tuple(outside))
     _check_something_trains(model, costs)
@@ -627,11 +627,11 @@ def _refuse_nothing_trains(model: nn.Module) -> None:
                      "torch.no_grad()")
 
 
-def _outside_params(gm: nn.Module, opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    """The parameters the optimizers ``opts`` hold that are not ``gm``'s (a classification head kept in the loss,
-    trained by the same optimizer), each once: they, their state and, where the loss gives them one, their gradient
-    are part of the step's memory."""
-    own = {id(p) for p in gm.parameters()}
+def _outside_params(modules: list[nn.Module], opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The parameters the optimizers ``opts`` hold that are none of ``modules``' (the model's and its traced graph's;
+    a classification head kept in the loss, trained by the same optimizer), each once: they, their state and, where
+    the loss gives them one, their gradient are part of the step's memory."""
+    own = {id(p) for m in modules for p in m.parameters()}
     found: dict[int, torch.Tensor] = {}
     for opt in opts:
         for group in opt.param_groups:
