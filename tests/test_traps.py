@@ -2479,3 +2479,27 @@ def test_torchscript_modules_are_refused_before_anything_runs():
     traced = torch.jit.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).train(), torch.randn(2, 4))
     with pytest.raises(memfit.TraceError, match="the model itself is a TorchScript module"):
         memfit.optimize(traced, torch.randn(2, 4), "min")
+
+
+def test_trace_errors_name_torchvision_lines_and_advise_on_requires_grad_checks_and_list_inputs():
+    """Found by a fresh user: DenseNet(memory_efficient=True) was shown fx's own line ("inside torch", since
+    torchvision's path starts like torch's) with advice about data-dependent control flow; a forward iterating over
+    a list argument (FPN-style) was told about iterating tensors."""
+    import torchvision
+
+    dense = torchvision.models.densenet121(num_classes=4, memory_efficient=True).train()
+    with pytest.raises(memfit.TraceError) as err:
+        memfit.optimize(dense, torch.randn(2, 3, 32, 32), "min")
+    assert re.search(r"failing line: \S*torchvision/models/densenet\.py:\d+ in any_requires_grad", str(err.value))
+    assert "memory_efficient=True, a gradient_checkpointing option) plans with that option off" in str(err.value)
+
+    class FPNHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = nn.ModuleList([nn.Conv2d(4, 4, 3, padding=1) for _ in range(2)])
+
+        def forward(self, feats):
+            return sum(c(f).mean() for c, f in zip(self.convs, feats))
+
+    with pytest.raises(memfit.TraceError, match=r"`feats` is an argument of forward that the line iterates over"):
+        memfit.optimize(FPNHead().train(), ([torch.randn(2, 4, 8, 8), torch.randn(2, 4, 4, 4)],), "min")

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import os
 import re
 import traceback
 import warnings
@@ -53,11 +54,16 @@ class Captured:
     called: list = field(default_factory=list)
 
 
+def _in_torch(filename: str) -> bool:
+    """Whether ``filename`` is in torch's own package (not torchvision's, whose path starts alike: a fresh user's
+    DenseNet was shown fx's line, inside torch, instead of torchvision's ``if tensor.requires_grad:``)."""
+    return filename.startswith(os.path.dirname(torch.__file__) + os.sep)
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch: the user's line that fx could not trace."""
     frames = traceback.extract_tb(exc.__traceback__)
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
-    user = [f for f in frames if not f.filename.startswith(torch_dir) and "memfit/graph" not in f.filename]
+    user = [f for f in frames if not _in_torch(f.filename) and "memfit/graph" not in f.filename]
     if not user:  # it failed inside one of torch's own modules (nn.TransformerEncoderLayer's fast-path checks)
         if not frames:
             return "(no traceback)"
@@ -174,9 +180,7 @@ class _ReentrantCheckpoint(Exception):
 
 def _call_site() -> str:
     """The innermost frame of the current stack outside torch and memfit: the user's line."""
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(torch_dir)
-              and "memfit/graph" not in f.filename]
+    frames = [f for f in traceback.extract_stack() if not _in_torch(f.filename) and "memfit/graph" not in f.filename]
     return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}: {frames[-1].line}" if frames else "?"
 
 
@@ -262,11 +266,10 @@ def _autograd_functions_as_leaves():
 def _arguments_in_control_flow(exc: BaseException) -> list[str]:
     """Names of the forward's own arguments (fx placeholders) that the failing line of the user's code reads,
     found in that frame's locals: ``if extra:`` on ``forward(self, x, extra=False)``."""
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
     tb, last = exc.__traceback__, None
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if not name.startswith(torch_dir) and "memfit/graph" not in name:
+        if not _in_torch(name) and "memfit/graph" not in name:
             last = tb
         tb = tb.tb_next
     if last is None:
@@ -274,6 +277,18 @@ def _arguments_in_control_flow(exc: BaseException) -> list[str]:
     line = (traceback.extract_tb(last, limit=1)[0].line or "")
     return [name for name, value in last.tb_frame.f_locals.items()
             if isinstance(value, fx.Proxy) and value.node.op == "placeholder" and re.search(rf"\b{re.escape(name)}\b", line)]
+
+
+def _iterated_argument(exc: BaseException) -> str | None:
+    """The name of the forward's argument whose iteration raised ``exc`` (the ``self`` of fx's ``Proxy.__iter__``,
+    a placeholder), or ``None`` where what was iterated is a value computed in forward."""
+    tb = exc.__traceback__
+    while tb is not None:
+        proxy = tb.tb_frame.f_locals.get("self") if tb.tb_frame.f_code.co_name == "__iter__" else None
+        if isinstance(proxy, fx.Proxy) and proxy.node.op == "placeholder":
+            return str(proxy.node.target)
+        tb = tb.tb_next
+    return None
 
 
 def _used_as_value(name: str, line: str) -> bool:
@@ -288,6 +303,12 @@ def _used_as_value(name: str, line: str) -> bool:
 
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    if "Proxy object cannot be iterated" in str(exc) and (argument := _iterated_argument(exc)):
+        return (f"  `{argument}` is an argument of forward that the line iterates over (a list or tuple of "
+                "tensors, FPN-style feature maps): torch.fx traces each argument as one graph input and cannot "
+                "iterate it. Give each tensor an argument of its own (`def forward(self, c3, c4, c5)`, called "
+                "`planned(*feats)`), or plan a wrapper module whose forward takes them one by one and builds the list "
+                "for your module.")
     if "Proxy object cannot be iterated" in str(exc):
         return ("  iterating over a traced value (`for p in torch.chunk(h, 4, dim=1)`, a comprehension over a "
                 "tensor, `*h.shape`), which torch.fx cannot do: it does not know how many items there are. Unpack "
@@ -380,7 +401,10 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "records it as a graph value): memfit plans a training step, so test what the step knows instead "
                 "(torch.is_grad_enabled() or self.training for requires_grad; a dtype or device kept as an attribute "
                 "in __init__), drop the branch the training step does not take, or move that code into a function "
-                "fx keeps whole (torch.fx.wrap).")
+                "fx keeps whole (torch.fx.wrap)." + (
+                    " A model that checkpoints itself when gradients are on (torchvision's DenseNet with "
+                    "memory_efficient=True, a gradient_checkpointing option) plans with that option off: memfit "
+                    "plans the recomputation itself." if attr[1] == "requires_grad" else ""))
     if isinstance(exc, NotImplementedError) and "argument of type" in str(exc):
         return (f"  a value of a class torch.fx cannot record ({str(exc).rsplit(':', 1)[-1].strip()}), returned by "
                 "the forward or passed to an operation: return tensors in a tuple, list, dict, namedtuple or "
