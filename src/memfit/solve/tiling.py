@@ -3,8 +3,8 @@
 A tiled block is a rewrite of the graph (:func:`memfit.graph.tiling.apply_tiling`), so it is not a per-node
 choice of the integer program: each candidate set of tiled blocks is profiled as its own graph and solved
 under the same budget, and the fastest plan that fits wins (at ``budget="min"``: the least memory, then the
-fastest). Candidates are the blocks with the largest activations (at least half the largest, at most
-three), tiled the largest first: 1, 2, ... of them, in 4 and in 8 stripes (on VGG-16 at batch 2, 128 px, its first two
+fastest). Candidates are the blocks with the largest activations (at least half the model's largest output,
+at most three), tiled the largest first: 1, 2, ... of them, in 4 and in 8 stripes (on VGG-16 at batch 2, 128 px, its first two
 blocks in 8 stripes: a predicted floor of 29% of plain PyTorch's activation peak at 1.02x its step time;
 tiling the third block too, with 16x more weight gradient per stripe and wider halos, raised the floor
 to 37% at 1.30x). The untiled graph is always a candidate, so tiling never makes a plan worse by the
@@ -46,7 +46,10 @@ def tiling_candidates(blocks: list[list[str]], costs: Costs) -> list[list[TiledB
     sized = sorted(((max(size.get(n, 0) for n in b), k) for k, b in enumerate(blocks)), reverse=True)
     if not sized or sized[0][0] == 0:
         return []
-    chosen = [blocks[k] for s, k in sized if 2 * s >= sized[0][0]][:MAX_BLOCKS]
+    # (at least half the model's largest output, not only the largest block's: a fresh user's EfficientNet-B0 and
+    # MobileNet-V3 got their squeeze-excitation blocks, convolutions on 1x1 maps, striped, a profile each for nothing)
+    largest = max(size.values(), default=0)
+    chosen = [blocks[k] for s, k in sized if 2 * s >= largest][:MAX_BLOCKS]
     return [[TiledBlock(tuple(b), stripes) for b in chosen[:k]] for k in range(1, len(chosen) + 1)
             for stripes in STRIPES]
 
