@@ -242,6 +242,15 @@ def test_max_batch_never_probes_below_the_start_and_says_why_none_fits(tmp_path,
     assert rc == 2 and "fixed bytes, 26977048 bytes (25.7 MiB)" in err, err
 
 
+def test_cli_bench_refuses_an_unknown_strategy_before_it_starts(tmp_path, capsys):
+    """Found by a fresh user: ``--strategies foo`` drew an empty progress bar ("0/None") before its error."""
+    rc = main(["bench", "--model", "resnet18", "--batch", "2", "--image-size", "32", "--strategies", "none,foo",
+               "--out", str(tmp_path)])
+    out = capsys.readouterr()
+    assert rc == 2 and "unknown strategy 'foo'" in " ".join(out.err.split()), out.err
+    assert "memfit bench" not in out.out and "None" not in out.out, out.out
+
+
 def test_cli_bench_and_max_batch(tmp_path, capsys):
     out = tmp_path / "b"
     rc = main(["bench", "--model", "resnet18", "--batch", "2", "--image-size", "32", "--strategies",

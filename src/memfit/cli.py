@@ -268,6 +268,7 @@ def cmd_bench(args) -> int:
         default_strategies,
         parse_fractions,
         parse_knobs,
+        parse_strategies,
         results_table,
         sweep,
         write_results,
@@ -286,7 +287,7 @@ def cmd_bench(args) -> int:
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror})") from None
     backends = [peers.AOT_EAGER] + ([peers.INDUCTOR] if args.inductor else [])
-    strategies = (args.strategies.split(",") if args.strategies is not None
+    strategies = (parse_strategies(args.strategies) if args.strategies is not None  # (before the progress bar)
                   else default_strategies(args.device, args.offload_dir, _offload(args)))
     _check_vdnn(strategies, args)
     console = _wide_console()
