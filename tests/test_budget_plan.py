@@ -730,3 +730,32 @@ def test_a_head_kept_in_the_loss_counts_its_weights_gradient_and_state(budget, h
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
     assert peak <= planned.plan.budget_bytes, (peak, planned.plan.budget_bytes)
     assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.005 * peak, (planned.plan.predicted_peak_bytes, peak)
+
+
+def test_a_loss_reading_an_input_that_requires_grad_counts_the_gradient_it_gives_it():
+    """An adversarial example read by the loss too (``F.mse_loss(out, x)`` with ``x.requires_grad``): the loss's
+    backward gives ``x`` a gradient of its own, which was not counted (49,152 B, x's size, over a 100% budget here);
+    found while making the loss's modules count. Gradients (the input's too) are plain PyTorch's."""
+    from memfit.bench.harness import fresh_copy
+    from memfit.profile import MemoryTracker, live_bytes
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 3, 3, padding=1)).train()
+    plain = fresh_copy(m)
+    x = torch.randn(4, 3, 32, 32, requires_grad=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    planned = memfit.optimize(m, x, "100%", optimizer=opt, loss_fn=lambda out: nn.functional.mse_loss(out, x))
+    grads = {}
+    for name, net in (("plain", plain), ("planned", planned)):
+        x.grad = None
+        nn.functional.mse_loss(net(x), x).backward()
+        grads[name] = [x.grad, *(p.grad for p in (plain if name == "plain" else m).parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["planned"], strict=True))
+    for _ in range(2):  # the second step measured, with the momentum buffers allocated
+        opt.zero_grad()
+        x.grad = None
+        start = live_bytes([*m.parameters(), *m.buffers(), x, *(t for s in opt.state.values() for t in s.values())])
+        with MemoryTracker("cpu") as tracker:
+            nn.functional.mse_loss(planned(x), x).backward()
+            opt.step()
+    assert start + tracker.peak_bytes <= planned.plan.budget_bytes, (start + tracker.peak_bytes, planned.plan.budget_bytes)
