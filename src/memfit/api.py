@@ -429,7 +429,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     """
     budget = Budget.parse(budget)
     _check_model(model)
-    _check_optimizer(optimizer, model)
+    _check_optimizer(optimizer, model, loss_fn)
     if not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
@@ -446,6 +446,15 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     outside = _outside_params([model, captured.gm], _optimizers(optimizer))
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist, user_inputs=given, held=tuple(outside))
+    loss_ptrs = set(costs.loss_param_ptrs)
+    profiled_exist = grads_exist
+    if not grads_exist and any(p.untyped_storage().data_ptr() in loss_ptrs for p in captured.gm.parameters()):
+        # the loss's backward gives the model's parameters gradients before the model's backward pass runs (an L2
+        # penalty): that pass then adds into them, as into preallocated ones (a fresh user's ResNet-18 with an L2
+        # penalty measured 1.14x a 100% budget planned as set to None, its prediction as preallocated)
+        profiled_exist = True
+        costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
+                              grads_exist=True, user_inputs=given, held=tuple(outside))
     _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
@@ -453,9 +462,12 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         costs.link = measure_link(CopyEngine(store, torch.device(costs.device)))
     # (a parameter the step never reads, or whose output the loss does not read, gets no gradient, and no state)
     trained = [p for name, p in captured.gm.named_parameters() if name not in set(costs.no_grad_params)]
-    _warn_untrained_by_optimizers(model, _optimizers(optimizer), trained)
-    # (parameters an optimizer trains outside the model, a head in the loss: their state too)
-    state, measured = _counted_state(optimizer, trained + [p for p in outside if p.requires_grad])
+    # (parameters only the loss trains, a head of the model called in loss_fn or one kept there, and those an
+    # optimizer trains outside the model: their state too)
+    by_loss = _loss_trained(loss_fn, model, captured.gm, loss_ptrs)
+    _warn_untrained_by_optimizers(model, _optimizers(optimizer), trained, by_loss)
+    state, measured = _counted_state(optimizer, _unique(trained + [p for _, p in by_loss]
+                                                        + [p for p in outside if p.requires_grad]))
     if measured is not None:
         costs.step_bytes = measured.step_bytes
     fixed = costs.fixed_bytes + state
@@ -473,8 +485,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     options = [Option(captured, costs)]
     below_plain = floor or budget_bytes < plain.predicted_peak_bytes
     if tiling and strategy == "memfit" and variants and below_plain:
-        options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
-    other = (bn_from_output_option(captured, costs, inputs, loss_fn, grads_exist)
+        options += tiled_options(captured, costs, inputs, loss_fn, profiled_exist)
+    other = (bn_from_output_option(captured, costs, inputs, loss_fn, profiled_exist)
              if strategy == "memfit" and variants and below_plain else None)
     try:
         result, chosen = best_plan_rounding(options, other, solve, floor, BN_FROM_OUTPUT_MARGIN)
@@ -484,6 +496,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
+    result.grads_exist = grads_exist  # (the loop's, also where the loss's own gradients were profiled as preallocated)
     result.input_shapes = _shapes(inputs)
     nbytes = {st.id: st.nbytes for st in costs.storages}
     result.output_bytes = {c.name: sum(nbytes[sid] for sid in set(c.outputs)) for c in costs.nodes if c.outputs}
@@ -556,19 +569,42 @@ def _optimizer_name(opts: list[torch.optim.Optimizer]) -> str | None:
     return "+".join(type(o).__name__ for o in opts) or None
 
 
-def _check_optimizer(optimizer, model: nn.Module) -> None:
+def _check_optimizer(optimizer, model: nn.Module, loss_fn=None) -> None:
     """Refuse an ``optimizer`` that is not one, or a list of them (:func:`_optimizers`), or one that holds none of
-    ``model``'s parameters (built on another model: its state would be counted, the model's not)."""
+    ``model``'s parameters (built on another model: its state would be counted, the model's not), unless a
+    ``loss_fn`` is given, which may train them (a head kept in the loss with an optimizer of its own, a GAN's
+    discriminator): they then count with their state."""
     ours = {id(p) for p in model.parameters()}
     for opt in _optimizers(optimizer):
         held = [p for group in opt.param_groups for p in group["params"]]
-        if held and not any(id(p) in ours for p in held):
+        if held and not any(id(p) in ours for p in held) and loss_fn is None:
             raise ValueError(f"the optimizer {type(opt).__name__} holds {len(held)} parameter tensor(s), none of "
                              "them the model's: build it on model.parameters() (the one you train this model with)")
 
 
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without repeats (by identity), in order."""
+    return list({id(t): t for t in tensors}.values())
+
+
+def _loss_trained(loss_fn, model: nn.Module, gm: nn.Module, ptrs: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` for the trainable parameters outside the traced graph that the loss's backward gives a
+    gradient (``ptrs``: :attr:`Costs.loss_param_ptrs`): a head of the model the forward never calls but ``loss_fn``
+    does, named as in the model, and the parameters of modules ``loss_fn`` holds (a head kept in the loss)."""
+    from memfit.profile.costs import loss_held_modules
+
+    graph = {id(p) for p in gm.parameters()}
+    named = [*model.named_parameters(), *((f"(loss_fn's {type(m).__name__}).{n}", p)
+                                          for m in loss_held_modules(loss_fn) for n, p in m.named_parameters())]
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, p in named:
+        if p.requires_grad and id(p) not in graph and p.untyped_storage().data_ptr() in ptrs:
+            found.setdefault(id(p), (name, p))
+    return list(found.values())
+
+
 def _warn_untrained_by_optimizers(model: nn.Module, opts: list[torch.optim.Optimizer],
-                                  trained: list[torch.Tensor]) -> None:
+                                  trained: list[torch.Tensor], by_loss: list[tuple[str, torch.Tensor]] = ()) -> None:
     """Warn where parameters that the step gives a gradient are in none of the optimizers given: their state is not
     counted (a fresh user's body with SGD, passed, and head with Adam, not passed, measured 1.18x the budget)."""
     if not opts:
@@ -577,6 +613,7 @@ def _warn_untrained_by_optimizers(model: nn.Module, opts: list[torch.optim.Optim
     stepped = {id(p) for p in trained}
     left = [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) in stepped
             and id(p) not in held]
+    left += [(name, p) for name, p in by_loss if id(p) not in held and id(p) not in {id(q) for _, q in left}]
     if left:
         names = ", ".join(name for name, _ in left[:3]) + (" ..." if len(left) > 3 else "")
         nbytes = sum(p.untyped_storage().nbytes() for _, p in left)
@@ -762,7 +799,10 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
             _refuse_nothing_trains(model)
         captured = capture(model)
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
-        _check_optimizer_state(plan_, optimizer, list(captured.gm.parameters()))
+        # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head
+        # frozen was applied to a loop training it, 1.79x its budget)
+        outside = [p for p in _outside_params([model, captured.gm], _optimizers(optimizer)) if p.requires_grad]
+        _check_optimizer_state(plan_, optimizer, _unique(list(captured.gm.parameters()) + outside))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(given, strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,

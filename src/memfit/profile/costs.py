@@ -225,6 +225,8 @@ class Costs:
             loss value), measured when a loss function was given; ``None`` (no loss function): every output. An
             output the loss does not read (hidden states returned beside the logits) gets none, and the replay once
             counted one for each (a fresh user's model returning four hidden states was predicted 27% high).
+        loss_param_ptrs: storage data pointers (in this process) of the parameters the loss's backward gives a
+            gradient, the model's (an L2 penalty, a head the forward never calls) and others (a head kept in the loss).
         loss_forward_bytes: bytes the loss's forward allocates at its peak beyond its arguments (the model's
             outputs, still alive then: the loss reads them) while the outputs' gradients do not exist yet
             (a loss that builds a soft target from the detached logits makes two logits-sized tensors
@@ -278,6 +280,7 @@ class Costs:
     output_ids: list[int | None] = field(default_factory=list)
     loss_keeps: list[int] = field(default_factory=list)
     loss_grads: list[int] | None = None
+    loss_param_ptrs: list[int] = field(default_factory=list)
     buffer_kinds: dict[str, str] = field(default_factory=dict)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     headroom_of: int | None = None
@@ -301,7 +304,7 @@ class Costs:
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
                    output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []),
-                   loss_grads=d.get("loss_grads"),
+                   loss_grads=d.get("loss_grads"), loss_param_ptrs=d.get("loss_param_ptrs", []),
                    buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}),
                    headroom_of=d.get("headroom_of"), region_seconds=d.get("region_seconds", 0.0),
                    region_node_seconds=d.get("region_node_seconds", 0.0),
@@ -486,7 +489,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             _measure_workspace(gm, inputs, costs, device, requires, formats, grads_exist)
             if loss_fn is not None:
                 (costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded,
-                 loss_param_grads) = _measure_loss(gm, inputs, loss_fn, device, requires)
+                 loss_param_grads, costs.loss_param_ptrs) = _measure_loss(gm, inputs, loss_fn, device, requires)
                 costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
                 costs.loss_grads = sorted({costs.output_ids[k] for k in graded if k < len(costs.output_ids)
@@ -513,7 +516,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                       for p in params if p.requires_grad and id(p) not in no_grad}.values())
     costs.no_grad_params = [name for name, p in gm.named_parameters() if id(p) in no_grad]
     costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes + loss_param_grads
-                         + _closure_bytes(loss_fn, fixed_ptrs, tuple(inputs) + tuple(user_inputs), held))
+                         + _closure_bytes(loss_fn, fixed_ptrs | set(state), tuple(inputs) + tuple(user_inputs), held))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
@@ -1151,6 +1154,8 @@ def _closure_values(loss_fn) -> list:
             for v in list(obj.args) + list(obj.keywords.values()) + [obj.func]:
                 visit(v, depth)
             return
+        if isinstance(getattr(obj, "__self__", None), nn.Module):  # a module's bound method (``crit.forward``)
+            found.append(obj.__self__)
         if callable(obj) and not isinstance(obj, (torch.Tensor, nn.Module)) and depth < 2:
             cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c)]
             # module-level names the function reads (``y`` in ``lambda out: F.mse_loss(out, y)`` at top level)
@@ -1167,6 +1172,12 @@ def _closure_values(loss_fn) -> list:
     return found
 
 
+def loss_held_modules(loss_fn) -> list[nn.Module]:
+    """The modules ``loss_fn`` holds (in its closure, default or ``functools.partial`` arguments, the module-level
+    names it reads, or ``loss_fn`` itself: a head kept in the loss, a teacher, a discriminator), each once."""
+    return list({id(m): m for m in _closure_values(loss_fn) if isinstance(m, nn.Module)}.values())
+
+
 def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = ()) -> int:
     """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``, and the
     parameters and buffers of the modules it calls: a head, a teacher, a discriminator) and of ``held``: they are
@@ -1175,8 +1186,9 @@ def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = (
     seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
     total = 0
     for obj in [*_closure_values(loss_fn), *held]:
-        if isinstance(obj, nn.Module):
-            obj = [*obj.parameters(), *obj.buffers()]
+        if isinstance(obj, nn.Module):  # (and tensors kept as plain attributes: a style loss's ``self.target``)
+            obj = [*obj.parameters(), *obj.buffers(),
+                   *(v for m in obj.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
         for t in tensors_in(obj):
             ptr = t.untyped_storage().data_ptr()
             if ptr not in seen and t.device.type != "meta":
@@ -1194,8 +1206,9 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None) -> tuple[int, int, int, list[int], list[int], int]:
-    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads)`` (see :class:`Costs`;
+                  requires: dict[str, list[bool]] | None = None
+                  ) -> tuple[int, int, int, list[int], list[int], int, list[int]]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads, param_ptrs)`` (see :class:`Costs`;
     ``param_grads``: bytes of the gradients the loss's backward gives parameters outside the model, a head or a
     discriminator the loss calls, which the step keeps as ``.grad``): transient bytes of
     ``loss_fn`` forward and backward on the model's output, beyond the output's gradient (which the replay
@@ -1241,12 +1254,16 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
                          "tensors does not require grad'). Return the loss computed from the output.")
     # leaves outside the model that the loss reaches (the stand-ins stop the walk at the model's outputs)
     own = {id(t) for t in [*stand_ins, *gm.parameters()]}
-    outside = [t for t in _loss_leaves(loss) if id(t) not in own]
+    reached = [t for t in _loss_leaves(loss) if not any(t is s for s in stand_ins)]
+    outside = [t for t in reached if id(t) not in own]
+    # (the model's own parameters the loss reads, an L2 penalty: their gradients are fixed bytes, the scalars and
+    # temporaries of computing them are the loss's)
+    inside = [t for t in reached if id(t) in own]
     with MemoryTracker(device) as backward:
         grads_of: tuple = ()
-        if (leaves or outside) and loss.requires_grad:
+        if (leaves or outside or inside) and loss.requires_grad:
             with _no_autocast(device):
-                grads_of = torch.autograd.grad(loss, leaves + outside, allow_unused=True)
+                grads_of = torch.autograd.grad(loss, leaves + outside + inside, allow_unused=True)
         # (a loss that is an output, or a view of one, ``loss_fn=lambda out: out``: the loop holds that output's
         # storage to the end of the step, so it is kept through the loss's backward and held after; counted as
         # freed once the loss had read it, a model returning its own loss measured 4 B over a 100% budget)
@@ -1261,11 +1278,13 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
         del loss
     # (the outputs' gradients are activation gradients to the replay, the others' fixed bytes: neither transient)
     grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
-    param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):] if g is not None)
+    param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):len(leaves) + len(outside)]
+                      if g is not None)
     during = max(forward.peak_bytes, forward.net_bytes + backward.peak_bytes)
     positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
     graded = [k for k, g in zip([k for k, f in enumerate(flags) if f], grads_of[:len(leaves)]) if g is not None]
-    return max(0, during - grads), held, forward.peak_bytes, positions, graded, param_grads
+    return (max(0, during - grads), held, forward.peak_bytes, positions, graded, param_grads,
+            sorted({t.untyped_storage().data_ptr() for t in reached}))
 
 
 def _loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
