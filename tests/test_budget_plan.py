@@ -860,3 +860,30 @@ def test_a_saved_plan_is_refused_for_an_optimizer_that_also_trains_a_head_kept_i
         memfit.optimize(model, x, plan_=plan, optimizer=both, loss_fn=loss_fn)
     planned = memfit.optimize(model, x, plan_=plan, optimizer=torch.optim.Adam(model.parameters()))
     assert planned.plan is plan  # (the optimizer it was made for is accepted)
+
+
+def test_a_saved_plan_checks_the_state_of_a_head_of_the_model_that_only_the_loss_trains():
+    """Found by a third fresh user: a head of the model called only in ``loss_fn`` had its optimizer state counted
+    when solving, but not when a saved plan was applied: a plan for ``[SGD body, SGD head]`` was accepted for
+    ``[SGD body, Adam head]`` and measured 1.29x its budget."""
+    torch.manual_seed(0)
+    model, x = _Embedder().train(), torch.randn(4, 3, 32, 32)
+    model.head = nn.Linear(64, 3000)
+    y = torch.randint(0, 3000, (4,))
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(model.head(out), y)
+
+    body = [p for name, p in model.named_parameters() if not name.startswith("head.")]
+
+    def optimizers(head_opt):
+        return [torch.optim.SGD(body, lr=0.1, momentum=0.9), head_opt(model.head.parameters())]
+
+    plan, _, _ = memfit.plan(model, x, "min", optimizer=optimizers(lambda ps: torch.optim.SGD(ps, lr=0.1)),
+                             loss_fn=loss_fn)
+    assert plan.loss_trained == ["head.weight", "head.bias"]
+    loaded = memfit.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    with pytest.raises(ValueError, match=r"the plan counted \d+ bytes of SGD\+SGD state, and this SGD\+Adam will keep"):
+        memfit.optimize(model, x, plan_=loaded, optimizer=optimizers(torch.optim.Adam), loss_fn=loss_fn)
+    same = memfit.optimize(model, x, plan_=loaded, optimizer=optimizers(lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    assert same.plan is loaded

@@ -518,6 +518,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.buffer_kinds_known = True
     result.eval_modules = [path for path, module in model.named_modules() if not module.training]
+    own = {id(p) for p in model.parameters()}
+    result.loss_trained = [name for name, p in by_loss if id(p) in own]
     result.node_ops = node_ops(captured.gm)
     result.node_inputs = node_inputs(captured.gm)
     saved = {s for node in costs.nodes for s in node.saves}  # (an output a node saves is held anyway)
@@ -802,7 +804,9 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head
         # frozen was applied to a loop training it, 1.79x its budget)
         outside = [p for p in _outside_params([model, captured.gm], _optimizers(optimizer)) if p.requires_grad]
-        _check_optimizer_state(plan_, optimizer, _unique(list(captured.gm.parameters()) + outside))
+        named = dict(model.named_parameters())  # (and a head of the model that only the loss trains)
+        by_loss = [named[n] for n in plan_.loss_trained if n in named and named[n].requires_grad]
+        _check_optimizer_state(plan_, optimizer, _unique(list(captured.gm.parameters()) + by_loss + outside))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(given, strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,

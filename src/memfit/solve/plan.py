@@ -116,6 +116,9 @@ class Plan:
             place (:func:`memfit.graph.bn_output.apply_bn_from_output`: in-place activated BatchNorm, Rota Bulo et
             al., CVPR 2018); everything else in the plan names the graph after that rewrite. Empty in plans made
             before it existed.
+        loss_trained: names of the model's parameters outside the traced graph that the loss trains (a head of the
+            model called only in ``loss_fn``), whose optimizer state the plan counted: a saved plan's optimizer is
+            checked with them.
         eval_modules: paths of the model's submodules that were in evaluation mode (``module.training`` false) when
             the plan was profiled (a frozen BatchNorm), or ``None`` in plans made before it was recorded. The buffers
             a module writes depend on its mode (a BatchNorm in ``eval()`` writes no running statistics), and so do
@@ -167,6 +170,7 @@ class Plan:
     state_layouts: dict[str, str] = field(default_factory=dict)
     bn_from_output: list[str] = field(default_factory=list)
     eval_modules: list[str] | None = None
+    loss_trained: list[str] = field(default_factory=list)
     output_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
