@@ -447,14 +447,6 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist, user_inputs=given, held=tuple(outside))
     loss_ptrs = set(costs.loss_param_ptrs)
-    profiled_exist = grads_exist
-    if not grads_exist and any(p.untyped_storage().data_ptr() in loss_ptrs for p in captured.gm.parameters()):
-        # the loss's backward gives the model's parameters gradients before the model's backward pass runs (an L2
-        # penalty): that pass then adds into them, as into preallocated ones (a fresh user's ResNet-18 with an L2
-        # penalty measured 1.14x a 100% budget planned as set to None, its prediction as preallocated)
-        profiled_exist = True
-        costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
-                              grads_exist=True, user_inputs=given, held=tuple(outside))
     _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
@@ -485,8 +477,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     options = [Option(captured, costs)]
     below_plain = floor or budget_bytes < plain.predicted_peak_bytes
     if tiling and strategy == "memfit" and variants and below_plain:
-        options += tiled_options(captured, costs, inputs, loss_fn, profiled_exist)
-    other = (bn_from_output_option(captured, costs, inputs, loss_fn, profiled_exist)
+        options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
+    other = (bn_from_output_option(captured, costs, inputs, loss_fn, grads_exist)
              if strategy == "memfit" and variants and below_plain else None)
     try:
         result, chosen = best_plan_rounding(options, other, solve, floor, BN_FROM_OUTPUT_MARGIN)
@@ -496,7 +488,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
-    result.grads_exist = grads_exist  # (the loop's, also where the loss's own gradients were profiled as preallocated)
+    result.grads_exist = grads_exist  # (the loop's, also where the profile took an L2 penalty's gradients as preallocated)
     result.input_shapes = _shapes(inputs)
     nbytes = {st.id: st.nbytes for st in costs.storages}
     result.output_bytes = {c.name: sum(nbytes[sid] for sid in set(c.outputs)) for c in costs.nodes if c.outputs}
@@ -615,7 +607,8 @@ def _warn_untrained_by_optimizers(model: nn.Module, opts: list[torch.optim.Optim
     stepped = {id(p) for p in trained}
     left = [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) in stepped
             and id(p) not in held]
-    left += [(name, p) for name, p in by_loss if id(p) not in held and id(p) not in {id(q) for _, q in left}]
+    listed = {id(p) for _, p in left}
+    left += [(name, p) for name, p in by_loss if id(p) not in held and id(p) not in listed]
     if left:
         names = ", ".join(name for name, _ in left[:3]) + (" ..." if len(left) > 3 else "")
         nbytes = sum(p.untyped_storage().nbytes() for _, p in left)
