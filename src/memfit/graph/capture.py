@@ -60,10 +60,15 @@ def _in_torch(filename: str) -> bool:
     return filename.startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
+def _users(filename: str) -> bool:
+    """Whether ``filename`` is the user's code: neither torch's nor memfit's tracing."""
+    return not _in_torch(filename) and "memfit/graph" not in filename
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch: the user's line that fx could not trace."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not _in_torch(f.filename) and "memfit/graph" not in f.filename]
+    user = [f for f in frames if _users(f.filename)]
     if not user:  # it failed inside one of torch's own modules (nn.TransformerEncoderLayer's fast-path checks)
         if not frames:
             return "(no traceback)"
@@ -180,7 +185,7 @@ class _ReentrantCheckpoint(Exception):
 
 def _call_site() -> str:
     """The innermost frame of the current stack outside torch and memfit: the user's line."""
-    frames = [f for f in traceback.extract_stack() if not _in_torch(f.filename) and "memfit/graph" not in f.filename]
+    frames = [f for f in traceback.extract_stack() if _users(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}: {frames[-1].line}" if frames else "?"
 
 
@@ -269,7 +274,7 @@ def _arguments_in_control_flow(exc: BaseException) -> list[str]:
     tb, last = exc.__traceback__, None
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if not _in_torch(name) and "memfit/graph" not in name:
+        if _users(name):
             last = tb
         tb = tb.tb_next
     if last is None:
