@@ -790,8 +790,8 @@ class _Criterion(nn.Module):
         return nn.functional.mse_loss(out, self.target[:, :64])
 
 
-@pytest.mark.parametrize("case", ["l2_penalty", "head_of_the_model_called_in_the_loss", "two_optimizers",
-                                  "criterion_with_a_tensor_attribute"])
+@pytest.mark.parametrize("case", ["l2_penalty", "l2_penalty_on_one_layer", "head_of_the_model_called_in_the_loss",
+                                  "two_optimizers", "criterion_with_a_tensor_attribute"])
 def test_what_the_loss_reaches_is_counted(case):
     """Found by a second fresh user (each over its budget, unwarned): an L2 penalty over the model's parameters in
     the loss (its backward makes the gradients before the model's does, which then adds into them: ResNet-18 1.14x a
@@ -799,13 +799,15 @@ def test_what_the_loss_reaches_is_counted(case):
     head] with the head kept in the loss (refused: "none of them the model's"); a criterion module holding an 8 MB
     target as a plain attribute (1.27x). Measured as the loop runs at ``min``: under the budget, within 0.5% of the
     prediction, and the gradients of a plain PyTorch step from the same weights. (At ``100%`` the first and last
-    measure 32 B above plain PyTorch's predicted peak, plain PyTorch's own step too: a few scalars of the loss.)"""
+    measure 32 B above plain PyTorch's predicted peak, plain PyTorch's own step too: a few scalars of the loss.)
+    A penalty on one layer only was profiled as if every gradient existed when the backward pass started: 1.17x
+    the measured peak predicted at ``min`` (ResNet-18 with a penalty on its fc: 1.15x at ``100%``)."""
     from memfit.bench.harness import fresh_copy
 
     torch.manual_seed(0)
     x = torch.randn(4, 3, 32, 32)
     model = _Embedder().train()
-    if case == "l2_penalty":  # (parameters large beside the activations, as where it was found)
+    if case.startswith("l2_penalty"):  # (parameters large beside the activations, as where it was found)
         x, model = torch.randn(4, 64), nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                                                      nn.Linear(1024, 64)).train()
     if case == "head_of_the_model_called_in_the_loss":
@@ -815,9 +817,11 @@ def test_what_the_loss_reaches_is_counted(case):
     runs = {}
     for name in ("plain", "planned"):
         m, h = fresh_copy(model), fresh_copy(head)
-        if case == "l2_penalty":
-            def loss_fn(out, m=m):
-                return out.square().mean() + 1e-3 * sum(p.square().sum() for p in m.parameters())
+        if case.startswith("l2_penalty"):
+            penalized = list(m.parameters()) if case == "l2_penalty" else [m[2].weight]
+
+            def loss_fn(out, penalized=penalized):
+                return out.square().mean() + 1e-3 * sum(p.square().sum() for p in penalized)
             opts, held = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)], []
         elif case == "head_of_the_model_called_in_the_loss":
             def loss_fn(out, m=m):

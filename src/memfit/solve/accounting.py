@@ -459,8 +459,9 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             if c.grad_copy_bytes:  # AccumulateGrad's copies of them, once the node's backward has returned
                 after[i] = max(after[i] if after[i] is not None else total, total + c.grad_copy_bytes)
-        else:  # autograd's buffer for a parameter several nodes use, until it is added into the existing .grad
-            total += c.param_buffer_bytes - c.param_buffer_end_bytes
+        # autograd's buffer for a parameter several nodes use whose .grad exists (all of them with grads_exist, else
+        # those an L2 penalty in the loss gave one), until it is added into that .grad
+        total += c.param_buffer_bytes - c.param_buffer_end_bytes
     acc.grad_before, acc.grad_during, acc.grad_sum = before, during, after
     acc.needs_grad = needs
     acc.unreached = unreached
