@@ -846,6 +846,53 @@ def test_what_the_loss_reaches_is_counted(case):
     assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.005 * peak, (planned.plan.predicted_peak_bytes, peak)
 
 
+def _dcgan():
+    g = nn.Sequential(nn.ConvTranspose2d(64, 128, 4, 1, 0), nn.BatchNorm2d(128), nn.ReLU(),
+                      nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.ReLU(),
+                      nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.BatchNorm2d(32), nn.ReLU(),
+                      nn.ConvTranspose2d(32, 3, 4, 2, 1), nn.Tanh()).train()
+    d = nn.Sequential(nn.Conv2d(3, 32, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(32, 64, 4, 2, 1), nn.BatchNorm2d(64),
+                      nn.LeakyReLU(0.2), nn.Conv2d(64, 128, 4, 2, 1), nn.BatchNorm2d(128), nn.LeakyReLU(0.2),
+                      nn.Conv2d(128, 1, 4, 1, 0), nn.Flatten()).train()
+    return g, d
+
+
+@pytest.mark.parametrize("discriminator", ["trained", "frozen"])
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_a_network_the_loss_runs_is_counted_as_a_step_measures_it(budget, discriminator):
+    """A GAN generator's step, its loss running the discriminator (trained by a second optimizer, or frozen as a
+    perceptual loss's feature network): what the discriminator's forward saved for its backward was counted to the
+    end of the loss's backward (the profile measured that backward apart, and the CPU tracker does not subtract the
+    frees of blocks allocated before it): predicted 1.06x (trained) and 1.17x (frozen) the measured peak at
+    ``100%``. Measured as the loop runs: under the budget, within 0.5% of the prediction, plain PyTorch's
+    gradients and BatchNorm statistics."""
+    from memfit.bench.harness import fresh_copy
+
+    torch.manual_seed(0)
+    gen, disc = _dcgan()
+    disc.requires_grad_(discriminator == "trained")
+    z, ones = torch.randn(32, 64, 1, 1), torch.ones(32, 1)
+    runs = {}
+    for name in ("plain", "planned"):
+        g, d = fresh_copy(gen), fresh_copy(disc)
+
+        def loss_fn(fake, d=d):
+            return nn.functional.binary_cross_entropy_with_logits(d(fake), ones)
+        opts = [torch.optim.Adam(g.parameters(), lr=2e-4)]
+        opts += [torch.optim.Adam(d.parameters(), lr=2e-4)] if discriminator == "trained" else []
+        net = g if name == "plain" else memfit.optimize(g, z, budget, optimizer=opts if len(opts) > 1 else opts[0],
+                                                        loss_fn=loss_fn)
+        peak = _loop_peak(net, loss_fn, opts, [*g.parameters(), *g.buffers(), *d.parameters(), *d.buffers(), z, ones],
+                          z)
+        runs[name] = (net, peak, [t.clone() if t is not None else None for t in
+                                  [*(p.grad for p in g.parameters()), *g.buffers(), *d.buffers()]])
+    planned, peak, state = runs["planned"]
+    for a, b in zip(state, runs["plain"][2], strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+    assert peak <= planned.plan.budget_bytes, (peak, planned.plan.budget_bytes)
+    assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.005 * peak, (planned.plan.predicted_peak_bytes, peak)
+
+
 def test_a_saved_plan_is_refused_for_an_optimizer_that_also_trains_a_head_kept_in_the_loss():
     """Found by a second fresh user: a plan made with the loss's head frozen, applied (``plan_=``) to a loop whose Adam
     trains the head too, was accepted and measured 1.79x its budget (the head's Adam state and gradient)."""
