@@ -893,6 +893,49 @@ def test_a_network_the_loss_runs_is_counted_as_a_step_measures_it(budget, discri
     assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.005 * peak, (planned.plan.predicted_peak_bytes, peak)
 
 
+class _FrozenHeadLM(nn.Module):
+    """An LSTM language model whose output layer is tied to a frozen (pretrained) embedding."""
+
+    def __init__(self, vocab=300, width=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+        self.head.weight = self.emb.weight
+        self.emb.weight.requires_grad_(False)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
+def test_a_region_ending_in_a_layer_that_saves_only_its_weight_recomputes_where_planned():
+    """Found by a fresh user: a region ending in a Linear head with a frozen weight (it saves its weight, not its
+    input) started its recomputation as the head's backward unpacked that weight, while the head's output gradient
+    was still alive, not at the LSTM's backward as planned: 1.09x the budget at ``min`` (236,712 B over the
+    prediction). Now the regions hold parameters and inputs themselves (memfit.runtime.direct_saves)."""
+    from memfit.bench.harness import fresh_copy
+
+    torch.manual_seed(0)
+    base = _FrozenHeadLM().train()
+    ids, target = torch.randint(0, 300, (8, 48)), torch.randint(0, 300, (8, 48))
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(out.reshape(-1, 300), target.reshape(-1))
+    runs = {}
+    for name in ("plain", "planned"):
+        m = fresh_copy(base)
+        opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad])
+        net = m if name == "plain" else memfit.optimize(m, ids, "min", optimizer=opt, loss_fn=loss_fn)
+        peak = _loop_peak(net, loss_fn, [opt], [*m.parameters(), ids, target], ids)
+        runs[name] = (net, peak, [p.grad for p in m.parameters()])
+    planned, peak, grads = runs["planned"]
+    assert planned.plan.regions
+    for a, b in zip(grads, runs["plain"][2], strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-5, atol=1e-7))
+    assert peak <= planned.plan.budget_bytes, (peak, planned.plan.budget_bytes)
+    assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.005 * peak, (planned.plan.predicted_peak_bytes, peak)
+
+
 def test_a_saved_plan_is_refused_for_an_optimizer_that_also_trains_a_head_kept_in_the_loss():
     """Found by a second fresh user: a plan made with the loss's head frozen, applied (``plan_=``) to a loop whose Adam
     trains the head too, was accepted and measured 1.79x its budget (the head's Adam state and gradient)."""

@@ -2503,3 +2503,23 @@ def test_trace_errors_name_torchvision_lines_and_advise_on_requires_grad_checks_
 
     with pytest.raises(memfit.TraceError, match=r"`feats` is an argument of forward that the line iterates over"):
         memfit.optimize(FPNHead().train(), ([torch.randn(2, 4, 8, 8), torch.randn(2, 4, 4, 4)],), "min")
+
+
+def test_a_parameter_changed_between_forward_and_backward_raises_as_in_pytorch():
+    """Found by a fresh user: a weight changed in place after the forward pass (a discriminator's optimizer.step()
+    before the generator's backward pass) makes plain PyTorch's backward raise; a planned module whose regions
+    saved that weight ran on and returned gradients computed partly from the new weights (4e-3 off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).train()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda o: F.cross_entropy(o, y), strategy="checkpoint-all")
+    assert planned.plan.regions
+    for net, m in ((plain, plain), (planned, model)):
+        loss = F.cross_entropy(net(x), y)
+        with torch.no_grad():
+            m[3].weight.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()

@@ -815,14 +815,16 @@ class _SaveOrder(TorchDispatchMode):
         return out
 
 
-def _recording(saved: list[torch.Tensor], order: _SaveOrder | None = None):
-    """Saved-tensor hooks that append each tensor autograd saves to ``saved`` (and mark the save in ``order``).
+def _recording(saved: list[torch.Tensor], order: _SaveOrder | None = None, direct: set[int] = frozenset()):
+    """Saved-tensor hooks that append each tensor autograd saves to ``saved`` (and mark the save in ``order``,
+    unless the tensor's storage pointer is in ``direct``: the parameters and inputs a checkpoint region holds
+    without its hooks, :mod:`memfit.runtime.direct_saves`, so its recomputation stops at the last other save).
     The hook hands autograd a detached alias: handing it the tensor itself makes a cycle through autograd's C++
     graph, which Python's garbage collector cannot see, for every tensor its own node saves (a ReLU's output)."""
 
     def pack(t):
         saved.append(t)
-        if order is not None:
+        if order is not None and not (direct and t.untyped_storage().data_ptr() in direct):
             order.last_save = order.ops
         return t.detach()
 
@@ -875,6 +877,8 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         for t in tensors_in(env[ph.name]):
             register(t, None, "input")
     param_ids = {id(p) for p in gm.parameters()}
+    direct = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *tensors_in(inputs)]
+              if isinstance(t, torch.Tensor) and t.device.type != "meta"}
     kept_params = {id(p) for p, _ in snapshot or ()}
     nodes: list[NodeCost] = []
     finder = FindWrites(buffer_storages(gm))
@@ -896,7 +900,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             torch.clear_autocast_cache()
         try:
             order = _SaveOrder()
-            with recorder or contextlib.nullcontext(), finder, _recording(saved, order), order:
+            with recorder or contextlib.nullcontext(), finder, _recording(saved, order, direct), order:
                 out = node_fn(gm, node)(env)
         except Exception as exc:
             args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))

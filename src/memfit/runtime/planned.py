@@ -62,6 +62,7 @@ from memfit.profile.buffers import (
     reachable_slots,
     storage_key,
 )
+from memfit.runtime.direct_saves import DirectSaves
 from memfit.runtime.offload import OffloadStep
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
@@ -118,8 +119,9 @@ class _RegionCall:
     autograd saved valid and needs no more memory than the buffers' size while it recomputes."""
 
     def __init__(self, region: _Region, on_value=None, state: _StepState | None = None,
-                 side: dict[int, torch.Tensor] | None = None):
+                 side: dict[int, torch.Tensor] | None = None, direct: set[int] = frozenset()):
         self.region = region
+        self.direct = direct  # storage pointers of the parameters and inputs saved as themselves (DirectSaves)
         self.calls = 0
         self.on_value = on_value
         self.state = state
@@ -194,6 +196,13 @@ class _RegionCall:
         region = self.region
         recompute = self.calls > 1
         env = dict(zip(region.inputs, values))
+        with DirectSaves(self.direct):
+            self._run_nodes(env, recompute, scratch)
+        self.on_value = None  # needed in the forward pass only; it would keep the offloader alive
+        return tuple(env[o] for o in region.outputs)
+
+    def _run_nodes(self, env: dict, recompute: bool, scratch) -> None:
+        region = self.region
         for name, fn, frees, from_stats in zip(region.names, region.fns, region.frees, region.stats):
             if not from_stats:
                 value = fn(env)
@@ -212,8 +221,6 @@ class _RegionCall:
                 self.on_value(name, value)
             for f in frees:
                 del env[f]
-        self.on_value = None  # needed in the forward pass only; it would keep the offloader alive
-        return tuple(env[o] for o in region.outputs)
 
 
 def conv_libraries() -> dict[str, bool]:
@@ -1277,6 +1284,10 @@ class PlannedModule(nn.Module):
                  else contextlib.nullcontext())
         state, finder = self._step_state()
         index = self._index
+        # (held by autograd itself inside the regions, not through the checkpoint: DirectSaves)
+        direct = ({p.untyped_storage().data_ptr() for p in self.gm.parameters()}
+                  | {t.untyped_storage().data_ptr() for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor)}
+                  if state is not None else frozenset())
         sized = (self._check_size if self.plan.output_bytes
                  and self._as_planned(args) else None)  # (other inputs or parameters are warned about as such)
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
@@ -1298,7 +1309,7 @@ class PlannedModule(nn.Module):
                 else:
                     values = [env[n] for n in a.inputs]
                     side = {i: v for i, v in enumerate(values) if state.kind(v) is not None}
-                    outs = checkpoint(_RegionCall(a, on_value, state, side),
+                    outs = checkpoint(_RegionCall(a, on_value, state, side, direct),
                                       *[v for i, v in enumerate(values) if i not in side],
                                       use_reentrant=False, preserve_rng_state=True)
                     del values, side

@@ -1,0 +1,93 @@
+"""Parameters and model inputs saved inside a checkpoint region are held directly, not through the checkpoint.
+
+Non-reentrant ``torch.utils.checkpoint`` hands every tensor autograd saves inside its function to its own
+saved-tensor hooks, parameters and the model's inputs too: unpacking any of them in the backward pass starts
+the region's recomputation. The plan counts only activations as what a region saves (a parameter or an input
+is allocated for the whole step anyway), so it expects the recomputation where the region's last saved
+*activation* is unpacked. A node saving only parameters at the region's end (a Linear head with a frozen,
+tied weight saves its weight and not its input) started the recomputation one backward step early, while the
+head's 460 KB output gradient was still alive: a fresh user's LSTM language model measured 1.09x its budget.
+
+:class:`DirectSaves` pushes saved-tensor hooks inside the region that keep parameters and inputs themselves
+(as autograd does without hooks) and pass every other tensor to the checkpoint's hooks, in the forward pass
+and in the recomputation alike, so the checkpoint counts the same saved tensors both times (its early stop
+then ends at the last saved activation, as profiled: ``memfit.profile.costs._recording``). Like autograd, it
+refuses to unpack a tensor that was modified in place after it was saved (a discriminator's ``optimizer.step()``
+before the generator's backward pass): hooked saved tensors skip autograd's own version check, so without
+this the recomputation silently used the new weights where plain PyTorch raises.
+"""
+
+from __future__ import annotations
+
+import torch
+from typing_extensions import Self
+
+
+class _Held:
+    """A parameter or input saved for backward, with its version counter at the time it was saved."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            kind = "a parameter" if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \
+                else "a tensor"
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{kind} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}] is at version {t._version}; "
+                f"expected version {self.version} instead. (memfit: it was saved in a checkpoint region's forward "
+                "pass and changed before the backward pass, e.g. by an optimizer.step() between the forward and "
+                "backward passes; plain PyTorch raises this error too.)")
+        return t
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (sparse or other tensors without a storage)
+        return None
+
+
+class DirectSaves:
+    """Context manager, entered inside a checkpoint region's function: tensors whose storage's data pointer is in
+    ``ptrs`` (the model's parameters and the step's inputs) are saved as themselves, every other tensor through
+    the saved-tensor hooks active on entry (the checkpoint's, in the forward pass or in the recomputation).
+
+    Args:
+        ptrs: storage data pointers (``untyped_storage().data_ptr()``) of the tensors to hold directly.
+    """
+
+    def __init__(self, ptrs: set[int]):
+        self.ptrs = ptrs
+        self._hooks = None
+
+    def __enter__(self) -> Self:
+        top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        top = top_hooks(False) if top_hooks is not None else None
+        if top is None:  # (not inside a checkpoint, or a PyTorch without the function: nothing to do)
+            self._hooks = None
+            return self
+        pack, unpack = top
+        ptrs = self.ptrs
+
+        def pack_direct(t):
+            if _storage_ptr(t) in ptrs:
+                return _Held(t)
+            return pack(t)
+
+        def unpack_direct(x):
+            return x.unpack() if isinstance(x, _Held) else unpack(x)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack_direct, unpack_direct)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
