@@ -1685,6 +1685,24 @@ def test_an_error_in_forward_after_a_buffer_sliced_by_a_shape_is_the_one_reporte
     assert "control flow" not in str(err.value)
 
 
+def test_a_forward_that_raises_is_not_advised_about_control_flow():
+    """Found by a fresh user: a forward raising NotImplementedError itself (an abstract base class planned by
+    mistake) got advice about data-dependent control flow and torch.fx.wrap."""
+
+    class Base(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):
+            raise NotImplementedError("subclasses implement forward")
+
+    with pytest.raises(memfit.TraceError, match=r"NotImplementedError: subclasses implement forward\n  failing line: "
+                       r".*raise NotImplementedError(.|\n)*raised it itself") as err:
+        memfit.optimize(Base().train(), torch.randn(2, 8))
+    assert "control flow" not in str(err.value)
+
+
 def _within_budget_as_pytorch(model, x, y, loss, budget):
     """Plan ``model`` (with the harness's SGD and momentum counted) and train one step of it beside plain PyTorch:
     the gradients match and the measured peak is within the budget. Returns ``(planned, figures)``."""

@@ -367,6 +367,10 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
     line = _user_frame(exc)
+    if re.search(r"(^|: )\s*raise\b", line):  # (a fresh user's was told about control flow)
+        return ("  the forward pass raised it itself: a raise statement of yours, which tracing reached as plain "
+                "PyTorch would on these inputs, not a limit of tracing. Fix the forward, or plan the module whose "
+                "forward is meant to run.")
     if re.search(r"\b(int|float)\([^()]*(\.shape\b|\.size\(|\bnumel\(|\blen\()", line):  # a size, not a value
         return ("  a traced size converted to a Python number (int(x.shape[1])), which torch.fx cannot do: drop the "
                 "int(): tensor calls (view, reshape, new_zeros, expand) take the traced size as it is.")
