@@ -431,7 +431,7 @@ def test_planning_keeps_neither_the_example_batch_nor_the_profiled_activations_a
 def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_changes_nothing():
     """Found by a fresh user: a ``loss_fn`` with the wrong targets, or one returning the output itself, came back as
     PyTorch's bare errors; ``optimizer="sgd"`` as an ``AttributeError``; an optimizer built on another model was
-    taken. The model and the optimizer are left as they were."""
+    taken (without a loss_fn, and later with one). The model and the optimizer are left as they were."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).train()
     x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
@@ -453,6 +453,11 @@ def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_chan
         memfit.plan(lambda t: t * 2, x)
     with pytest.raises(ValueError, match=r"holds 2 parameter tensor\(s\), none of them the model's"):
         memfit.optimize(model, x, "100%", optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    # (with a loss_fn too, which may train parameters outside the model, but does not train these: a third fresh
+    # user's was taken, its parameters counted as the model's state)
+    with pytest.raises(ValueError, match=r"none of them the model's, nor any that loss_fn gives a gradient"):
+        memfit.optimize(model, x, "100%", optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                        loss_fn=lambda out: F.cross_entropy(out, y))
     after = ({k: v.clone() for k, v in model.state_dict().items()}, repr(opt.state_dict()))
     assert before[1] == after[1] and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
     assert model.training

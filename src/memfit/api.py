@@ -447,6 +447,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist, user_inputs=given, held=tuple(outside))
     loss_ptrs = set(costs.loss_param_ptrs)
+    if loss_fn is not None:
+        _check_optimizer(optimizer, model, loss_fn, loss_ptrs)
     _check_something_trains(model, costs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
@@ -563,17 +565,27 @@ def _optimizer_name(opts: list[torch.optim.Optimizer]) -> str | None:
     return "+".join(type(o).__name__ for o in opts) or None
 
 
-def _check_optimizer(optimizer, model: nn.Module, loss_fn=None) -> None:
+def _check_optimizer(optimizer, model: nn.Module, loss_fn=None, loss_ptrs: set[int] | None = None) -> None:
     """Refuse an ``optimizer`` that is not one, or a list of them (:func:`_optimizers`), or one that holds none of
-    ``model``'s parameters (built on another model: its state would be counted, the model's not), unless a
-    ``loss_fn`` is given, which may train them (a head kept in the loss with an optimizer of its own, a GAN's
-    discriminator): they then count with their state."""
+    ``model``'s parameters (built on another model: its state would be counted, the model's not), unless it holds
+    parameters ``loss_fn``'s backward gives a gradient (a head kept in the loss with an optimizer of its own, a
+    GAN's discriminator): they then count with their state. With ``loss_fn`` and no ``loss_ptrs`` (the storage
+    pointers of those parameters, :attr:`Costs.loss_param_ptrs`, known once the loss is profiled) such an
+    optimizer passes, to be checked again with them (an optimizer of another model passed with a loss_fn was
+    accepted, its parameters counted as the model's state)."""
     ours = {id(p) for p in model.parameters()}
     for opt in _optimizers(optimizer):
         held = [p for group in opt.param_groups for p in group["params"]]
-        if held and not any(id(p) in ours for p in held) and loss_fn is None:
-            raise ValueError(f"the optimizer {type(opt).__name__} holds {len(held)} parameter tensor(s), none of "
-                             "them the model's: build it on model.parameters() (the one you train this model with)")
+        if not held or any(id(p) in ours for p in held):
+            continue
+        if loss_fn is not None and (loss_ptrs is None or any(p.untyped_storage().data_ptr() in loss_ptrs
+                                                             for p in held)):
+            continue
+        by_loss = ", nor any that loss_fn gives a gradient" if loss_fn is not None else ""
+        raise ValueError(f"the optimizer {type(opt).__name__} holds {len(held)} parameter tensor(s), none of them the "
+                         f"model's{by_loss}: build it on model.parameters() (the one you train this model with). If "
+                         "it is meant (it trains another network, stepped apart), leave it out of optimizer=: its "
+                         "parameters and state are then not counted in the budget")
 
 
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
