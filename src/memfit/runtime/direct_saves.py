@@ -59,10 +59,12 @@ class DirectSaves:
     the saved-tensor hooks active on entry (the checkpoint's, in the forward pass or in the recomputation).
 
     Args:
-        ptrs: storage data pointers (``untyped_storage().data_ptr()``) of the tensors to hold directly.
+        ptrs: storage data pointers (``untyped_storage().data_ptr()``) of the tensors to hold directly (a set, or
+            a dict keyed by them; the caller keeps those tensors alive while a recomputation can run, so that no
+            tensor it makes can take one of their addresses).
     """
 
-    def __init__(self, ptrs: set[int]):
+    def __init__(self, ptrs: set[int] | dict[int, torch.Tensor]):
         self.ptrs = ptrs
         self._hooks = None
 

@@ -119,9 +119,10 @@ class _RegionCall:
     autograd saved valid and needs no more memory than the buffers' size while it recomputes."""
 
     def __init__(self, region: _Region, on_value=None, state: _StepState | None = None,
-                 side: dict[int, torch.Tensor] | None = None, direct: set[int] = frozenset()):
+                 side: dict[int, torch.Tensor] | None = None, direct: dict[int, torch.Tensor] | None = None):
         self.region = region
-        self.direct = direct  # storage pointers of the parameters and inputs saved as themselves (DirectSaves)
+        # storage pointer -> the parameter or input saved as itself (DirectSaves)
+        self.direct = direct if direct is not None else {}
         self.calls = 0
         self.on_value = on_value
         self.state = state
@@ -1284,10 +1285,11 @@ class PlannedModule(nn.Module):
                  else contextlib.nullcontext())
         state, finder = self._step_state()
         index = self._index
-        # (held by autograd itself inside the regions, not through the checkpoint: DirectSaves)
-        direct = ({p.untyped_storage().data_ptr() for p in self.gm.parameters()}
-                  | {t.untyped_storage().data_ptr() for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor)}
-                  if state is not None else frozenset())
+        # (held by autograd itself inside the regions, not through the checkpoint: DirectSaves; the regions hold the
+        # inputs to the end of their backward, so that no tensor a recomputation makes takes an input's address)
+        direct = ({t.untyped_storage().data_ptr(): t for t in [*self.gm.parameters(), *(
+                   t for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor))]}
+                  if state is not None else {})
         sized = (self._check_size if self.plan.output_bytes
                  and self._as_planned(args) else None)  # (other inputs or parameters are warned about as such)
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
