@@ -692,8 +692,8 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
         if len(ks) > 1 and exists:
             nodes[ks[0]][1].param_buffer_bytes += b
             nodes[ks[-1]][1].param_buffer_end_bytes += b
-            for k in ks[1:]:
-                nodes[k][1].param_sum_bytes += b
+        for k in ks[1:]:
+            nodes[k][1].param_sum_bytes += b
 
 
 def _attr(gm: fx.GraphModule, target: str):
