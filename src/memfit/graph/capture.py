@@ -367,7 +367,7 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
     line = _user_frame(exc)
-    if re.search(r"(^|: )\s*raise\b", line):  # (a fresh user's was told about control flow)
+    if not line.startswith("inside torch") and re.search(r"(^|: )\s*raise\b", line):  # (was: control-flow advice)
         return ("  the forward pass raised it itself: a raise statement of yours, which tracing reached as plain "
                 "PyTorch would on these inputs, not a limit of tracing. Fix the forward, or plan the module whose "
                 "forward is meant to run.")
