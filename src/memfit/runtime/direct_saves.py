@@ -22,9 +22,11 @@ from __future__ import annotations
 import torch
 from typing_extensions import Self
 
+from memfit.variants.versions import raise_if_changed
+
 
 class _Held:
-    """A parameter or input saved for backward, with its version counter at the time it was saved."""
+    """A parameter or input saved for backward as itself, with its version counter at the time it was saved."""
 
     __slots__ = ("tensor", "version")
 
@@ -33,17 +35,19 @@ class _Held:
         self.version = tensor._version
 
     def unpack(self) -> torch.Tensor:
-        t = self.tensor
-        if t._version != self.version:
-            kind = "a parameter" if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \
-                else "a tensor"
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{kind} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}] is at version {t._version}; "
-                f"expected version {self.version} instead. (memfit: it was saved in a checkpoint region's forward "
-                "pass and changed before the backward pass, e.g. by an optimizer.step() between the forward and "
-                "backward passes; plain PyTorch raises this error too.)")
-        return t
+        raise_if_changed([(self.tensor, self.version)], "a checkpoint region")
+        return self.tensor
+
+
+class _Watched:
+    """A buffer saved through the checkpoint's hooks (``packed``), with the buffer and its version counter then."""
+
+    __slots__ = ("packed", "tensor", "version")
+
+    def __init__(self, packed, tensor: torch.Tensor):
+        self.packed = packed
+        self.tensor = tensor
+        self.version = tensor._version
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -56,16 +60,21 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
 class DirectSaves:
     """Context manager, entered inside a checkpoint region's function: tensors whose storage's data pointer is in
     ``ptrs`` (the model's parameters and the step's inputs) are saved as themselves, every other tensor through
-    the saved-tensor hooks active on entry (the checkpoint's, in the forward pass or in the recomputation).
+    the saved-tensor hooks active on entry (the checkpoint's, in the forward pass or in the recomputation). Those
+    in ``watched`` (the model's buffers) go through the checkpoint's hooks too, and their version counter is
+    checked when they are unpacked (a buffer changed between forward and backward raises, as in plain PyTorch;
+    the recomputation ran from a snapshot of it, and gave gradients of neither value).
 
     Args:
         ptrs: storage data pointers (``untyped_storage().data_ptr()``) of the tensors to hold directly (a set, or
             a dict keyed by them; the caller keeps those tensors alive while a recomputation can run, so that no
             tensor it makes can take one of their addresses).
+        watched: storage data pointers of the tensors whose version is checked.
     """
 
-    def __init__(self, ptrs: set[int] | dict[int, torch.Tensor]):
+    def __init__(self, ptrs: set[int] | dict[int, torch.Tensor], watched: set[int] = frozenset()):
         self.ptrs = ptrs
+        self.watched = watched
         self._hooks = None
 
     def __enter__(self) -> Self:
@@ -75,15 +84,23 @@ class DirectSaves:
             self._hooks = None
             return self
         pack, unpack = top
-        ptrs = self.ptrs
+        ptrs, watched = self.ptrs, self.watched
 
         def pack_direct(t):
-            if _storage_ptr(t) in ptrs:
+            ptr = _storage_ptr(t)
+            if ptr in ptrs:
                 return _Held(t)
+            if ptr in watched:
+                return _Watched(pack(t), t)
             return pack(t)
 
         def unpack_direct(x):
-            return x.unpack() if isinstance(x, _Held) else unpack(x)
+            if isinstance(x, _Held):
+                return x.unpack()
+            if isinstance(x, _Watched):
+                raise_if_changed([(x.tensor, x.version)], "a checkpoint region")
+                return unpack(x.packed)
+            return unpack(x)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack_direct, unpack_direct)
         self._hooks.__enter__()

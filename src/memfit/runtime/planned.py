@@ -67,6 +67,7 @@ from memfit.runtime.offload import OffloadStep
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
+from memfit.variants.versions import raise_if_changed, versions
 from memfit.warn import warn_user
 
 
@@ -119,10 +120,13 @@ class _RegionCall:
     autograd saved valid and needs no more memory than the buffers' size while it recomputes."""
 
     def __init__(self, region: _Region, on_value=None, state: _StepState | None = None,
-                 side: dict[int, torch.Tensor] | None = None, direct: dict[int, torch.Tensor] | None = None):
+                 side: dict[int, torch.Tensor] | None = None, direct: dict[int, torch.Tensor] | None = None,
+                 watched: set[int] = frozenset()):
         self.region = region
-        # storage pointer -> the parameter or input saved as itself (DirectSaves)
+        # storage pointer -> the parameter or input saved as itself; buffers' pointers (DirectSaves)
         self.direct = direct if direct is not None else {}
+        self.watched = watched
+        self.versions: list[tuple[torch.Tensor, int]] = []  # the region's parameters after its forward pass
         self.calls = 0
         self.on_value = on_value
         self.state = state
@@ -148,7 +152,12 @@ class _RegionCall:
             if state is not None:
                 self._snapshot(values)
                 state.calls.append(self)
-            return self._run(values, None)
+            out = self._run(values, None)
+            # (a parameter changed before the recomputation, a bias no node saves, would silently give gradients
+            # of neither its old nor its new value: a fresh user's were 5e-3 off where plain PyTorch's were exact)
+            self.versions = versions(p for m in region.modules for p in m.parameters(recurse=False))
+            return out
+        raise_if_changed(self.versions, "a checkpoint region")
         if state is None:
             return self._run(values, None)
         scratch: dict[int, torch.Tensor] = {}
@@ -197,7 +206,7 @@ class _RegionCall:
         region = self.region
         recompute = self.calls > 1
         env = dict(zip(region.inputs, values))
-        with DirectSaves(self.direct):
+        with DirectSaves(self.direct, self.watched):
             self._run_nodes(env, recompute, scratch)
         self.on_value = None  # needed in the forward pass only; it would keep the offloader alive
         return tuple(env[o] for o in region.outputs)
@@ -1290,6 +1299,7 @@ class PlannedModule(nn.Module):
         direct = ({t.untyped_storage().data_ptr(): t for t in [*self.gm.parameters(), *(
                    t for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor))]}
                   if state is not None else {})
+        watched = {b.untyped_storage().data_ptr() for b in self.gm.buffers()} if state is not None else frozenset()
         sized = (self._check_size if self.plan.output_bytes
                  and self._as_planned(args) else None)  # (other inputs or parameters are warned about as such)
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
@@ -1311,7 +1321,7 @@ class PlannedModule(nn.Module):
                 else:
                     values = [env[n] for n in a.inputs]
                     side = {i: v for i, v in enumerate(values) if state.kind(v) is not None}
-                    outs = checkpoint(_RegionCall(a, on_value, state, side, direct),
+                    outs = checkpoint(_RegionCall(a, on_value, state, side, direct, watched),
                                       *[v for i, v in enumerate(values) if i not in side],
                                       use_reentrant=False, preserve_rng_state=True)
                     del values, side

@@ -40,6 +40,7 @@ from torch.nn.modules.utils import _pair
 
 from memfit.graph.attributes import has_own_hooks
 from memfit.variants.single_backward import single_backward
+from memfit.variants.versions import raise_if_changed, versions
 
 __all__ = ["TiledChain", "TiledChainFn", "chain_layer_ok", "stripe_rows"]
 
@@ -203,6 +204,9 @@ class TiledChainFn(torch.autograd.Function):
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.layers, ctx.stripes, ctx.heights = layers, stripes, heights
+        # (the backward pass computes the chain again from the parameters: one changed since, a weight plain
+        # PyTorch would refuse or a bias it would not need, gave gradients of neither value)
+        ctx.versions = versions(params)
         ctx.save_for_backward(x)
         return out
 
@@ -210,6 +214,7 @@ class TiledChainFn(torch.autograd.Function):
     @single_backward("tiled-chain")
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
+        raise_if_changed(ctx.versions, "a chain computed in row stripes (tiled-chain)")
         layers, heights = ctx.layers, ctx.heights
         params = _params(layers)
         # each stripe back-propagates into leaf aliases of the parameters whose .grad is the running sum:
