@@ -1130,3 +1130,34 @@ def test_keyword_only_arguments_bind_by_name_from_a_dict():
         planned(**batch).square().sum().backward()
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("time_limit", ["5", None, True, 0, float("nan")])
+def test_a_time_limit_that_is_not_a_positive_number_is_a_clear_error(time_limit):
+    """Found by a fresh user: ``time_limit="5"`` and ``None`` were bare TypeErrors from a comparison with 0."""
+    with pytest.raises(ValueError, match=r"time_limit must be a positive number of seconds"):
+        memfit.optimize(nn.Sequential(nn.Linear(4, 4)).train(), torch.randn(2, 4), time_limit=time_limit)
+
+
+class _Identity(nn.Module):
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["memfit", "remat-ilp", "checkpoint-all"])
+def test_a_model_without_operations_plans_and_trains_as_pytorch(strategy):
+    """Found by a fresh user: ``forward(x): return x`` on an input requiring grad was an IndexError inside the
+    solver with the default strategy."""
+    x = torch.randn(4, 8, requires_grad=True)
+    planned = memfit.optimize(_Identity().train(), x, "min", strategy=strategy, loss_fn=lambda o: o.square().sum())
+    planned(x).square().sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_an_optimizer_in_a_list_that_holds_none_of_the_model_is_named_by_its_position():
+    """Found by a fresh user: with ``optimizer=[Adam(model), Adam(other)]`` the error said "the optimizer Adam",
+    not which of the two."""
+    model, other = nn.Sequential(nn.Linear(4, 4)).train(), nn.Linear(2, 2)
+    opts = [torch.optim.Adam(model.parameters()), torch.optim.Adam(other.parameters())]
+    with pytest.raises(ValueError, match=r"optimizer\[1\] \(Adam\) holds 2 parameter tensor\(s\), none of them"):
+        memfit.optimize(model, torch.randn(2, 4), "100%", optimizer=opts)

@@ -430,7 +430,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     budget = Budget.parse(budget)
     _check_model(model)
     _check_optimizer(optimizer, model, loss_fn)
-    if not time_limit > 0:
+    # (a string or None compared with 0 was a bare TypeError for a fresh user)
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
@@ -574,7 +575,8 @@ def _check_optimizer(optimizer, model: nn.Module, loss_fn=None, loss_ptrs: set[i
     optimizer passes, to be checked again with them (an optimizer of another model passed with a loss_fn was
     accepted, its parameters counted as the model's state)."""
     ours = {id(p) for p in model.parameters()}
-    for opt in _optimizers(optimizer):
+    opts = _optimizers(optimizer)
+    for k, opt in enumerate(opts):
         held = [p for group in opt.param_groups for p in group["params"]]
         if not held or any(id(p) in ours for p in held):
             continue
@@ -582,7 +584,8 @@ def _check_optimizer(optimizer, model: nn.Module, loss_fn=None, loss_ptrs: set[i
                                                              for p in held)):
             continue
         by_loss = ", nor any that loss_fn gives a gradient" if loss_fn is not None else ""
-        raise ValueError(f"the optimizer {type(opt).__name__} holds {len(held)} parameter tensor(s), none of them the "
+        which = f"optimizer[{k}] ({type(opt).__name__})" if len(opts) > 1 else f"the optimizer {type(opt).__name__}"
+        raise ValueError(f"{which} holds {len(held)} parameter tensor(s), none of them the "
                          f"model's{by_loss}: build it on model.parameters() (the one you train this model with). If "
                          "it is meant (it trains another network, stepped apart), leave it out of optimizer=: its "
                          "parameters and state are then not counted in the budget")

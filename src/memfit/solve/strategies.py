@@ -256,8 +256,9 @@ class _Problem:
     def _solve_lows(self, time_limit: float, recompute_only: bool, fastest: bool) -> tuple[list[Plan], bool]:
         """The lowest-memory plans, and whether a peak-minimizing program stopped at its time limit (before its
         node limit: the floor found may then be above the one a longer search would find)."""
+        # (a model with no operations, `return x`, has no node to make a region of: a fresh user's IndexError)
         plans = [self.finish(chen_spans(self.acc)), self.finish(block_spans(self.graph)),
-                 self.finish([(0, self.acc.n - 1)])]
+                 self.finish([(0, self.acc.n - 1)] if self.acc.n else [])]
         if recompute_only:
             res = solve_regions(self.acc, 0, time_limit=time_limit, minimize_peak=True)
             if res.spans is None:
