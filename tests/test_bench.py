@@ -437,12 +437,13 @@ def test_cli_offload_flag_errors_are_messages(tmp_path, capsys):
 
 def test_cli_plan_out_and_threads_errors_are_messages_before_solving(tmp_path, capsys):
     """Found by fresh-user runs: ``memfit plan --out <a folder>`` solved, then died with a traceback; ``--threads 0``
-    was taken."""
+    was taken; ``memfit run --json <a folder>`` was offered ``plan.json`` as the report's name."""
     for flags, words in [(["plan", "--out", str(tmp_path)], "names a folder"),
                          (["plan", "--out", str(tmp_path / "new") + "/"], "names a folder"),
                          (["plan", "--out", "/proc/memfit-nope.json"], "cannot write there"),
                          (["plan", "--threads", "0"], ">= 1"),
-                         (["run", "--threads", "0"], ">= 1")]:
+                         (["run", "--threads", "0"], ">= 1"),
+                         (["run", "--json", str(tmp_path)], "e.g. " + str(tmp_path / "run.json"))]:
         with pytest.raises(SystemExit) as exc:
             main([*flags[:1], "--model", "resnet18", "--batch", "2", "--image-size", "32", *flags[1:]])
         assert exc.value.code == 2

@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             command.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
         if path and (os.path.isdir(path) or path.endswith(("/", os.sep))):
-            command.error(f"--{flag} {path} names a folder: name a file in it, e.g. {os.path.join(path, 'plan.json')}")
+            example = "plan.json" if flag == "out" else f"{args.command}.json"  # (a run's report was offered plan.json)
+            command.error(f"--{flag} {path} names a folder: name a file in it, e.g. {os.path.join(path, example)}")
         if path:
             why = _unwritable(path)
             if why:
