@@ -1701,6 +1701,9 @@ def test_a_forward_that_raises_is_not_advised_about_control_flow():
                        r".*raise NotImplementedError(.|\n)*raised it itself") as err:
         memfit.optimize(Base().train(), torch.randn(2, 8))
     assert "control flow" not in str(err.value)
+    # (and a ValueError, as the README lists a forward pass that fails on the example inputs: a verification
+    # round's `except ValueError` missed it)
+    assert isinstance(err.value, ValueError)
 
 
 def _within_budget_as_pytorch(model, x, y, loss, budget):

@@ -39,6 +39,18 @@ class TraceError(RuntimeError):
     """The model could not be traced by ``torch.fx``; the message names the failing line and the fix."""
 
 
+class ForwardRaisedError(TraceError, ValueError):
+    """The forward pass raised an exception of its own (a raise statement of the user's) while traced: an error on
+    these inputs, as plain PyTorch would raise it (a ``ValueError``, like any forward pass that fails on the example
+    inputs), not a limit of tracing."""
+
+
+def _raised_by_user(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from a raise statement in the user's code (not torch's)."""
+    line = _user_frame(exc)
+    return not line.startswith("inside torch") and re.search(r"(^|: )\s*raise\b", line) is not None
+
+
 @dataclass
 class Captured:
     """A traced model: the fx ``GraphModule`` (sharing parameters and buffers with the user's model),
@@ -367,7 +379,7 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return ("  that is an error in the forward pass itself, which plain PyTorch raises too when it runs that "
                 "line, not a limit of tracing: fix it and plan again.")
     line = _user_frame(exc)
-    if not line.startswith("inside torch") and re.search(r"(^|: )\s*raise\b", line):  # (was: control-flow advice)
+    if _raised_by_user(exc):  # (a fresh user's was given control-flow advice)
         return ("  the forward pass raised it itself: a raise statement of yours, which tracing reached as plain "
                 "PyTorch would on these inputs, not a limit of tracing. Fix the forward, or plan the module whose "
                 "forward is meant to run.")
@@ -689,7 +701,7 @@ def capture(model: nn.Module) -> Captured:
             "gradients), or compute that part outside the model and pass it in as an input."
         ) from None
     except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
-        raise TraceError(
+        raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
             f"  failing line: {_user_frame(exc)}\n" + _trace_advice(model, exc)
         ) from exc
