@@ -461,8 +461,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     # optimizer trains outside the model: their state too)
     by_loss = _loss_trained(loss_fn, model, captured.gm, loss_ptrs)
     _warn_untrained_by_optimizers(model, _optimizers(optimizer), trained, by_loss)
-    state, measured = _counted_state(optimizer, _unique(trained + [p for _, p in by_loss]
-                                                        + [p for p in outside if p.requires_grad]))
+    state, measured = _counted_state(optimizer, _state_params(trained, [p for _, p in by_loss], outside))
     if measured is not None:
         costs.step_bytes = measured.step_bytes
     fixed = costs.fixed_bytes + state
@@ -591,9 +590,12 @@ def _check_optimizer(optimizer, model: nn.Module, loss_fn=None, loss_ptrs: set[i
                          "parameters and state are then not counted in the budget")
 
 
-def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` without repeats (by identity), in order."""
-    return list({id(t): t for t in tensors}.values())
+def _state_params(trained: list[torch.Tensor], by_loss: list[torch.Tensor],
+                  outside: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters whose optimizer state the step holds, each once: those it trains in the graph (``trained``),
+    those only the loss trains (``by_loss``: a head of the model called in loss_fn) and those an optimizer trains
+    outside the model that require grad (``outside``: a head kept in the loss)."""
+    return list({id(t): t for t in [*trained, *by_loss, *(p for p in outside if p.requires_grad)]}.values())
 
 
 def _loss_trained(loss_fn, model: nn.Module, gm: nn.Module, ptrs: set[int]) -> list[tuple[str, torch.Tensor]]:
@@ -811,10 +813,10 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head
         # frozen was applied to a loop training it, 1.79x its budget)
-        outside = [p for p in _outside_params([model, captured.gm], _optimizers(optimizer)) if p.requires_grad]
+        outside = _outside_params([model, captured.gm], _optimizers(optimizer))
         named = dict(model.named_parameters())  # (and a head of the model that only the loss trains)
         by_loss = [named[n] for n in plan_.loss_trained if n in named and named[n].requires_grad]
-        _check_optimizer_state(plan_, optimizer, _unique(list(captured.gm.parameters()) + by_loss + outside))
+        _check_optimizer_state(plan_, optimizer, _state_params(list(captured.gm.parameters()), by_loss, outside))
         return PlannedModule(captured, plan_, report=_report(plan_), offload_dir=offload_dir)
     store = offload_store(given, strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,

@@ -499,9 +499,12 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             # an L2 penalty measured 1.14x a 100% budget profiled as set to None; exact as preallocated). Only
             # those: a penalty on the last layer alone, profiled as if every gradient existed, was predicted 1.15x
             # what ResNet-18 measured at 100%
-            trainable = {p.untyped_storage().data_ptr() for p in params if p.requires_grad and id(p) not in no_grad}
-            existing = trainable if grads_exist else trainable & set(costs.loss_param_ptrs)
-            grads_exist = grads_exist or (bool(trainable) and existing == trainable)
+            # (a parameter the step gives no gradient, a head whose output the loss does not read, has none: a fresh
+            # user's floor was 1.5x what plain PyTorch measured): data pointer -> bytes
+            trained = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                       for p in params if p.requires_grad and id(p) not in no_grad}
+            existing = set(trained) if grads_exist else set(trained) & set(costs.loss_param_ptrs)
+            grads_exist = grads_exist or (bool(trained) and existing == set(trained))
             _measure_workspace(gm, inputs, costs, device, requires, formats, existing)
     finally:
         _restore(snapshot, flags)
@@ -519,10 +522,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
         if node.op == "call_module":
             for t in module_held(gm.get_submodule(node.target)):
                 state.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-    # (a parameter the step gives no gradient, a head whose output the loss does not read, has none: a fresh
-    # user's floor was 1.5x what plain PyTorch measured)
-    grad_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                      for p in params if p.requires_grad and id(p) not in no_grad}.values())
+    grad_bytes = sum(trained.values())
     costs.no_grad_params = [name for name, p in gm.named_parameters() if id(p) in no_grad]
     costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes + loss_param_grads
                          + _closure_bytes(loss_fn, fixed_ptrs | set(state), tuple(inputs) + tuple(user_inputs), held))

@@ -25,29 +25,16 @@ from typing_extensions import Self
 from memfit.variants.versions import raise_if_changed
 
 
-class _Held:
-    """A parameter or input saved for backward as itself, with its version counter at the time it was saved."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self.version = tensor._version
-
-    def unpack(self) -> torch.Tensor:
-        raise_if_changed([(self.tensor, self.version)], "a checkpoint region")
-        return self.tensor
-
-
-class _Watched:
-    """A buffer saved through the checkpoint's hooks (``packed``), with the buffer and its version counter then."""
+class _Saved:
+    """A tensor saved in a region, with its version counter at the time: a parameter or an input held as itself
+    (``packed`` is ``None``), or a buffer saved through the checkpoint's hooks (``packed``, what they returned)."""
 
     __slots__ = ("packed", "tensor", "version")
 
-    def __init__(self, packed, tensor: torch.Tensor):
-        self.packed = packed
+    def __init__(self, tensor: torch.Tensor, packed=None):
         self.tensor = tensor
         self.version = tensor._version
+        self.packed = packed
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -89,18 +76,16 @@ class DirectSaves:
         def pack_direct(t):
             ptr = _storage_ptr(t)
             if ptr in ptrs:
-                return _Held(t)
+                return _Saved(t)
             if ptr in watched:
-                return _Watched(pack(t), t)
+                return _Saved(t, pack(t))
             return pack(t)
 
         def unpack_direct(x):
-            if isinstance(x, _Held):
-                return x.unpack()
-            if isinstance(x, _Watched):
-                raise_if_changed([(x.tensor, x.version)], "a checkpoint region")
-                return unpack(x.packed)
-            return unpack(x)
+            if not isinstance(x, _Saved):
+                return unpack(x)
+            raise_if_changed([(x.tensor, x.version)], "a checkpoint region")
+            return x.tensor if x.packed is None else unpack(x.packed)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack_direct, unpack_direct)
         self._hooks.__enter__()
