@@ -13,6 +13,15 @@ solves the rewritten graph beside the traced one (:mod:`memfit.graph.bn_output`)
 This script measured why: it rewrites ReLU and LeakyReLU pairs too, and there the out-of-place activation
 cost as much as it spared (ResNet-50, GoogLeNet; BENCHMARKS.md, 2026-12-04).
 
+``--graphs`` picks the graphs: ``traced``, ``bn-from-output`` (the hand rewrite below) and ``relu-conv``
+(:func:`memfit.graph.bn_output.apply_bn_from_output` with every BatchNorm -> ReLU -> ``nn.Conv2d`` triple run as
+one call that saves the BatchNorm's output instead of the ReLU's, :mod:`memfit.variants.relu_conv`, beside the
+ReLU6 / Hardtanh pairs the planner rewrites; its profile shares the traced graph's times for the nodes the two
+graphs share, as the planner's does):
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bn_from_output_check.py resnet50:8:128 --graphs traced,relu-conv \
+        --budgets 33,40 --rounds 12
+
 It makes the rewrite by hand, as a second graph: every BatchNorm whose only reader is an in-place
 ReLU / ReLU6 / LeakyReLU / Hardtanh (module or ``F.relu(x, inplace=True)``) runs as
 :class:`memfit.variants.BatchNorm2dFromOutput` (sharing the parameters and buffers) and the activation out of
@@ -37,9 +46,11 @@ from _spec import measured_setup
 from torch import fx, nn
 
 import memfit
+from memfit.api import bn_from_output_option
 from memfit.bench.harness import compare, fresh_copy, interleaved_step_seconds, measure_training
-from memfit.bench.job import rounding_verdict
+from memfit.bench.job import rounding_verdict, rounds_differently
 from memfit.graph import capture
+from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs, relu_conv_triples
 from memfit.graph.capture import Captured, graph_of
 from memfit.profile.costs import profile_graph
 from memfit.runtime.overhead import price_regions
@@ -99,18 +110,32 @@ def main() -> None:
     ap.add_argument("--budgets", default="33,40", help="activation budgets, percent of plain PyTorch's")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--graphs", default="traced,bn-from-output",
+                    help="comma-separated: traced, bn-from-output, relu-conv (traced is always solved)")
     args = ap.parse_args()
     model, x, y, loss, base = measured_setup(args.spec)
+    asked = ["as traced"] + [g for g in args.graphs.split(",") if g not in ("traced", "")]
+    unknown = [g for g in asked[1:] if g not in REWRITES]
+    if unknown:
+        ap.error(f"unknown graph {unknown[0]!r}: choose from traced, {', '.join(REWRITES)}")
     graphs = {}
-    for name in ("as traced", "bn-from-output"):
-        captured = capture(fresh_copy(model))
-        if name != "as traced":
-            captured, done = rewrite(captured)
+    captured0 = capture(fresh_copy(model))
+    costs0 = profile_graph(captured0, (x,), with_variants=True, loss_fn=lambda out: loss(out, y))
+    price_regions(costs0)
+    graphs["as traced"] = (captured0, costs0)
+    for name in asked[1:]:
+        if name == "relu-conv":  # (the planner's own option: the nodes both graphs share keep the traced times)
+            option = bn_from_output_option(captured0, costs0, (x,), lambda out: loss(out, y), relu_conv=True)
+            captured, costs = option.captured, option.costs
+            print(f"relu-conv: {len(option.bn_from_output)} BatchNorms from their output, "
+                  f"{len(relu_conv_triples(captured0.gm, option.bn_from_output))} of them before a ReLU and a "
+                  "convolution", flush=True)
+        else:
+            captured, done = rewrite(capture(fresh_copy(model)))
             print(f"rewritten: {len(done)} BatchNorm -> activation pairs", flush=True)
-        costs = profile_graph(captured, (x,), with_variants=True, loss_fn=lambda out: loss(out, y))
-        price_regions(costs)
+            costs = profile_graph(captured, (x,), with_variants=True, loss_fn=lambda out: loss(out, y))
+            price_regions(costs)
         graphs[name] = (captured, costs)
-    captured0, costs0 = graphs["as traced"]
     plain_plan = make_plan("none", captured0.graph, costs0)
     act = plain_plan.predicted_peak_bytes - costs0.fixed_bytes
     rows, setups = [], [(plain := fresh_copy(model), plain)]
@@ -123,15 +148,16 @@ def main() -> None:
                 print(f"{name} @ {pct}%: infeasible ({exc.smallest_feasible_bytes})")
                 continue
             predicted = plan.predicted_step_seconds / plain_plan.predicted_step_seconds
+            remake = REWRITES.get(name, lambda c: (c, []))
             fresh = capture(fresh_copy(model))  # (measuring trains the copy: each plan from plain PyTorch's weights)
-            pm = memfit.PlannedModule(fresh if name == "as traced" else rewrite(fresh)[0], plan)
+            pm = memfit.PlannedModule(remake(fresh)[0], plan)
             fig = measure_training(pm, pm, (x,), y, loss, steps=1)
             check = compare(base, fig)
             check = (f"equal ({check['max_abs_grad_diff']:.1e})" if check["gradients_match"] and check["bn_stats_match"]
                      else f"DIFFER ({check['max_abs_grad_diff']:.1e})")
-            if name != "as traced":
-                check = _rounding(model, plan, x, y, loss)
-            timed_captured = rewrite(capture(fresh_copy(model)))[0] if name != "as traced" else capture(fresh_copy(model))
+            if name != "as traced" or rounds_differently(plan):  # (conv-native: float32 rounding too)
+                check = _rounding(model, plan, x, y, loss, remake)
+            timed_captured = remake(capture(fresh_copy(model)))[0]
             timed = memfit.PlannedModule(timed_captured, plan)
             setups.append((timed, timed))
             rows.append((name, pct, plan, fig, predicted, check))
@@ -148,13 +174,25 @@ def main() -> None:
               f"| {plan.counts()['variants'] or '-'} | {check} |", flush=True)
 
 
-def _rounding(model, plan, x, y, loss) -> str:
+def _relu_conv(captured: Captured) -> tuple[Captured, list[str]]:
+    """``captured`` with the planner's BatchNorm -> activation pairs and every BatchNorm -> ReLU -> ``nn.Conv2d``
+    triple run from BatchNorm's output (:func:`memfit.graph.bn_output.apply_bn_from_output`); the BatchNorm nodes."""
+    names = bn_activation_pairs(captured.gm, relu_conv=True)
+    return apply_bn_from_output(captured, names), names
+
+
+#: the rewritten graphs ``--graphs`` can ask for, by name
+REWRITES = {"bn-from-output": rewrite, "relu-conv": _relu_conv}
+
+
+def _rounding(model, plan, x, y, loss, remake) -> str:
     """One step from plain PyTorch's weights: the rewritten plan's gradients and BatchNorm statistics against
-    plain PyTorch's float32 and float64 ones (:func:`memfit.bench.peers.one_step_check`)."""
+    plain PyTorch's float32 and float64 ones (:func:`memfit.bench.peers.one_step_check`); ``remake`` rewrites a
+    fresh capture as the plan's graph was."""
     from memfit.bench import peers
 
     reference = peers.reference_grads(model, (x,), y, loss, 0)
-    pm = memfit.PlannedModule(rewrite(capture(fresh_copy(model)))[0], plan)
+    pm = memfit.PlannedModule(remake(capture(fresh_copy(model)))[0], plan)
     buffers: dict[str, torch.Tensor] = {}
     grads = peers.one_step_grads(pm, pm, (x,), y, loss, 0, buffers)
     out = peers.one_step_check(grads, reference, buffers)

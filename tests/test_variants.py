@@ -33,6 +33,7 @@ from memfit.variants import (
     leaky_relu_mask,
     max_pool2d_compact,
     pack_mask,
+    relu_conv,
     relu_mask,
     unpack_mask,
     variants_for,
@@ -674,6 +675,81 @@ def test_conv_split_backward_partial_grads_and_saved_bytes():
         conv_split_backward(x, ref.weight, padding="same")
     with pytest.raises(ValueError, match="3-, 4- or 5-D"):
         conv_split_backward(x[0, 0], ref.weight)
+
+
+# ---------------------------------------------------------------- relu-conv
+
+
+RELU_CONVS = CONVS[:4] + [("2d-odd-1x1-strided", lambda: nn.Conv2d(5, 3, 1, stride=2, bias=False))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name,make", RELU_CONVS, ids=[c[0] for c in RELU_CONVS])
+def test_relu_conv_matches_torch(name, make, dtype):
+    torch.manual_seed(8)
+    conv = make().to(dtype)
+    y0 = _conv_input(conv, dtype)
+    y0.view(-1)[:4] = torch.tensor([0.0, -0.0, float("nan"), 1e-30], dtype=dtype)  # ReLU's edge: y <= 0, NaN
+    layouts_ = list(layouts(y0)) + [("channels_last", y0.contiguous(memory_format=torch.channels_last),
+                                     lambda t: t * 1)]
+    for lay, leaf, feed in layouts_:
+        outs = []
+        for run in (lambda y: conv(F.relu(y)),
+                    lambda y: relu_conv(y, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
+                                        conv.groups)):
+            lf = leaf.detach().clone().requires_grad_()
+            out = run(feed(lf))
+            g = out.detach().cos()
+            outs.append((out, torch.autograd.grad(out, [lf, *conv.parameters()], g)))
+        (o_ref, g_ref), (o_var, g_var) = outs
+        assert same(o_ref, o_var), (name, lay)
+        for a, b in zip(g_ref, g_var, strict=True):
+            assert same(a, b), (name, lay)
+
+
+def test_relu_conv_saves_the_relus_input_only_and_takes_partial_gradients():
+    torch.manual_seed(9)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    y = torch.randn(2, 4, 9, 7, requires_grad=True)
+    b_ref, _ = saved_bytes(lambda: conv(F.relu(y)))  # (y is a leaf: PyTorch saves relu(y), a tensor of y's size)
+    b_var, _ = saved_bytes(lambda: relu_conv(y, conv.weight, conv.bias, 1, 1))
+    assert b_var == y.untyped_storage().nbytes() == b_ref
+    h = y * 1  # not a leaf: PyTorch saves relu(h) for the convolution, relu_conv the h it was given
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        relu_conv(h, conv.weight, conv.bias, 1, 1)
+    assert any(t is h for t in seen) and all(t is h or isinstance(t, nn.Parameter) for t in seen)
+    # a frozen weight: the input's gradient only; an input without a gradient: the parameters' only
+    conv.weight.requires_grad_(False)
+    (gy_ref,) = torch.autograd.grad(conv(F.relu(y)).sum(), [y])
+    (gy_var,) = torch.autograd.grad(relu_conv(y, conv.weight, conv.bias, 1, 1).sum(), [y])
+    assert same(gy_ref, gy_var)
+    conv.weight.requires_grad_(True)
+    g_ref = torch.autograd.grad(conv(F.relu(y.detach())).sum(), [conv.weight, conv.bias])
+    g_var = torch.autograd.grad(relu_conv(y.detach(), conv.weight, conv.bias, 1, 1).sum(), [conv.weight, conv.bias])
+    assert all(same(a, b) for a, b in zip(g_ref, g_var, strict=True))
+    with pytest.raises(TypeError, match="numeric padding"):
+        relu_conv(y, conv.weight, padding="same")
+    with pytest.raises(ValueError, match="4-D"):
+        relu_conv(y[0], conv.weight)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(relu_conv(y, conv.weight, conv.bias, 1, 1).sum(), [y], create_graph=True)
+
+
+def test_relu_conv_under_autocast_matches_torch():
+    torch.manual_seed(10)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    y = torch.randn(2, 4, 8, 8)
+    outs = []
+    for run in (lambda t: conv(F.relu(t)), lambda t: relu_conv(t, conv.weight, conv.bias, 1, 1)):
+        leaf = y.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(leaf)
+        outs.append((out, torch.autograd.grad(out.float().sum(), [leaf, conv.weight, conv.bias])))
+    (o_ref, g_ref), (o_var, g_var) = outs
+    assert o_var.dtype == o_ref.dtype == torch.bfloat16 and same(o_ref, o_var)
+    for a, b in zip(g_ref, g_var, strict=True):
+        assert same(a, b)
 
 
 def test_conv_split_backward_registry_limits():

@@ -11,7 +11,12 @@ import torch
 from torch import nn
 
 from memfit.budget import Budget, fmt_bytes
-from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs, ran_in_half_precision
+from memfit.graph.bn_output import (
+    apply_bn_from_output,
+    bn_activation_pairs,
+    ran_in_half_precision,
+    relu_conv_triples,
+)
 from memfit.graph.calls import (
     bind_inputs,
     check_var_positional,
@@ -322,17 +327,19 @@ BN_FROM_OUTPUT_MARGIN = 0.01
 
 
 def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Callable | None = None,
-                          grads_exist: bool = False) -> Option | None:
+                          grads_exist: bool = False, relu_conv: bool = False) -> Option | None:
     """The graph with every BatchNorm -> in-place activation pair run from BatchNorm's output
     (:func:`memfit.graph.bn_output.apply_bn_from_output`), profiled, with the copy costs, optimizer step and
     region prices of ``costs`` and its times for the nodes the two graphs share; ``None`` where the graph has
     no such pair, its profile raises, or a rewritten BatchNorm ran in float16 or bfloat16 (a plain ``.to()`` or
     ``torch.autocast``): there the output gives back the input only while every bias stays below its weight,
-    which training soon undoes (:func:`memfit.variants.bn_from_output.condition_limit`)."""
+    which training soon undoes (:func:`memfit.variants.bn_from_output.condition_limit`). ``relu_conv``: rewrite
+    BatchNorm -> ReLU -> convolution triples too (:func:`memfit.graph.bn_output.bn_activation_pairs`; not offered by
+    :func:`plan`, for ``benchmarks/bn_from_output_check.py``)."""
     if autocast_dtype(inputs) in {str(d) for d in HALF_DTYPES} or any(
             isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES for t in inputs):
         return None  # (ran_in_half_precision below catches a model that casts inside, after profiling it)
-    names = bn_activation_pairs(captured.gm)
+    names = bn_activation_pairs(captured.gm, relu_conv=relu_conv)
     if not names:
         return None
     rewritten = apply_bn_from_output(captured, names)
@@ -347,8 +354,9 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
     other.link, other.step_bytes = costs.link, costs.step_bytes
     other.region_seconds, other.region_node_seconds = costs.region_seconds, costs.region_node_seconds
     other.headroom_of = make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes
-    users = [next(iter(n.users)).name for n in captured.gm.graph.nodes if n.name in set(names)]
-    share_timings(costs, other, [], changed=tuple(names + users))
+    users = [u.name for n in captured.gm.graph.nodes if n.name in set(names) for u in n.users]
+    convs = [conv for _, conv in relu_conv_triples(captured.gm, names).values()]  # (now of the ReLU too)
+    share_timings(costs, other, [], changed=tuple(names + users + convs))
     return Option(rewritten, other, bn_from_output=names)
 
 

@@ -14,11 +14,13 @@ BatchNorm's, and the planner's accounting fixes each node's output storages. So,
 (:mod:`memfit.graph.tiling`), :func:`apply_bn_from_output` rewrites the graph and the planner profiles and
 solves the rewritten graph beside the traced one (:func:`memfit.api.plan`), keeping the faster plan; the
 plan names the BatchNorm nodes it rewrote (``Plan.bn_from_output``) and the planned module rewrites its graph
-the same way. Node names do not change.
+the same way. Node names do not change, but for the ReLUs of BatchNorm -> ReLU -> convolution triples (below),
+which become part of the convolution's node.
 
 A pair is a training-mode ``nn.BatchNorm1d/2d/3d`` node whose only reader is an in-place ``nn.ReLU6`` or
-``nn.Hardtanh`` module or an ``F.hardtanh(x, ..., inplace=True)`` / ``F.relu6(x, inplace=True)`` call, neither
-with hooks, and whose weight has no channel that is zero or tiny against its bias (BatchNorm's output then
+``nn.Hardtanh`` module or an ``F.hardtanh(x, ..., inplace=True)`` / ``F.relu6(x, inplace=True)`` call (or, as a
+triple, an ``nn.ReLU`` / ``F.relu`` / ``torch.relu``, in place or not, whose only reader is an ``nn.Conv2d``
+module with numeric zero padding called on it alone), none with hooks, and whose weight has no channel that is zero or tiny against its bias (BatchNorm's output then
 does not give back its input to float32 rounding: a zero-initialized residual BatchNorm;
 :func:`memfit.variants.bn_from_output.ill_conditioned`). A weight that becomes so during training makes that
 BatchNorm run as PyTorch's own, with a warning (:class:`WeightCheck`: one synchronization per step on CUDA), and
@@ -29,7 +31,19 @@ outputs (float16, bfloat16: a plain ``.to()`` or ``torch.autocast``) are left as
 input, so there the out-of-place form costs nothing and saves that copy. An in-place ``ReLU`` or ``LeakyReLU``
 saves its result in its operand and allocates nothing: out of place it allocates and writes a tensor more, and on the CPU
 that cost as much as the recomputation it spared (ResNet-50 and GoogLeNet, measured with
-``benchmarks/bn_from_output_check.py``, which rewrites those too), so those pairs are left as traced. Both rewritten calls read the model's own modules at every call (mode,
+``benchmarks/bn_from_output_check.py``, which rewrites those too), so those pairs are left as traced.
+
+Where such a ReLU's one reader is an ``nn.Conv2d`` (a bottleneck block's first two convolutions in ResNets, most
+of GoogLeNet's and UNet's), :func:`apply_bn_from_output` can also run the ReLU and the convolution as one call,
+:class:`ReluConvCall` (:mod:`memfit.variants.relu_conv`): it saves the BatchNorm's output (which that BatchNorm
+saves anyway) instead of the ReLU's and computes the ReLU again in its backward pass, so one activation-sized
+tensor is kept where PyTorch keeps two (the convolution's output before the BatchNorm, and the ReLU's), without
+a checkpoint region. The planner does not offer it (``bn_activation_pairs(..., relu_conv=True)`` lists these
+triples): on this project's CPU it cost more than the recomputation it spared. ResNet-50 (8 x 128) with every
+triple rewritten kept 83% of its activations with no recomputation at a step 1.03x plain PyTorch's, but at a
+third of the activation peak its plan measured 1.19x against the traced graph's 1.16x in one process; the
+convolution rewritten loses ``conv-native`` and ``conv-split-backward``, which set UNet's floor (59% of its
+activation peak instead of 45%). ``benchmarks/bn_from_output_check.py --graphs relu-conv`` measures it. Both rewritten calls read the model's own modules at every call (mode,
 bounds), so ``model.eval()`` and changed settings carry over; a module hook added to either after planning makes
 it run as PyTorch's own (the activation on a copy of its input), with a warning. Gradients equal PyTorch's to float32
 rounding, not bit for bit: the normalized input comes back from the rounded output, with an error of about
@@ -54,16 +68,18 @@ from memfit.variants.bn_from_output import (
     ill_conditioned,
     ill_conditioned_channels,
 )
+from memfit.variants.relu_conv import relu_conv
 from memfit.variants.replaceable import replaceable
 
-__all__ = ["BFO_ATTR", "apply_bn_from_output", "bn_activation_pairs", "flagged_now", "has_bn_from_output",
-           "ran_in_half_precision"]
+__all__ = ["BFO_ATTR", "ReluConvCall", "apply_bn_from_output", "bn_activation_pairs", "flagged_now",
+           "has_bn_from_output", "ran_in_half_precision", "relu_conv_triples"]
 
 #: attribute of the rewritten GraphModule holding the rewritten calls
 BFO_ATTR = "memfit_bn_from_output"
 _ACTIVATIONS = (nn.ReLU6, nn.Hardtanh)
 _FUNCTIONS = (F.hardtanh, F.relu6)
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_RELU_FUNCTIONS = (F.relu, torch.relu)
 
 
 class WeightCheck:
@@ -200,6 +216,43 @@ class OutOfPlaceCall(nn.Module):
         return f"{type(self.act).__name__}({self.act.extra_repr()}) out of place"
 
 
+class ReluConvCall(nn.Module):
+    """The model's convolution ``conv`` (an ``nn.Conv2d``, read at every call) of the ReLU ``act`` (the model's
+    ``nn.ReLU``, or ``None`` for ``F.relu`` / ``torch.relu``) of a BatchNorm's output ``y``, run as
+    :func:`memfit.variants.relu_conv.relu_conv`: it saves ``y``, which the BatchNorm run from its output saves
+    anyway, instead of ``relu(y)``. Input ``[N, C_in, H, W]``, output ``[N, C_out, H_out, W_out]``; the same values
+    and gradients, bit for bit, as ``conv(act(y))``.
+
+    It runs the model's modules themselves (the ReLU on a copy of ``y``, which the BatchNorm still needs), saving
+    ``relu(y)`` as well, beyond the plan, with a warning, where a module hook was added to either after planning,
+    and without one where ``conv`` was changed to padding that is not numeric zeros. ``names``: the two modules'
+    paths in the model, for the warning."""
+
+    def __init__(self, conv: nn.Conv2d, act: nn.Module | None, names: tuple[str, str] = ("", "")):
+        super().__init__()
+        self.conv = conv
+        self.act = act
+        self.name, self.act_name = names
+        self.warned_hook = False
+
+    def __call__(self, y: Tensor) -> Tensor:
+        """``forward``, without ``nn.Module``'s hooks (as :class:`BatchNormFromOutputCall`)."""
+        return self.forward(y)
+
+    def forward(self, y: Tensor) -> Tensor:
+        conv, act = self.conv, self.act
+        hooked = [m for m in (conv, act) if m is not None and has_hooks([m])]
+        if hooked:
+            _warn_hooked(self, hooked[0], self.name if hooked[0] is conv else self.act_name)
+        if hooked or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            return conv(act(y.clone()) if act is not None else F.relu(y))
+        return relu_conv(y, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+    def node_op(self) -> str:
+        """What :func:`memfit.graph.calls.node_ops` records for this node: the convolution's settings."""
+        return f"{type(self.conv).__name__}({self.conv.extra_repr()}) of ReLU"
+
+
 def _label(name: str, module: nn.Module) -> str:
     """``module`` for a warning: its path in the model and its settings (``blocks.0.bn1 (BatchNorm2d(64, ...))``)."""
     what = f"{type(module).__name__}({module.extra_repr()})"
@@ -229,13 +282,13 @@ def flagged_now(captured: Captured) -> list[str]:
     return [c.name or type(c.bn).__name__ for c in _calls(captured) if c.check.bad(c.index)]
 
 
-def _warn_hooked(call: nn.Module, module: nn.Module) -> None:
+def _warn_hooked(call: nn.Module, module: nn.Module, name: str | None = None) -> None:
     """Warn (once per rewritten call: under ``warnings.simplefilter("always")`` it came every step) that ``module``
-    has a hook added after planning."""
+    (at path ``name``, by default ``call.name``) has a hook added after planning."""
     if call.warned_hook:
         return
     call.warned_hook = True
-    warnings.warn(f"memfit: {_label(call.name, module)} has a module hook (its own, registered after planning, or a "
+    warnings.warn(f"memfit: {_label(call.name if name is None else name, module)} has a module hook (its own, registered after planning, or a "
                   "global one: torch.nn.modules.module.register_module_forward_hook), so the plan runs it as PyTorch's "
                   "own so that the hook runs (BatchNorm then saves its input as well: the step may go over the plan). "
                   "Plan with its own hook registered; a global hook keeps it so.", stacklevel=3)
@@ -254,9 +307,42 @@ def _inplace_activation(gm: fx.GraphModule, n: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
-def bn_activation_pairs(gm: fx.GraphModule, weights: bool = True) -> list[str]:
+def _relu(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """``n`` is a ReLU of its one argument: an ``nn.ReLU`` module without hooks, or ``F.relu`` / ``torch.relu``
+    (in place or not)."""
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)) is nn.ReLU and replaceable(gm.get_submodule(n.target))
+    if n.op != "call_function" or n.target not in _RELU_FUNCTIONS:
+        return False
+    if n.target is torch.relu:  # (a builtin: no signature to bind)
+        return len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], fx.Node)
+    try:
+        bound = inspect.signature(n.target).bind(*n.args, **n.kwargs)
+    except (TypeError, ValueError):
+        return False
+    return len(bound.arguments) <= 2 and isinstance(n.args[0] if n.args else None, fx.Node)
+
+
+def _conv_of(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
+    """The one reader of ``n`` if it is an ``nn.Conv2d`` module (exact type, no hooks, numeric zero padding)
+    called on ``n`` alone, else ``None``."""
+    if len(n.users) != 1:
+        return None
+    user = next(iter(n.users))
+    if user.op != "call_module" or user.args != (n,) or user.kwargs:
+        return None
+    conv = gm.get_submodule(user.target)
+    ok = (type(conv) is nn.Conv2d and replaceable(conv) and conv.padding_mode == "zeros"
+          and not isinstance(conv.padding, str))
+    return user if ok else None
+
+
+def bn_activation_pairs(gm: fx.GraphModule, weights: bool = True, relu_conv: bool = False) -> list[str]:
     """The BatchNorm nodes of ``gm`` that :func:`apply_bn_from_output` can rewrite (see the module docstring),
-    in graph order; with ``weights``, only those whose weight :func:`ill_conditioned` does not flag."""
+    in graph order: those whose one reader is an in-place ReLU6 / Hardtanh, and, with ``relu_conv``, those whose
+    one reader is a ReLU whose one reader is an ``nn.Conv2d`` (:func:`relu_conv_triples`; the planner does not
+    offer these: see the module docstring); with ``weights``, only those whose weight :func:`ill_conditioned`
+    does not flag."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_module" or not isinstance(n.target, str):
@@ -266,8 +352,26 @@ def bn_activation_pairs(gm: fx.GraphModule, weights: bool = True) -> list[str]:
             continue
         if weights and bool(ill_conditioned(bn.weight, bn.bias)):
             continue
-        if _inplace_activation(gm, next(iter(n.users))):
+        act = next(iter(n.users))
+        if _inplace_activation(gm, act) or (relu_conv and _relu(gm, act) and _conv_of(gm, act) is not None):
             out.append(n.name)
+    return out
+
+
+def relu_conv_triples(gm: fx.GraphModule, names: list[str]) -> dict[str, tuple[str, str]]:
+    """Of the BatchNorm nodes ``names`` of ``gm``, those followed by a ReLU and a convolution (the ReLU's one
+    reader, an ``nn.Conv2d`` called on it alone), each mapped to ``(relu node, convolution node)``:
+    :func:`apply_bn_from_output` runs the two as one :class:`ReluConvCall`."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = {}
+    for name in names:
+        node = by_name.get(name)
+        if node is None or len(node.users) != 1:
+            continue
+        act = next(iter(node.users))
+        conv = _conv_of(gm, act) if _relu(gm, act) else None
+        if conv is not None:
+            out[name] = (act.name, conv.name)
     return out
 
 
@@ -289,7 +393,8 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
     if not names:
         return captured
     gm = captured.gm
-    known = set(bn_activation_pairs(gm, weights=False))  # (a weight that became small runs as PyTorch's own)
+    # (a weight that became small runs as PyTorch's own; a plan made with ReLU -> convolution triples replays them)
+    known = set(bn_activation_pairs(gm, weights=False, relu_conv=True))
     bad = [n for n in names if n not in known]
     if bad or len(set(names)) != len(names):
         by_name = {n.name: n for n in gm.graph.nodes}
@@ -302,7 +407,8 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
                              "it after (which needs no new plan), or make a plan with it in eval()")
         what = f"{bad[0]!r}, which is not" if bad else "a node twice; each must be"
         raise ValueError(f"plan runs BatchNorm from its output (bn_from_output) at {what} a training BatchNorm "
-                         "whose only reader is an in-place ReLU6 or Hardtanh in this graph "
+                         "whose only reader is an in-place ReLU6 or Hardtanh, or a ReLU read by a Conv2d only, in "
+                         "this graph "
                          "(memfit.graph.bn_output.bn_activation_pairs lists those): make the plan for this model")
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -311,13 +417,22 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
     new.add_module(BFO_ATTR, holder)
     by_name = {n.name: n for n in graph.nodes}
     check = WeightCheck([new.get_submodule(by_name[name].target) for name in names])
+    triples = relu_conv_triples(gm, names)
     for k, name in enumerate(names):
         node = by_name[name]
         act = next(iter(node.users))
         holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target), check, k, node.target))
-        # (the module the call runs: the planned module's hook check treats it as called, not traced into)
+        # (the modules a call runs: the planned module's hook check treats them as called, not traced into)
         node.meta["memfit_module"], node.target = node.target, f"{BFO_ATTR}.bn{k}"
-        if act.op == "call_module":
+        if name in triples:  # ReLU -> Conv2d: one call reading the BatchNorm's output, the ReLU node gone
+            conv = by_name[triples[name][1]]
+            relu = new.get_submodule(act.target) if act.op == "call_module" else None
+            paths = (conv.target, act.target if relu is not None else "")
+            holder.add_module(f"conv{k}", ReluConvCall(new.get_submodule(conv.target), relu, paths))
+            conv.meta["memfit_module"] = paths if relu is not None else paths[:1]
+            conv.target, conv.args = f"{BFO_ATTR}.conv{k}", (node,)
+            graph.erase_node(act)
+        elif act.op == "call_module":
             holder.add_module(f"act{k}", OutOfPlaceCall(new.get_submodule(act.target), act.target))
             act.meta["memfit_module"], act.target = act.target, f"{BFO_ATTR}.act{k}"
         else:

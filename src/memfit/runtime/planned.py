@@ -564,7 +564,9 @@ class PlannedModule(nn.Module):
         traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
                          if not (n.op == "call_module" and path == n.target)}
         leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-        leaves |= {n.meta["memfit_module"] for n in gm.graph.nodes if "memfit_module" in n.meta}  # (rewritten calls)
+        for n in gm.graph.nodes:  # (rewritten calls: the module, or modules, each runs)
+            held = n.meta.get("memfit_module")
+            leaves |= {held} if isinstance(held, str) else set(held or ())
         self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
         # the modules the graph calls, and theirs: they read their own `training`, so what they write can change
         at_build = dict(self._modules_at_build)

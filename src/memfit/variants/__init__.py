@@ -17,6 +17,10 @@ PyTorch module it replaces) that saves less for the backward pass and gives PyTo
   choice, the one per-call form PyTorch allows; float rounding against cuDNN's TF32 and oneDNN's
   blocked kernels). On the CPU it drops oneDNN's weight-sized reorders (a 1024-channel 3x3 convolution
   at 6x6: 72 MiB of backward workspace to 38 MiB, the weight's gradient included);
+* ``relu-conv``: ``nn.Conv2d`` of a ReLU of a BatchNorm run from its output saves the ReLU's input (which that
+  BatchNorm saves anyway) instead of its output and computes the ReLU again in its backward pass
+  (:mod:`memfit.variants.relu_conv`; bit-exact). It spans two nodes, so, like ``bn-from-output``, the planner uses
+  it through the rewritten graph (:func:`memfit.graph.bn_output.apply_bn_from_output`);
 * ``bn-saved-stats``: a BatchNorm that a plan recomputes normalizes with its forward pass's statistics
   instead of computing them again (:mod:`memfit.variants.bn_saved_stats`; bit-exact on the CPU). It
   changes the recomputation only, so it is not a registry entry: the profile times it per node
@@ -69,6 +73,7 @@ from .conv_split_backward import native_applies as _conv_native_applies
 from .conv_split_backward import native_pays as _conv_native_pays
 from .inplace import INPLACE_VARIANTS, OPERAND, inplace_forms, saves_its_output
 from .maxpool_compact import MaxPool2dCompact, MaxPool2dCompactFn, max_pool2d_compact
+from .relu_conv import ReluConvFn, relu_conv
 from .relu_mask import (
     HardtanhMask,
     LeakyReLUMask,
@@ -105,6 +110,7 @@ __all__ = [
     "MaxPool2dCompactFn",
     "ReLU6Mask",
     "ReLUMask",
+    "ReluConvFn",
     "TiledChain",
     "TiledChainFn",
     "VariantSpec",
@@ -119,6 +125,7 @@ __all__ = [
     "max_pool2d_compact",
     "pack_mask",
     "relu6_mask",
+    "relu_conv",
     "relu_mask",
     "replaceable",
     "saves_its_output",
