@@ -54,7 +54,7 @@ from memfit.graph.bn_output import apply_bn_from_output, bn_activation_pairs, re
 from memfit.graph.capture import Captured, graph_of
 from memfit.profile.costs import profile_graph
 from memfit.runtime.overhead import price_regions
-from memfit.solve.strategies import InfeasibleBudgetError, make_plan
+from memfit.solve.strategies import InfeasibleBudgetError, make_plan, plan_at_floor
 from memfit.variants import bn_from_module
 
 _ACTS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)
@@ -107,7 +107,8 @@ def rewrite(captured: Captured) -> tuple[Captured, list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec", help="model:batch:image-size, e.g. mobilenet_v2:32:128")
-    ap.add_argument("--budgets", default="33,40", help="activation budgets, percent of plain PyTorch's")
+    ap.add_argument("--budgets", default="33,40",
+                    help="activation budgets, percent of plain PyTorch's, or min (each graph's floor)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--graphs", default="traced,bn-from-output",
@@ -139,13 +140,18 @@ def main() -> None:
     plain_plan = make_plan("none", captured0.graph, costs0)
     act = plain_plan.predicted_peak_bytes - costs0.fixed_bytes
     rows, setups = [], [(plain := fresh_copy(model), plain)]
-    for pct in (float(b) for b in args.budgets.split(",")):
+    for pct in (b if b == "min" else float(b) for b in args.budgets.split(",")):
         for name, (captured, costs) in graphs.items():
             try:
-                plan = make_plan("memfit", captured.graph, costs, budget_bytes=int(costs.fixed_bytes + pct / 100 * act),
-                                 time_limit=args.time_limit, use_offload=False)
+                if pct == "min":  # (the floor: the least memory each graph's plans reach)
+                    plan = plan_at_floor("memfit", captured.graph, costs, costs.fixed_bytes, args.time_limit,
+                                         use_offload=False)[1]
+                else:
+                    budget = int(costs.fixed_bytes + pct / 100 * act)
+                    plan = make_plan("memfit", captured.graph, costs, budget_bytes=budget, time_limit=args.time_limit,
+                                     use_offload=False)
             except InfeasibleBudgetError as exc:
-                print(f"{name} @ {pct}%: infeasible ({exc.smallest_feasible_bytes})")
+                print(f"{name} @ {pct}: infeasible ({exc.smallest_feasible_bytes})")
                 continue
             predicted = plan.predicted_step_seconds / plain_plan.predicted_step_seconds
             remake = REWRITES.get(name, lambda c: (c, []))
@@ -168,7 +174,7 @@ def main() -> None:
           "| gradients |")
     print("|---|---|---|---|---|---|---|---|")
     for k, (name, pct, plan, fig, predicted, check) in enumerate(rows, start=1):
-        print(f"| {name} | {pct:g}% | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
+        print(f"| {name} | {pct if pct == 'min' else f'{pct:g}%'} | {100 * fig.activation_peak_bytes / base.activation_peak_bytes:.1f}% "
               f"| {predicted:.3f}x | {seconds[k] / seconds[0]:.3f}x "
               f"| {len(plan.regions)} ({sum(hi - lo + 1 for lo, hi in plan.region_spans())}) "
               f"| {plan.counts()['variants'] or '-'} | {check} |", flush=True)

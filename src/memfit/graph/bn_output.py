@@ -40,11 +40,14 @@ saves anyway) instead of the ReLU's and computes the ReLU again in its backward 
 tensor is kept where PyTorch keeps two (the convolution's output before the BatchNorm, and the ReLU's), without
 a checkpoint region. The planner does not offer it (``bn_activation_pairs(..., relu_conv=True)`` lists these
 triples): on this project's CPU it cost more than the recomputation it spared. ResNet-50 (8 x 128) with every
-triple rewritten kept 83% of its activations with no recomputation at a step 1.03x plain PyTorch's, but at a
-third of the activation peak its plan measured 1.19x against the traced graph's 1.16x in one process; the
-convolution rewritten loses ``conv-native`` and ``conv-split-backward``, which set UNet's floor (59% of its
-activation peak instead of 45%). ``benchmarks/bn_from_output_check.py --graphs relu-conv`` measures it. Both rewritten calls read the model's own modules at every call (mode,
-bounds), so ``model.eval()`` and changed settings carry over; a module hook added to either after planning makes
+triple rewritten (32) kept 83% of its activations with no recomputation at a step predicted 1.03x plain
+PyTorch's, but its plans measured 1.18x at a third of the activation peak and 1.15x at 40%, against the traced
+graph's 1.13x and 1.13x in the same process (2026-12-06); the convolution rewritten loses ``conv-native`` and
+``conv-split-backward``, which set UNet's floor (2 x 96: 59% of its activation peak at 1.36x, against 45% at 1.08x).
+``benchmarks/bn_from_output_check.py --graphs relu-conv`` measures it.
+
+The rewritten calls read the model's own modules at every call (mode,
+bounds), so ``model.eval()`` and changed settings carry over; a module hook added to one of them after planning makes
 it run as PyTorch's own (the activation on a copy of its input), with a warning. Gradients equal PyTorch's to float32
 rounding, not bit for bit: the normalized input comes back from the rounded output, with an error of about
 ``ulp(y) / |weight|`` per element.
