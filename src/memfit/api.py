@@ -314,6 +314,7 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
         except ValueError:
             continue
         tiled_costs.link, tiled_costs.step_bytes = costs.link, costs.step_bytes
+        tiled_costs.loss_bytes = costs.loss_bytes  # (the loss's own: the same output, measured with the optimizers)
         tiled_costs.region_seconds, tiled_costs.region_node_seconds = costs.region_seconds, costs.region_node_seconds
         tiled_costs.headroom_of = plain_activation  # the model's own headroom (memfit.solve.strategies._Problem)
         share_timings(costs, tiled_costs, blocks)
@@ -352,6 +353,7 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
     if ran_in_half_precision(rewritten):
         return None
     other.link, other.step_bytes = costs.link, costs.step_bytes
+    other.loss_bytes = costs.loss_bytes  # (the loss's own: the same output, measured with the optimizers)
     other.region_seconds, other.region_node_seconds = costs.region_seconds, costs.region_node_seconds
     other.headroom_of = make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes
     users = [u.name for n in captured.gm.graph.nodes if n.name in set(names) for u in n.users]
@@ -454,7 +456,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         check_var_positional(captured.gm, inputs)
     outside = _outside_params([model, captured.gm], _optimizers(optimizer))
     costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
-                          grads_exist=grads_exist, user_inputs=given, held=tuple(outside))
+                          grads_exist=grads_exist, user_inputs=given, held=tuple(outside),
+                          kept_grads=tuple(_own_optimizers_params([model, captured.gm], _optimizers(optimizer))))
     loss_ptrs = set(costs.loss_param_ptrs)
     if loss_fn is not None:
         _check_optimizer(optimizer, model, loss_fn, loss_ptrs)
@@ -696,6 +699,15 @@ def _outside_params(modules: list[nn.Module], opts: list[torch.optim.Optimizer])
                 if id(p) not in own:
                     found.setdefault(id(p), p)
     return list(found.values())
+
+
+def _own_optimizers_params(modules: list[nn.Module], opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The parameters of the optimizers in ``opts`` that hold none of ``modules``' (a GAN's discriminator optimizer,
+    beside the generator's): a loop zeroes their gradients apart from the model's, or not at all before the
+    model's step (PyTorch's DCGAN example zeroes only the generator's), so the step may find them."""
+    own = {id(p) for m in modules for p in m.parameters()}
+    groups = [[p for group in opt.param_groups for p in group["params"]] for opt in opts]
+    return [p for params in groups if not any(id(p) in own for p in params) for p in params]
 
 
 def _counted_state(optimizer, trained: list[torch.Tensor]):

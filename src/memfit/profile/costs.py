@@ -415,7 +415,7 @@ def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]], flags: list[tupl
 
 def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                   with_variants: bool = True, loss_fn=None, grads_exist: bool = False,
-                  user_inputs: tuple = (), held: tuple = ()) -> Costs:
+                  user_inputs: tuple = (), held: tuple = (), kept_grads: tuple = ()) -> Costs:
     """Profile one training step of ``captured`` on the device of ``example_inputs``.
 
     Runs the traced forward node by node in training mode with a saved-tensor pack hook
@@ -452,6 +452,9 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             an input (a fresh user's 4 MiB input was counted twice).
         held: tensors the training step holds outside the model and ``loss_fn`` (the parameters an optimizer
             trains besides the model's): counted once each in the fixed bytes.
+        kept_grads: parameters outside the model whose ``.grad`` may exist when the step starts (those of an
+            optimizer of their own, a GAN's discriminator): where ``loss_fn`` trains them, its backward is measured
+            also adding into existing gradients, and the larger transient is kept.
 
     The fixed bytes also count what ``loss_fn`` holds (its targets, and the parameters and buffers of the modules
     it calls: a classification head kept in the loss, a teacher, a GAN's discriminator) and the gradients its
@@ -489,7 +492,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             formats, no_grad = _grad_formats(gm, inputs, loss_fn, requires)
             if loss_fn is not None:
                 (costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded,
-                 loss_param_grads, costs.loss_param_ptrs) = _measure_loss(gm, inputs, loss_fn, device, requires)
+                 loss_param_grads, costs.loss_param_ptrs) = _measure_loss(gm, inputs, loss_fn, device, requires,
+                                                                           kept_grads)
                 costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
                 costs.loss_grads = sorted({costs.output_ids[k] for k in graded if k < len(costs.output_ids)
@@ -1229,7 +1233,7 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None
+                  requires: dict[str, list[bool]] | None = None, kept_grads: tuple = ()
                   ) -> tuple[int, int, int, list[int], list[int], int, list[int]]:
     """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads, param_ptrs)`` (see :class:`Costs`;
     ``param_grads``: bytes of the gradients the loss's backward gives parameters outside the model, a head or a
@@ -1240,7 +1244,9 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     :func:`tensors_in` order) of the outputs the loss saves for its backward (``Costs.loss_keeps``; they were
     added to ``loss_bytes`` before, which counted them twice where a node of the model saves them too: the
     replay of a model returning its ReLU outputs was 22% above the measured peak); and the positions of the
-    outputs the loss's backward gives a gradient (``Costs.loss_grads``).
+    outputs the loss's backward gives a gradient (``Costs.loss_grads``). Where it trains parameters of
+    ``kept_grads``, the transient is the larger of the backward making their gradients and adding into existing
+    ones (:func:`_loss_adding_into_grads`).
 
     Outputs that require grad in the model's forward (``requires``, by the output node's name; without it,
     floating ones) stand in as leaves requiring grad; the others (an ``argmax``, a detached tensor, an input
@@ -1315,10 +1321,43 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
     param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):len(leaves) + len(outside)]
                       if g is not None)
+    transient = during - grads
+    kept = {id(t) for t in kept_grads}
+    graded_outside = [t for t, g in zip(outside, grads_of[len(leaves):len(leaves) + len(outside)])
+                      if g is not None and id(t) in kept]
+    if graded_outside:
+        transient = max(transient, _loss_adding_into_grads(out, loss_fn, device, leaves + inside, graded_outside))
     positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
     graded = [k for k, g in zip([k for k, f in enumerate(flags) if f], grads_of[:len(leaves)]) if g is not None]
-    return (max(0, during - grads), held, forward_peak, positions, graded, param_grads,
+    return (max(0, transient), held, forward_peak, positions, graded, param_grads,
             sorted({t.untyped_storage().data_ptr() for t in reached}))
+
+
+def _loss_adding_into_grads(out: Any, loss_fn, device: torch.device, made: list[torch.Tensor],
+                            added: list[torch.Tensor]) -> int:
+    """Transient bytes of ``loss_fn(out)``'s forward and backward where the leaves ``added`` (parameters outside the
+    model that the loss trains: a discriminator's) have a ``.grad`` already, which the backward adds into: a
+    temporary gradient per parameter. The gradients of ``made`` (the stand-ins of the model's outputs, the model's
+    own parameters the loss reads) are made new and not counted, as in :func:`_measure_loss`. A GAN loop that zeroes
+    only the generator's gradients (PyTorch's DCGAN example) keeps the discriminator's from its own step: measured
+    138,624 B (0.9%) over a ``100%`` budget profiled without them. Every ``.grad`` is put back after."""
+    leaves = made + added
+    before = [t.grad for t in leaves]
+    for t in made:
+        t.grad = None
+    for t in added:
+        t.grad = torch.zeros_like(t)  # (allocated before the tracker: the loop's gradients, fixed bytes)
+    try:
+        with MemoryTracker(device) as tracker:
+            loss = _call_loss(loss_fn, out)
+            with _no_autocast(device):  # (backward(inputs=...): autograd.grad never adds into a .grad)
+                torch.autograd.backward(loss, inputs=leaves)
+            del loss
+            new = sum(t.grad.untyped_storage().nbytes() for t in made if t.grad is not None)
+        return tracker.peak_bytes - new
+    finally:
+        for t, g in zip(leaves, before):
+            t.grad = g
 
 
 def _loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
