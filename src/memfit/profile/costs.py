@@ -1322,9 +1322,9 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):len(leaves) + len(outside)]
                       if g is not None)
     transient = during - grads
-    kept = {id(t) for t in kept_grads}
+    may_exist = {id(t) for t in kept_grads}
     graded_outside = [t for t, g in zip(outside, grads_of[len(leaves):len(leaves) + len(outside)])
-                      if g is not None and id(t) in kept]
+                      if g is not None and id(t) in may_exist]
     if graded_outside:
         transient = max(transient, _loss_adding_into_grads(out, loss_fn, device, leaves + inside, graded_outside))
     positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
