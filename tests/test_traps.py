@@ -2574,3 +2574,83 @@ def test_a_tensor_changed_between_forward_and_backward_raises(strategy, changed)
         assert outcome[0] is not None
         assert outcome[1] is None or all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*outcome, strict=True))
         assert outcome[1] is None or strategy == "checkpoint-all"  # (memfit's plan stripes c1: it recomputes it)
+
+
+class _MomentumByLoop(nn.Module):
+    """A BYOL/MoCo-style target network updated in forward by a loop over ``parameters()`` (``how="loop"``) or
+    ``torch._foreach_*`` (``how="foreach"``): on concrete tensors, which torch.fx runs once while tracing."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.online, self.target = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.target.requires_grad_(False)
+
+    def forward(self, x):
+        online, target = list(self.online.parameters()), list(self.target.parameters())
+        if self.how == "loop":
+            for po, pt in zip(online, target):
+                pt.mul_(0.5).add_(po.detach(), alpha=0.5)
+        else:
+            torch._foreach_mul_(target, 0.5)
+            torch._foreach_add_(target, [p.detach() for p in online], alpha=0.5)
+        return self.online(x) - self.target(x).detach()
+
+
+@pytest.mark.parametrize("how", ["loop", "foreach"])
+def test_a_momentum_update_torch_fx_cannot_see_is_refused_and_the_model_left_as_it_was(how):
+    """Found by a fresh user: such an update ran once while memfit traced (changing the model) and never in the
+    planned step, silently: the target network stayed frozen where plain PyTorch's moved, and the online network's
+    gradients drifted apart (0.03 after 3 steps)."""
+    torch.manual_seed(0)
+    model = _MomentumByLoop(how).train()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(memfit.TraceError, match=r"writes into its parameter or buffer 'target\.weight' in place.*"
+                                                r"\n  failing line: .*test_traps\.py.*\n  Move the update out of forward"):
+        memfit.optimize(model, torch.randn(4, 8), "min", loss_fn=lambda o: (o ** 2).mean())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+class _MomentumOnAttributes(nn.Module):
+    """The same update written on the modules' attributes (which fx records), one of them through ``.data``."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32))
+        self.target = nn.Linear(32, 32)
+        self.target.requires_grad_(False)
+
+    def forward(self, x):
+        self.target.weight.mul_(0.5).add_(self.online[0].weight[:32, :32].detach(), alpha=0.5)
+        self.target.bias.data.mul_(0.5)
+        return torch.tanh(self.online(x) * 2) - self.target(x).detach()
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_a_momentum_update_on_attributes_trains_as_pytorch_does(budget):
+    """Found by a fresh user: a write through ``.data`` ran at each of the profile's forward passes and was not put
+    back (its own version counter hid it: ``c1.weight.data.mul_(0.5)`` left the weight 2**-33 of itself); and a
+    region holding such a write ran it again when it recomputed (a frozen parameter's in-place update was taken as
+    recomputable). Planning leaves the model as it was, and three steps give plain PyTorch's parameters and
+    gradients."""
+    torch.manual_seed(0)
+    base = _MomentumOnAttributes().train()
+    x = torch.randn(64, 32)
+
+    def loss_fn(out):
+        return (out ** 2).mean()
+
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    planned = memfit.optimize(ours, x, budget, loss_fn=loss_fn)
+    for (name, a), b in zip(base.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(a, b), name
+    opts = [torch.optim.SGD(m.online.parameters(), lr=0.1) for m in (ours, ref)]
+    for _ in range(3):
+        for net, opt in zip((planned, ref), opts):
+            opt.zero_grad()
+            loss_fn(net(x)).backward()
+            opt.step()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(a, b), name
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), name

@@ -191,6 +191,41 @@ def _watch_random_draws(seen: list[str]):
             numpy.random.set_state(states[2])
 
 
+class _StateWrite(Exception):
+    """The traced forward wrote, in place, into a parameter or buffer of the model held as a concrete tensor (raised
+    by :class:`_ConcreteStateWrites` before the write runs)."""
+
+    def __init__(self, name: str, line: str):
+        super().__init__(name)
+        self.name, self.line = name, line
+
+
+class _ConcreteStateWrites(TorchDispatchMode):
+    """While tracing, raises :class:`_StateWrite` where an operator that runs on concrete tensors (so outside the
+    graph fx records) would write into the storage of one of the model's parameters or buffers (``state``: storage
+    data pointer -> name). That is how a forward reaches them through ``self.parameters()``, a list of tensors or
+    ``torch._foreach_*``, as a momentum (EMA) update of a target network is written: fx would run the write once,
+    while tracing, changing the model, and the planned step never (a fresh user's BYOL-style target network stayed
+    frozen while plain PyTorch's moved, and its online gradients drifted apart). Raised before the write, so the
+    model is as it was."""
+
+    def __init__(self, state: dict[int, str]):
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for k, arg in enumerate(func._schema.arguments):
+                value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
+                if arg.alias_info is None or not arg.alias_info.is_write or value is None:
+                    continue
+                for t in tree_leaves(value):
+                    if isinstance(t, torch.Tensor) and (name := self.state.get(t.untyped_storage().data_ptr())):
+                        raise _StateWrite(name, _call_site())
+        return func(*args, **kwargs)
+
+
 class _ReentrantCheckpoint(Exception):
     """The traced forward called ``torch.utils.checkpoint`` with ``use_reentrant=True``."""
 
@@ -677,9 +712,13 @@ def capture(model: nn.Module) -> Captured:
     _refuse_scripted(model)
     checkpoints: list[str] = []
     draws: list[str] = []
+    state = {t.untyped_storage().data_ptr(): name
+             for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+             if t.device.type != "meta" and t.untyped_storage().data_ptr()}
     try:
         with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-              _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called):
+              _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called,
+              _ConcreteStateWrites(state)):
             gm = _trace(model)
     except _ReentrantCheckpoint:
         raise TraceError(
@@ -691,6 +730,18 @@ def capture(model: nn.Module) -> Captured:
         ) from None
     except TraceError:
         raise
+    except _StateWrite as exc:
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "
+            "through a tensor torch.fx does not trace (reached by a loop over self.parameters() or "
+            "self.named_buffers(), a list of tensors, or torch._foreach_*: a momentum (EMA) update of a target "
+            "network): fx would run that write once, while tracing, and the planned step never.\n"
+            f"  failing line: {exc.line}\n"
+            "  Move the update out of forward, into your training loop before each call of the planned model "
+            "(`model.momentum_update(); loss = loss_fn(planned(x))`), or write it on the module's attributes "
+            "(`self.target.weight.mul_(m).add_(self.online.weight.detach(), alpha=1 - m)`), which fx records and "
+            "the plan runs at every step. Your model is as it was."
+        ) from None
     except _GradModeChange as exc:
         raise TraceError(
             f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
@@ -698,7 +749,9 @@ def capture(model: nn.Module) -> Captured:
             "record: the plan would compute gradients there.\n"
             f"  failing line: {_user_frame(exc)}\n"
             "  Write `t = f(x).detach()` instead of `with torch.no_grad(): t = f(x)` (the same values and "
-            "gradients), or compute that part outside the model and pass it in as an input."
+            "gradients), or compute that part outside the model and pass it in as an input. An update of the "
+            "model's own weights under torch.no_grad() (a momentum encoder's, MoCo's @torch.no_grad() "
+            "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
         ) from None
     except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
         raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(

@@ -139,8 +139,9 @@ class NodeCost:
             output); a custom ``autograd.Function`` saves after its forward (none). Placed by the order of the
             saves among the operators of the node's forward (:class:`_SaveOrder`).
         recomputable: a recomputation of this node gives what its forward gave. ``False`` for a node that
-            modifies a trainable parameter in place (``nn.Embedding(max_norm=...)`` renormalizes rows again,
-            and the gradients differed by 1e-9) and for randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``:
+            modifies a parameter in place, directly or through ``.data`` (``nn.Embedding(max_norm=...)``
+            renormalizes rows again, and the gradients differed by 1e-9; a momentum update of a frozen target
+            network would run twice a step) and for randomized leaky ReLU (``nn.RReLU``, ``F.rrelu``:
             recomputed by PyTorch's own checkpoint, its gradients differed; under memfit's regions they were
             uninitialized memory), and for a draw from a ``torch.Generator`` of the user's own (``torch.randn(shape,
             generator=self.gen)``): ``torch.utils.checkpoint`` replays the global generators only, so a
@@ -406,7 +407,7 @@ def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]], flags: list[tupl
     """Copy the saved values back into the model's buffers and parameters, and put back their
     ``requires_grad``."""
     with torch.no_grad():
-        for t, saved in snapshot:
+        for t, saved in reversed(snapshot):  # (a storage copied twice: its first copy, the value before, last)
             t.copy_(saved)
     for t, rg in flags:
         if t.requires_grad != rg:
@@ -883,7 +884,9 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
     param_ids = {id(p) for p in gm.parameters()}
     direct = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *tensors_in(inputs)]
               if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-    kept_params = {id(p) for p, _ in snapshot or ()}
+    # (by storage: a write through `.data` reaches a parameter by an alias with a version counter of its own)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in gm.parameters() if p.device.type != "meta"}
+    kept_params = {t.untyped_storage().data_ptr() for t, _ in snapshot or ()}
     nodes: list[NodeCost] = []
     finder = FindWrites(buffer_storages(gm))
     reach: list[set[tuple]] = []  # per node: storage keys of the buffers a region holding it copies
@@ -895,10 +898,12 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         stop_fns = [t.grad_fn for t in ins]  # (before it runs: an in-place node replaces its input's)
         # parameters the node could modify in place (a frozen one updated like a buffer): copied before it runs,
         # the copy kept only when the node did modify it (buffers are all copied before profiling)
-        touched = [t for t in ins if id(t) in param_ids] + (
-            list(gm.get_submodule(node.target).parameters()) if node.op == "call_module" else [])
-        before = [(p, p._version, p.detach().clone()) for p in dict.fromkeys(touched)
-                  if snapshot is not None and id(p) not in kept_params]
+        touched = list(dict.fromkeys([t for t in ins if id(t) in param_ids or (
+            t.device.type != "meta" and t.untyped_storage().data_ptr() in param_ptrs)] + (
+            list(gm.get_submodule(node.target).parameters()) if node.op == "call_module" else [])))
+        versions_before = [t._version for t in touched]
+        before = [(p, p._version, p.detach().clone()) for p in touched
+                  if snapshot is not None and p.untyped_storage().data_ptr() not in kept_params]
         recorder = _CastRecorder(cast_dtype) if cast_dtype is not None else None
         if recorder is not None:
             torch.clear_autocast_cache()
@@ -944,8 +949,9 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             for p, version, copy in before:
                 if p._version != version:
                     snapshot.append((p, copy))
-                    kept_params.add(id(p))
-            cost.recomputable = not any(p._version != version and p.requires_grad for p, version, _ in before)
+                    kept_params.add(p.untyped_storage().data_ptr())
+            # (a recomputation would write it again: a momentum update of a frozen target network twice a step)
+            cost.recomputable = all(t._version == v for t, v in zip(touched, versions_before))
             del before
         if node.op == "call_module":  # (kept by the module, like a parameter: not this step's activation)
             fixed_ptrs.update(t.untyped_storage().data_ptr() for t in module_held(gm.get_submodule(node.target)))
