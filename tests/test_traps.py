@@ -2654,3 +2654,27 @@ def test_a_momentum_update_on_attributes_trains_as_pytorch_does(budget):
     for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
         assert torch.equal(a, b), name
         assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), name
+
+
+class _PenaltyInForward(nn.Module):
+    """A weight penalty computed in forward over ``self.parameters()`` and returned beside the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.l2(torch.relu(self.l1(x)))
+        return out, sum((p ** 2).sum() for p in self.parameters())
+
+
+def test_a_tensor_computed_from_parameters_fx_cannot_see_is_refused():
+    """Found by a fresh user: planned without a word, then PyTorch's 'Trying to backward through the graph a second
+    time' at the second training step (fx had computed the penalty once, while tracing, as a constant)."""
+    model = _PenaltyInForward().train()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(memfit.TraceError, match=r"computes a tensor from the model's trainable parameters.*\n"
+                                                r"  failing line: .*test_traps\.py.*self\.parameters\(\)"):
+        memfit.optimize(model, torch.randn(4, 8), "min", loss_fn=lambda o: o[0].square().mean() + 1e-2 * o[1])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

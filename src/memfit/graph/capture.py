@@ -209,12 +209,18 @@ class _ConcreteStateWrites(TorchDispatchMode):
     frozen while plain PyTorch's moved, and its online gradients drifted apart). Raised before the write, so the
     model is as it was."""
 
-    def __init__(self, state: dict[int, str]):
+    def __init__(self, state: dict[int, str], trainable: set[int] = frozenset()):
         super().__init__()
         self.state = state
+        self.trainable = trainable  # storage pointers of the parameters that require grad
+        self.read_at: str | None = None  # the first line computing from one of them on concrete tensors
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.read_at is None and self.trainable and any(
+                isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.trainable
+                for t in tree_leaves((args, kwargs))):
+            self.read_at = _call_site()
         if func._schema.is_mutable:
             for k, arg in enumerate(func._schema.arguments):
                 value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
@@ -712,13 +718,13 @@ def capture(model: nn.Module) -> Captured:
     _refuse_scripted(model)
     checkpoints: list[str] = []
     draws: list[str] = []
-    state = {t.untyped_storage().data_ptr(): name
-             for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
-             if t.device.type != "meta" and t.untyped_storage().data_ptr()}
+    real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if t.device.type != "meta" and t.untyped_storage().data_ptr()]
+    writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
+                                  {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
     try:
         with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-              _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called,
-              _ConcreteStateWrites(state)):
+              _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
             gm = _trace(model)
     except _ReentrantCheckpoint:
         raise TraceError(
@@ -758,6 +764,19 @@ def capture(model: nn.Module) -> Captured:
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
             f"  failing line: {_user_frame(exc)}\n" + _trace_advice(model, exc)
         ) from exc
+    frozen_grads = [n.target for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(
+        "_tensor_constant") and isinstance(t := getattr(gm, n.target, None), torch.Tensor) and t.grad_fn is not None]
+    if frozen_grads:
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} computes a tensor from the model's trainable parameters "
+            "through values torch.fx does not trace (a loop over self.parameters(), a list of tensors: "
+            "`sum(p.pow(2).sum() for p in self.parameters())`): fx computed it once, while tracing, and the planned "
+            "step would reuse that one tensor and its autograd graph at every step (the gradient of the weights as "
+            "they were when traced, then PyTorch's 'Trying to backward through the graph a second time').\n"
+            + (f"  failing line: {writes.read_at}\n" if writes.read_at else "")
+            + "  Compute it in loss_fn (`loss_fn=lambda out: F.cross_entropy(out, y) + 1e-4 * sum(p.pow(2).sum() "
+            "for p in model.parameters())`, which memfit measures), or from the modules' attributes "
+            "(`self.fc.weight.pow(2).sum()`), which fx records. Your model is as it was.")
     if draws:
         where = next((d for d in draws if d != "?"), None)
         raise TraceError(
