@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from _models import Counter
+from _models import Counter, TiedLM
 from memfit.bench.harness import compare, fresh_copy, measure_training
 
 
@@ -316,6 +316,31 @@ def test_a_parameter_replaced_after_planning_is_trained_by_the_operator_variants
     _ce(plain(x), y).backward()
     _ce(planned(x), y).backward()
     assert new.grad is not None
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_untying_weights_after_planning_warns_that_the_budget_does_not_hold():
+    """Found by a fresh user: a GPT whose head was untied from its embedding after planning (a new Parameter where two
+    shared one) measured 1.22x its ``min`` budget, silently (a replaced Parameter of the same shape needs no new
+    plan, and none was warned about)."""
+    torch.manual_seed(0)
+    model = TiedLM().train()
+    ids = torch.randint(0, 512, (4, 12))
+    planned = memfit.optimize(model, ids, "min", loss_fn=lambda out: out.square().mean())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned(ids).square().mean().backward()  # as planned: no warning
+        model.zero_grad(set_to_none=True)
+        model.mid.weight = nn.Parameter(model.mid.weight.detach() * 1.0)  # replaced, nothing untied: no warning
+        planned(ids).square().mean().backward()
+    model.head.weight = nn.Parameter(model.tok.weight.detach().clone())  # untied from the embedding
+    plain = fresh_copy(model)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"trainable parameters now take .* more than when the plan was made"):
+        out = planned(ids)
+    out.square().mean().backward()
+    plain(ids).square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), name
 
