@@ -1186,3 +1186,22 @@ def test_an_optimizer_in_a_list_that_holds_none_of_the_model_is_named_by_its_pos
     opts = [torch.optim.Adam(model.parameters()), torch.optim.Adam(other.parameters())]
     with pytest.raises(ValueError, match=r"optimizer\[1\] \(Adam\) holds 2 parameter tensor\(s\), none of them"):
         memfit.optimize(model, torch.randn(2, 4), "100%", optimizer=opts)
+
+
+def test_messages_for_a_plan_path_an_empty_batch_and_a_shallow_copy(tmp_path):
+    """Found by a fresh user: ``plan_="plan.json"`` raised "'str' object has no attribute 'autocast'"; an empty batch
+    (``x[:0]``) was told its parameters were "not read on the way to the output"; ``copy.copy(planned)`` spoke of
+    pickling and ``torch.save``. Each now says what to do instead."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).train()
+    x = torch.randn(4, 8)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda o: o.pow(2).mean())
+    planned.plan.save(tmp_path / "plan.json")
+    with pytest.raises(TypeError, match=r"plan_ must be a memfit.Plan, not str: pass memfit.Plan.load\(path\)"):
+        memfit.optimize(model, x, plan_=str(tmp_path / "plan.json"))
+    with pytest.raises(TypeError, match=r"not dict: pass memfit.Plan.from_dict\(d\)"):
+        memfit.optimize(model, x, plan_=planned.plan.to_dict())
+    with pytest.raises(ValueError, match=r"example input 0 is empty \(shape \[0, 8\]\)"):
+        memfit.optimize(model, x[:0], "min", loss_fn=lambda o: o.pow(2).sum())
+    with pytest.raises(TypeError, match=r"copy.copy\(planned\) is not supported.*use copy.deepcopy\(planned\)"):
+        copy.copy(planned)
+    assert isinstance(copy.deepcopy(planned), memfit.PlannedModule)

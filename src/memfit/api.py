@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -461,7 +462,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     loss_ptrs = set(costs.loss_param_ptrs)
     if loss_fn is not None:
         _check_optimizer(optimizer, model, loss_fn, loss_ptrs)
-    _check_something_trains(model, costs)
+    _check_something_trains(model, costs, inputs)
     price_regions(costs)
     store = _store or offload_store(inputs, strategy, offload, offload_dir)
     if store is not None:
@@ -661,14 +662,25 @@ def _refuse_sparse_gradients(model: nn.Module) -> None:
                          "gradients, not SparseAdam), or freeze it")
 
 
-def _check_something_trains(model: nn.Module, costs) -> None:
+def _check_something_trains(model: nn.Module, costs, inputs: tuple = ()) -> None:
     """Refuse a model whose output takes no part in a backward pass (every parameter frozen, or the trainable
     ones unread): a fresh user's plan was returned, and ``loss.backward()`` then raised autograd's "element 0 of
-    tensors does not require grad"."""
+    tensors does not require grad". An empty example batch (``x[:0]``) makes every activation empty (no storage to
+    plan), and is told so (a fresh user was told the parameters were not read).
+
+    Raises:
+        ValueError: nothing trains, or an input tensor is empty.
+    """
     if any(costs.storages[s].requires_grad for s in costs.output_ids if s is not None):
         return
     if any(s.requires_grad for s in costs.storages):  # (an output that is a parameter or an input itself)
         return
+    empty = [(k, list(t.shape)) for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.numel() == 0]
+    if empty:
+        k, shape = empty[0]
+        raise ValueError(f"example input {k} is empty (shape {shape}): memfit measures the training step on the example "
+                         "batch, and an empty one has no activations to plan. Plan with a batch of the size you "
+                         "train with")
     _refuse_nothing_trains(model)
 
 
@@ -801,10 +813,15 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     Raises:
         as :func:`plan`; ``ValueError`` if ``plan_`` was made for another model (node names, parameter or
         buffer shapes or dtypes), other input shapes, another autocast state or another ``grads_exist``
-        (see :func:`check_plan_fits`).
+        (see :func:`check_plan_fits`); ``TypeError`` if ``plan_`` is not a :class:`Plan` (a path: load it with
+        ``Plan.load``).
     """
     _check_model(model)
     given = _as_tuple(example_inputs, model)
+    if plan_ is not None and not isinstance(plan_, Plan):  # (a path gave "'str' object has no attribute 'autocast'")
+        how = ("memfit.Plan.load(path)" if isinstance(plan_, (str, os.PathLike)) else
+               "memfit.Plan.from_dict(d)" if isinstance(plan_, dict) else "memfit.Plan.load(path)")
+        raise TypeError(f"plan_ must be a memfit.Plan, not {type(plan_).__name__}: pass {how}")
     if plan_ is not None:
         check_plan_fits(plan_, model, example_inputs, grads_exist)
         if budget != "min":

@@ -480,6 +480,14 @@ class PlannedModule(nn.Module):
         new.__dict__["gm"].training = self.__dict__["gm"].training
         return new
 
+    def __copy__(self):
+        """Refuse ``copy.copy(planned)``, which would share the model and the traced graph's state between two
+        planned modules, with the way to copy (it went through :meth:`__reduce_ex__`, whose message named
+        pickling and ``torch.save``, which a fresh user had not called)."""
+        raise TypeError("copy.copy(planned) is not supported for a memfit PlannedModule (a shallow copy would share "
+                        "the model and the traced graph's state with the original): use copy.deepcopy(planned), "
+                        "which copies the model and keeps the plan, or plan a copy of the model")
+
     def __reduce_ex__(self, protocol):
         """Refuse pickling (``torch.save(planned)``) with the way to save: the planned module holds the traced
         graph's closures, and pickle failed with "Can't pickle <class 'torch.nn.modules.linear.Linear'>: it's not
