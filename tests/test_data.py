@@ -47,6 +47,21 @@ def test_image_folder(tmp_path):
     assert image.shape == (3, 16, 16) and image.dtype == torch.float32 and target == 1
 
 
+def test_a_file_in_an_image_folder_that_is_no_image_is_named(tmp_path):
+    """Found by a fresh user: ``memfit train --data DIR`` with ``broken.jpg`` (not an image) printed PIL's traceback
+    and exited 1, the status for losses that differ."""
+    from PIL import Image
+
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        Image.new("RGB", (8, 8), (9, 9, 9)).save(tmp_path / cls / "0.png")
+    (tmp_path / "b" / "broken.jpg").write_text("not an image")
+    ds = load_dataset(str(tmp_path), 8)
+    assert ds[0][0].shape == (3, 8, 8)
+    with pytest.raises(ValueError, match=r"broken\.jpg is not an image that PIL can read"):
+        ds[len(ds) - 1]
+
+
 def test_bad_spec_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="'digits' or the path of an existing image folder"):
         load_dataset(str(tmp_path / "missing"), 32)

@@ -128,7 +128,22 @@ def load_dataset(spec: str, image_size: int, *, normalize: bool = True) -> Datas
     ]
     if normalize:
         steps.append(transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD))
-    return datasets.ImageFolder(str(root), transform=transforms.Compose(steps))
+    return datasets.ImageFolder(str(root), transform=transforms.Compose(steps), loader=_load_rgb)
+
+
+def _load_rgb(path: str):
+    """ImageFolder's default loader (PIL, converted to RGB), with a file that has an image extension but is no image
+    PIL can read told as a ``ValueError`` naming it (a fresh user's ``memfit train`` printed PIL's traceback and
+    exited 1, the status for losses that differ)."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            return img.convert("RGB")
+    except (OSError, SyntaxError) as exc:  # (PIL.UnidentifiedImageError is an OSError; truncated files too)
+        raise ValueError(f"{path} is not an image that PIL can read ({exc}): remove it from the image folder, or "
+                         "move it out of the class folders") from None
 
 
 def num_classes(dataset: Dataset) -> int:
