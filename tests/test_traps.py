@@ -2209,6 +2209,15 @@ def test_an_activation_larger_than_planned_is_warned_about():
     with pytest.warns(UserWarning, match=r"Warned again: larger than before"):  # (a second fresh user: silent at 4.4x)
         planned(ids, many)
 
+    # a selection slightly larger than planned (a fresh user: 515 -> 524 tokens), below the threshold at the
+    # selection itself but above it at the wider layer after it: that layer's settings were blamed
+    model.zero_grad(set_to_none=True)
+    planned = memfit.optimize(model, (ids, few), "min", loss_fn=lambda out: out.logsumexp(-1).mean())
+    more = few.clone()
+    more.view(-1)[torch.nonzero(~few.view(-1))[:12, 0]] = True
+    with pytest.warns(UserWarning, match=r"node mlp_0's output takes .* \(it grew with node getitem's output"):
+        planned(ids, more).logsumexp(-1).mean().backward()
+
     up = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(8, 4, 3, padding=1))
     x = torch.randn(2, 3, 16, 16)
     planned = memfit.optimize(up, x, "min", loss_fn=lambda out: out.square().mean())

@@ -1170,15 +1170,22 @@ class PlannedModule(nn.Module):
                 st = t.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
         now = sum(seen.values())
+        if now > planned and self.__dict__.get("_grown_first") is None:
+            self.__dict__["_grown_first"] = name
         if now <= planned + max(4096, planned // 100) or now < 1.5 * self._larger_ratio * planned:
             return
         again = self._larger_ratio > 0
         self._larger_ratio = now / planned
         node = next((n for n in self.gm.graph.nodes if n.name == name), None)
-        where = (f" (module {node.target!r}: did one of its settings change since planning?)"
-                 if node is not None and node.op == "call_module" else
-                 " (a size set by the data, such as a boolean mask's selection, or by a setting changed since "
-                 "planning)")
+        first = self.__dict__.get("_grown_first")
+        if first is not None and first != name:  # (a fresh user's `emb(ids)[mask]`: the Linear after it was blamed)
+            where = (f" (it grew with node {first}'s output, larger than planned first in this step: a size set by "
+                     "the data, such as a boolean mask's selection, or by a setting changed since planning)")
+        elif node is not None and node.op == "call_module":
+            where = f" (module {node.target!r}: did one of its settings change since planning?)"
+        else:
+            where = (" (a size set by the data, such as a boolean mask's selection, or by a setting changed since "
+                     "planning)")
         warn_user(f"memfit: node {name}'s output takes {fmt_bytes(now)} in this step and took {fmt_bytes(planned)} "
                   f"when the plan was made{where}; results are correct, but the planned memory figures do not hold "
                   "and the step can exceed its budget. Plan with the largest such batch (or the settings as they "
@@ -1327,6 +1334,7 @@ class PlannedModule(nn.Module):
         watched = {b.untyped_storage().data_ptr() for b in self.gm.buffers()} if state is not None else frozenset()
         sized = (self._check_size if self.plan.output_bytes
                  and self._as_planned(args) else None)  # (other inputs or parameters are warned about as such)
+        self.__dict__["_grown_first"] = None  # the first node whose output is larger than planned, this step
         on_value = (lambda name, value: off.produced(index[name], tensors_in(value))) if off else None
         if sized is not None:
             on_value = sized if on_value is None else (lambda name, value, f=on_value: (f(name, value),
