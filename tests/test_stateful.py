@@ -566,3 +566,24 @@ def test_a_batchnorm_frozen_and_unfrozen_during_training_keeps_plain_pytorchs_st
     plain[1].train()
     _assert_same(*_train_side_by_side(plain, loaded, x, y, steps=2))
     assert model[1].num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 6
+
+
+def test_model_train_after_planned_eval_trains_with_the_plan():
+    """Found by a fresh user: a validation helper called ``planned.eval()``, the loop then ``model.train()`` (on the
+    model it built): the wrapper stayed in eval mode, so every later step ran without the plan, 1.43x the budget,
+    warned as a call "in eval mode" though the model was in training mode."""
+    from memfit.bench.harness import measure_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))]).train()
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: F.mse_loss(out, y),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))  # (the harness's)
+    planned.eval()
+    with torch.no_grad():
+        planned(x)
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = measure_training(planned, model, (x,), y, F.mse_loss, steps=1)
+    assert planned.training and fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)

@@ -855,7 +855,11 @@ class PlannedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         model = self.model
-        if not (self.training and model.training and torch.is_grad_enabled()):
+        if self.training != model.training:
+            # the model's own mode rules: planned.eval() sets both, and a loop that then calls model.train() (on the
+            # model it built, as most loops do) trains (a fresh user's steps ran without the plan: 1.43x the budget)
+            self.training = self.__dict__["gm"].training = model.training
+        if not (model.training and torch.is_grad_enabled()):
             out = model(*args, **kwargs)  # no training step, no plan: what the model computes in this mode
             if torch.is_grad_enabled() and "eval" not in self._warned:
                 self._watch_eval(out)
