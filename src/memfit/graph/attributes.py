@@ -283,9 +283,12 @@ def _shown(now: Any) -> str:
 
 
 def has_own_hooks(module: nn.Module) -> bool:
-    """``module`` has a forward, forward-pre or backward hook registered on it (not counting global ones)."""
+    """``module`` has a forward, forward-pre or backward hook registered on it (not counting global ones), or a
+    ``forward`` of its own instance (``layer.forward = f``, as monkey-patching libraries do), which an operator
+    variant standing in for its class's computation would skip as it would skip a hook (a fresh user's patched
+    LeakyReLU ran as its class's: outputs 0.17 off, silently)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+                or module._backward_pre_hooks or "forward" in module.__dict__)
 
 
 def has_hooks(modules: list[nn.Module]) -> bool:

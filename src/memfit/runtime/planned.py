@@ -791,7 +791,8 @@ class PlannedModule(nn.Module):
                 where = node.target if module is not None and has_hooks(list(module.modules())) else arg.target
                 glob = not any(has_own_hooks(m) for m in watched)  # (then a global module hook)
                 what = ("a global module hook exists (torch.nn.modules.module.register_module_forward_hook)" if glob
-                        else f"{where!r} has a module hook that was not there when the plan was made")
+                        else f"{where!r} has a module hook (or a forward of its own instance) that was not there "
+                             "when the plan was made")
                 nodes = f"node {node.name} (and any other)" if glob else f"node {node.name}"
                 self._warn_once("hooked: global" if glob else f"hooked {where}", f"memfit: {what}; {nodes}, which the "
                                 f"plan runs as {variant!r}, runs as PyTorch's own so that the hook runs and sees "
@@ -1109,10 +1110,11 @@ class PlannedModule(nn.Module):
             return
         new = [p for p, m in self._called_modules if p not in self._hooked_at_build and has_own_hooks(m)]
         if new:
-            self._warn_once("new hooks", f"memfit: {len(new)} module(s) the plan calls have a hook registered after "
-                            f"planning ({', '.join(repr(p) for p in new[:3])}{', ...' if len(new) > 3 else ''}): "
-                            "the hooks run and results are correct, but tensors they keep are not in the plan's "
-                            "memory figures, so the step can exceed its budget. Plan with the hooks registered.")
+            self._warn_once("new hooks", f"memfit: {len(new)} module(s) the plan calls have a hook (or a forward of "
+                            "their own instance, layer.forward = f) registered after planning "
+                            f"({', '.join(repr(p) for p in new[:3])}{', ...' if len(new) > 3 else ''}): "
+                            "they run and results are correct, but tensors they keep are not in the plan's "
+                            "memory figures, so the step can exceed its budget. Plan with them registered.")
 
     def _check_attributes(self) -> None:
         """Refuse to train when a plain Python attribute that the traced forward pass read has changed since

@@ -10,8 +10,11 @@ def replaceable(m: nn.Module) -> bool:
     forward, forward-pre, backward or backward-pre hooks of its own and no parametrization
     (``torch.nn.utils.parametrize``). A replacement module would not run the hooks (a fresh user's forward
     hook on a convolution fired 0 times per step, a hook scaling its output changed the gradients), and
-    old-style ``weight_norm`` / ``spectral_norm`` are such hooks (they compute ``weight`` before each call)."""
+    old-style ``weight_norm`` / ``spectral_norm`` are such hooks (they compute ``weight`` before each call). Nor
+    does it have a ``forward`` of its own instance (``layer.forward = f``)."""
     from torch.nn.utils import parametrize
 
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return not any(getattr(m, h, None) for h in hooks) and not parametrize.is_parametrized(m)
+    # (a forward of the instance's own, `layer.forward = f`, is skipped by a replacement as a hook would be)
+    return (not any(getattr(m, h, None) for h in hooks) and not parametrize.is_parametrized(m)
+            and "forward" not in m.__dict__)
