@@ -1204,4 +1204,6 @@ def test_messages_for_a_plan_path_an_empty_batch_and_a_shallow_copy(tmp_path):
         memfit.optimize(model, x[:0], "min", loss_fn=lambda o: o.pow(2).sum())
     with pytest.raises(TypeError, match=r"copy.copy\(planned\) is not supported.*use copy.deepcopy\(planned\)"):
         copy.copy(planned)
+    with pytest.raises(TypeError, match=r"plans the module a DataParallel wraps.*plan model.module"):  # (fx's advice
+        memfit.optimize(nn.DataParallel(model), x, "min")  # about iterating over traced values, before)
     assert isinstance(copy.deepcopy(planned), memfit.PlannedModule)

@@ -85,6 +85,12 @@ def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit plans a torch.nn.Module, not {type(model).__name__}: wrap the function in a module "
                         "(class Net(nn.Module) with the computation in forward and its weights as parameters)")
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        # (a fresh user's DataParallel model got fx's advice about iterating over traced values)
+        kind = type(model).__name__
+        raise TypeError(f"memfit plans the module a {kind} wraps, not the {kind} itself: plan model.module "
+                        f"(planned = memfit.optimize(model.module, ...)) and wrap the planned module "
+                        f"({kind}(planned)))")
 
 
 def _require_training(model: nn.Module) -> None:
