@@ -87,6 +87,13 @@ def vendor_kernels_off(native: bool):
         torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled = before
 
 
+def keep_conv_args(ctx, bias: Tensor | None, stride, padding, dilation, groups: int) -> None:
+    """Keep on ``ctx`` what ``aten.convolution_backward`` needs besides the tensors: ``ctx.args`` (stride, padding,
+    dilation as lists, groups) and ``ctx.bias_sizes`` (``[C_out]``, or ``None`` without a bias)."""
+    ctx.args = (list(stride), list(padding), list(dilation), groups)
+    ctx.bias_sizes = None if bias is None else [bias.shape[0]]
+
+
 class ConvSplitBackwardFn(torch.autograd.Function):
     """``apply(x, weight, bias, stride, padding, dilation, groups, native=False)``.
 
@@ -102,8 +109,7 @@ class ConvSplitBackwardFn(torch.autograd.Function):
         with vendor_kernels_off(native):
             out = _FORWARD[x.dim() - 2](x, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
-        ctx.args = (list(stride), list(padding), list(dilation), groups)
-        ctx.bias_sizes = None if bias is None else [bias.shape[0]]
+        keep_conv_args(ctx, bias, stride, padding, dilation, groups)
         ctx.native = native
         return out
 

@@ -23,6 +23,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from memfit.variants.conv_split_backward import keep_conv_args
 from memfit.variants.single_backward import single_backward
 
 __all__ = ["ReluConvFn", "relu_conv"]
@@ -42,8 +43,7 @@ class ReluConvFn(torch.autograd.Function):
         a = torch.relu(y)
         out = F.conv2d(a, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(y, weight)
-        ctx.args = (list(stride), list(padding), list(dilation), groups)
-        ctx.bias_sizes = None if bias is None else [bias.shape[0]]
+        keep_conv_args(ctx, bias, stride, padding, dilation, groups)
         return out
 
     @staticmethod
