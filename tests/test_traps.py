@@ -2730,3 +2730,22 @@ def test_a_forward_replaced_on_the_instance_runs(when):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
     for (name, a), b in zip(ref.named_buffers(), model.buffers(), strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6), name
+
+
+def test_a_submodule_compiled_in_place_is_told_to_plan_first():
+    """Found by a fresh user: ``block.compile()`` (torch.compile in place) before planning got the advice about
+    data-dependent control flow."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+            self.block.compile(backend="eager")
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.block(x))
+
+    with pytest.raises(memfit.TraceError, match=r"block was compiled in place \(module.compile\(\)\).*plan the model "
+                                                r"before compiling it"):
+        memfit.optimize(Net().train(), torch.randn(4, 8), "min")

@@ -286,9 +286,10 @@ def has_own_hooks(module: nn.Module) -> bool:
     """``module`` has a forward, forward-pre or backward hook registered on it (not counting global ones), or a
     ``forward`` of its own instance (``layer.forward = f``, as monkey-patching libraries do), which an operator
     variant standing in for its class's computation would skip as it would skip a hook (a fresh user's patched
-    LeakyReLU ran as its class's: outputs 0.17 off, silently)."""
+    LeakyReLU ran as its class's: outputs 0.17 off, silently). Not ``torch.compile``'s wrapper, whose instance
+    ``forward`` is the compiled one: it is refused with its own advice."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__)
+                or module._backward_pre_hooks or ("forward" in module.__dict__ and not hasattr(module, "_orig_mod")))
 
 
 def has_hooks(modules: list[nn.Module]) -> bool:

@@ -400,6 +400,12 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return (f"  {', '.join(name or 'the model' for name in compiled[:3])} is wrapped in torch.compile, which "
                 f"torch.fx cannot trace: plan the model with the module itself ({compiled[0] or 'model'}._orig_mod "
                 "in its place); memfit runs PyTorch's eager kernels.")
+    # (nn.Module.compile(), torch.compile in place: a fresh user got the advice about data-dependent control flow)
+    in_place = [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    if in_place:
+        return (f"  {', '.join(name or 'the model' for name in in_place[:3])} was compiled in place "
+                "(module.compile()), which torch.fx cannot trace: plan the model before compiling it (or build it "
+                "again without .compile()); memfit runs PyTorch's eager kernels.")
     frames = traceback.extract_tb(exc.__traceback__)
     torch_nn = torch.__file__.rsplit("/", 1)[0] + "/nn/modules/"
     inner = [f for f in frames if f.filename.startswith(torch_nn)]
