@@ -296,6 +296,16 @@ def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_di
     return default_store(device, offload_dir) if offload and strategy in ("memfit", *OFFLOAD_STRATEGIES) else None
 
 
+def _share_figures(base: Costs, other: Costs, plain_activation: int) -> None:
+    """Give ``other`` (the profile of a rewritten graph: striped blocks, BatchNorm from its output) what ``base``
+    measured for the step as a whole: the copy link, the optimizer step's bytes, the loss's transient (the same
+    output's loss, measured with the optimizers' view of existing gradients) and the region prices; and the model's
+    own headroom, ``plain_activation`` bytes (:class:`memfit.solve.strategies._Problem`)."""
+    other.link, other.step_bytes, other.loss_bytes = base.link, base.step_bytes, base.loss_bytes
+    other.region_seconds, other.region_node_seconds = base.region_seconds, base.region_node_seconds
+    other.headroom_of = plain_activation
+
+
 def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Callable | None = None,
                   grads_exist: bool = False) -> list[Option]:
     """The graphs with blocks run in row stripes that :func:`plan` also solves
@@ -320,10 +330,7 @@ def tiled_options(captured: Captured, costs: Costs, inputs: tuple, loss_fn: Call
             tiled_costs = profile_graph(tiled, inputs, with_variants=True, loss_fn=loss_fn, grads_exist=grads_exist)
         except ValueError:
             continue
-        tiled_costs.link, tiled_costs.step_bytes = costs.link, costs.step_bytes
-        tiled_costs.loss_bytes = costs.loss_bytes  # (the loss's own: the same output, measured with the optimizers)
-        tiled_costs.region_seconds, tiled_costs.region_node_seconds = costs.region_seconds, costs.region_node_seconds
-        tiled_costs.headroom_of = plain_activation  # the model's own headroom (memfit.solve.strategies._Problem)
+        _share_figures(costs, tiled_costs, plain_activation)
         share_timings(costs, tiled_costs, blocks)
         out.append(Option(tiled, tiled_costs, blocks))
     return out
@@ -359,10 +366,7 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
         return None
     if ran_in_half_precision(rewritten):
         return None
-    other.link, other.step_bytes = costs.link, costs.step_bytes
-    other.loss_bytes = costs.loss_bytes  # (the loss's own: the same output, measured with the optimizers)
-    other.region_seconds, other.region_node_seconds = costs.region_seconds, costs.region_node_seconds
-    other.headroom_of = make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes
+    _share_figures(costs, other, make_plan("none", captured.graph, costs).predicted_peak_bytes - costs.fixed_bytes)
     users = [u.name for n in captured.gm.graph.nodes if n.name in set(names) for u in n.users]
     convs = [conv for _, conv in relu_conv_triples(captured.gm, names).values()]  # (now of the ReLU too)
     share_timings(costs, other, [], changed=tuple(names + users + convs))

@@ -426,18 +426,18 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
         act = next(iter(node.users))
         holder.add_module(f"bn{k}", BatchNormFromOutputCall(new.get_submodule(node.target), check, k, node.target))
         # (the modules a call runs: the planned module's hook check treats them as called, not traced into)
-        node.meta["memfit_module"], node.target = node.target, f"{BFO_ATTR}.bn{k}"
+        node.meta["memfit_module"], node.target = (node.target,), f"{BFO_ATTR}.bn{k}"
         if name in triples:  # ReLU -> Conv2d: one call reading the BatchNorm's output, the ReLU node gone
             conv = by_name[triples[name][1]]
             relu = new.get_submodule(act.target) if act.op == "call_module" else None
             paths = (conv.target, act.target if relu is not None else "")
             holder.add_module(f"conv{k}", ReluConvCall(new.get_submodule(conv.target), relu, paths))
-            conv.meta["memfit_module"] = paths if relu is not None else paths[:1]
+            conv.meta["memfit_module"] = paths if relu is not None else paths[:1]  # (the paths of what it runs)
             conv.target, conv.args = f"{BFO_ATTR}.conv{k}", (node,)
             graph.erase_node(act)
         elif act.op == "call_module":
             holder.add_module(f"act{k}", OutOfPlaceCall(new.get_submodule(act.target), act.target))
-            act.meta["memfit_module"], act.target = act.target, f"{BFO_ATTR}.act{k}"
+            act.meta["memfit_module"], act.target = (act.target,), f"{BFO_ATTR}.act{k}"
         else:
             bound = inspect.signature(act.target).bind(*act.args, **act.kwargs)
             bound.arguments["inplace"] = False

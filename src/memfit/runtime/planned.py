@@ -574,9 +574,7 @@ class PlannedModule(nn.Module):
         traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
                          if not (n.op == "call_module" and path == n.target)}
         leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-        for n in gm.graph.nodes:  # (rewritten calls: the module, or modules, each runs)
-            held = n.meta.get("memfit_module")
-            leaves |= {held} if isinstance(held, str) else set(held or ())
+        leaves |= {p for n in gm.graph.nodes for p in n.meta.get("memfit_module", ())}  # (what rewritten calls run)
         self._traced_modules = [(p, m) for p, m in self.model.named_modules() if p in traced - leaves]
         # the modules the graph calls, and theirs: they read their own `training`, so what they write can change
         at_build = dict(self._modules_at_build)
@@ -1184,14 +1182,13 @@ class PlannedModule(nn.Module):
         self._larger_ratio = now / planned
         node = next((n for n in self.gm.graph.nodes if n.name == name), None)
         first = self.__dict__.get("_grown_first")
+        cause = "a size set by the data, such as a boolean mask's selection, or by a setting changed since planning"
         if first is not None and first != name:  # (a fresh user's `emb(ids)[mask]`: the Linear after it was blamed)
-            where = (f" (it grew with node {first}'s output, larger than planned first in this step: a size set by "
-                     "the data, such as a boolean mask's selection, or by a setting changed since planning)")
+            where = f" (it grew with node {first}'s output, larger than planned first in this step: {cause})"
         elif node is not None and node.op == "call_module":
             where = f" (module {node.target!r}: did one of its settings change since planning?)"
         else:
-            where = (" (a size set by the data, such as a boolean mask's selection, or by a setting changed since "
-                     "planning)")
+            where = f" ({cause})"
         warn_user(f"memfit: node {name}'s output takes {fmt_bytes(now)} in this step and took {fmt_bytes(planned)} "
                   f"when the plan was made{where}; results are correct, but the planned memory figures do not hold "
                   "and the step can exceed its budget. Plan with the largest such batch (or the settings as they "
