@@ -138,6 +138,12 @@ class NodeCost:
             attention saves its probabilities, then its last matrix product its operands before computing the
             output); a custom ``autograd.Function`` saves after its forward (none). Placed by the order of the
             saves among the operators of the node's forward (:class:`_SaveOrder`).
+        stop_workspace: for a node with ``unmade_at_stop``, the bytes a recomputation that stops at it holds
+            beyond what it makes before its last save: the forward's peak up to that save, minus what the forward
+            keeps that is not in ``unmade_at_stop`` (0 when not measured). The replay takes the larger of this
+            and ``fwd_workspace``: ``nn.MultiheadAttention``'s math path peaks while its output projection saves
+            its input, before the projection's output exists, so the forward's workspace minus that output
+            priced the stop one ``[B, T, D]`` tensor under its measured peak.
         recomputable: a recomputation of this node gives what its forward gave. ``False`` for a node that
             modifies a parameter in place, directly or through ``.data`` (``nn.Embedding(max_norm=...)``
             renormalizes rows again, and the gradients differed by 1e-9; a momentum update of a frozen target
@@ -193,6 +199,7 @@ class NodeCost:
     variants: dict[str, VariantCost] = field(default_factory=dict)
     casts: list[int] = field(default_factory=list)
     unmade_at_stop: list[int] = field(default_factory=list)
+    stop_workspace: int = 0
     recomputable: bool = True
     grad_copies: list[str] = field(default_factory=list)
     recompute_seconds: float | None = None
@@ -370,7 +377,7 @@ class Costs:
                 c, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves), mutates=ids(mutates),
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
                 bwd_workspace=v.bwd_workspace, bwd_workspace_grad_freed=None, variants={}, casts=casts,
-                unmade_at_stop=[],
+                unmade_at_stop=[], stop_workspace=0,
                 grad_copies=list(c.grad_copies), grad_storage_bytes=dict(c.grad_storage_bytes),
                 grad_views=list(c.grad_views)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
@@ -1707,6 +1714,32 @@ def _grad_copy(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return g.clone(memory_format=torch.contiguous_format)
 
 
+def _noting_saves(note, fixed: set[int]):
+    """Saved-tensor hooks that call ``note()`` each time autograd saves a tensor whose storage's data pointer is
+    not in ``fixed`` (the parameters, which a checkpoint region holds without its hooks: its recomputation stops
+    at the last other save). Hands autograd a detached alias (see :func:`_recording`)."""
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in fixed:
+            note()
+        return t.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _instant(ctx) -> None:
+    """Enter and leave the context manager ``ctx`` (a tracker's mark of one instant)."""
+    with ctx:
+        pass
+
+
+def _stop_workspace(costs: Costs, cost: NodeCost, peak_at_last_save: int, net: int) -> int:
+    """``NodeCost.stop_workspace``: the forward's peak up to its last save (bytes, relative to its start), minus
+    what the forward kept (``net``) that a recomputation stopping there makes too (all but ``unmade_at_stop``)."""
+    unmade = sum(costs.storages[s].nbytes for s in cost.unmade_at_stop)
+    return max(0, peak_at_last_save - (net - unmade))
+
+
 def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device,
                        requires: dict[str, list[bool]] | None = None, formats: dict | None = None,
                        existing: set[int] = frozenset()) -> None:
@@ -1737,10 +1770,18 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 names: list[str] = []
                 local, leaves = make_env(clone=clone, names=names)
                 part = tracker.mark(f"{label}:f") if cpu else MemoryTracker(device)
-                with part:
+                at_save: list[int] = []  # (CUDA) the forward's peak so far at its last save
+                saves = _noting_saves(
+                    (lambda label=label: _instant(tracker.mark(f"{label}:s"))) if cpu else
+                    (lambda part=part, at_save=at_save: at_save.append(part.peak_so_far())),
+                    {p.untyped_storage().data_ptr() for p in params}) if record is cost and cost.unmade_at_stop \
+                    else contextlib.nullcontext()
+                with part, saves:
                     outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
                 if not cpu:
                     record.fwd_workspace = max(0, part.peak_bytes - part.net_bytes)
+                    if at_save:
+                        cost.stop_workspace = _stop_workspace(costs, cost, at_save[-1], part.net_bytes)
                 if own_casts:
                     torch.clear_autocast_cache()
                 fmts = (formats or {}).get(node.name) or []
@@ -1821,6 +1862,9 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
         for label, record in records:
             peak, net = tracker.range_peak(f"{label}:f")
             record.fwd_workspace = max(0, peak - net)
+            if f"{label}:s" in tracker.ranges:
+                record.stop_workspace = _stop_workspace(
+                    costs, record, tracker.range_peak(f"{label}:f", until=f"{label}:s")[0], net)
             if f"{label}:b" in tracker.ranges:
                 peak, _ = tracker.range_peak(f"{label}:b")
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))

@@ -78,8 +78,10 @@ class MemoryTracker:
             e = stack.pop()
             if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
                 raw.append((e.start_time_ns, int(e.extra_fields.alloc_size), int(e.extra_fields.ptr)))
-            elif e.name.startswith(_MARK):
-                self.ranges[e.name[len(_MARK):]] = (e.start_time_ns, e.end_time_ns)
+            elif e.name.startswith(_MARK):  # a label marked several times: its last mark
+                label = e.name[len(_MARK):]
+                if label not in self.ranges or e.start_time_ns > self.ranges[label][0]:
+                    self.ranges[label] = (e.start_time_ns, e.end_time_ns)
             stack.extend(e.children)
         raw.sort(key=lambda x: x[0])
         # only blocks allocated inside the block count, also when they are freed: the profiler reports the free
@@ -103,15 +105,22 @@ class MemoryTracker:
             peak = max(peak, cur)
         self.events, self.peak_bytes, self.net_bytes = events, peak, cur
 
+    def peak_so_far(self) -> int:
+        """CUDA only: the peak bytes allocated since the block started, relative to its start, up to now."""
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
+
     def mark(self, label: str):
         """Context manager naming a part of the block; :meth:`range_peak` then gives that part's figures.
 
         On CUDA, ranges are not recorded (use one tracker per part there)."""
         return record_function(_MARK + label)
 
-    def range_peak(self, label: str) -> tuple[int, int]:
-        """``(peak, net)`` bytes allocated inside the part marked ``label``, relative to its start (CPU)."""
+    def range_peak(self, label: str, until: str | None = None) -> tuple[int, int]:
+        """``(peak, net)`` bytes allocated inside the part marked ``label``, relative to its start (CPU); with
+        ``until``, only up to the start of the (last) part marked ``until``."""
         start, end = self.ranges[label]
+        if until is not None:
+            end = self.ranges[until][0]
         times = self._times if hasattr(self, "_times") else [t for t, _ in self.events]
         self._times = times
         cur = peak = 0

@@ -54,6 +54,8 @@ class Accounting:
         cast_uses: node index -> the casts it reads (``NodeCost.casts``).
         unmade_at_stop: node index -> ``NodeCost.unmade_at_stop`` (what a recomputation ending there stops
             before making).
+        stop_ws: node index -> the workspace of a recomputation ending there: the larger of
+            ``NodeCost.fwd_workspace`` and ``NodeCost.stop_workspace``.
         recomputable: node index -> ``NodeCost.recomputable`` (``False``: never inside a checkpoint region).
         region_bytes: bytes each checkpoint region holds from its forward pass to its backward pass, and again
             while recomputed (``Costs.region_bytes``).
@@ -95,6 +97,7 @@ class Accounting:
     fwd_seconds: list[float]
     bwd_seconds: list[float]
     fwd_ws: list[int]
+    stop_ws: list[int]
     bwd_ws: list[int]
     grad_alias: list[bool]
     grad_before: list[int]
@@ -182,7 +185,9 @@ class Accounting:
             output_storages=output_storages,
             activation=[s.id for s in costs.storages if producer[s.id] >= 0 and s.kind != "variant"],
             fwd_seconds=[c.fwd_seconds for c in costs.nodes], bwd_seconds=[c.bwd_seconds for c in costs.nodes],
-            fwd_ws=[c.fwd_workspace for c in costs.nodes], bwd_ws=[c.bwd_workspace for c in costs.nodes],
+            fwd_ws=[c.fwd_workspace for c in costs.nodes],
+            stop_ws=[max(c.fwd_workspace, c.stop_workspace) for c in costs.nodes],
+            bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
             loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
             loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],

@@ -370,7 +370,9 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
         for x, b in list(own.items()) + list(delta.items()):
             terms[x] = terms.get(x, 0.0) - b
         m.row(terms, lo=own_const - big)
-        terms = {a[i]: 1.0, r[i]: acc.fwd_ws[i] / UNIT}
+        # (a recomputation stopping at i may peak above its forward's workspace: Accounting.stop_ws, counted
+        # wherever i is recomputed, which only errs on the safe side where i is inside a region)
+        terms = {a[i]: 1.0, r[i]: acc.stop_ws[i] / UNIT}
         for name, vc in options[i].items():
             terms[v[i][name]] = (vc.bwd_workspace - acc.bwd_ws[i]) / UNIT
         for s in acts:

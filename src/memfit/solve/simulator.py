@@ -283,7 +283,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 # the recomputation stops once the last tensor is saved (early stop): what the last saver makes
                 # after its last save never exists here (a convolution's output; the math attention's output,
                 # made by a matrix product that saves its operands first). Its workspace, from operations before
-                # the last save, is still counted
+                # the last save, is still counted, and the forward's peak up to that save (NodeCost.stop_workspace)
                 unmade = acc.unmade_at_stop[i] if j == i else ()
                 for s in acc.creates[j]:
                     if s in acc.casts or s in unmade:
@@ -306,7 +306,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                         read_until.setdefault(last_read, []).append(s)
                     else:
                         transient(acc.nbytes[s], f"recompute {j} transient {s}")
-                transient(acc.fwd_ws[j], f"recompute {j} workspace")
+                transient(acc.stop_ws[j] if j == i else acc.fwd_ws[j], f"recompute {j} workspace")
                 for s in read_until.pop(j, []):
                     free(acc.nbytes[s], f"recompute {j} free {s}")
             free(unsaved_casts + to_end + acc.region_bytes + buffer_copies[r], f"recompute {i} end")
