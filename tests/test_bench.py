@@ -78,6 +78,8 @@ def test_parse_fractions():
     # `memfit bench --budgets`: a fresh user's 0.5 was answered "e.g. '0.5%'", and 0% was accepted
     with pytest.raises(ValueError, match="e.g. '50%'"):
         parse_fractions("0.5", percent_only=True)
+    with pytest.raises(ValueError, match=r"must be in \(0, 100\]"):  # as `memfit run` refuses it
+        parse_fractions("150%,50%")
     with pytest.raises(ValueError, match="above 0%"):
         parse_fractions("0%", percent_only=True)
     with pytest.raises(ValueError, match="such as '50%'$"):
@@ -582,6 +584,21 @@ def test_max_batch_refuses_a_budget_that_is_not_bytes_saying_which(budget, given
     rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget", budget, "--batch-limit", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and f"needs a budget in bytes ('2GiB', '512MB'), not {given}" in err, err
+
+
+def test_max_batch_refuses_a_limit_below_the_start_before_measuring(capsys, monkeypatch):
+    # a fresh user's --start-batch 64 --batch-limit 8 measured plain PyTorch at --budget-from-batch first
+    from memfit.bench import maxbatch
+    from memfit.cli import main
+
+    def measured(*args, **kwargs):
+        raise AssertionError("plain PyTorch was measured before the flags were checked")
+
+    monkeypatch.setattr(maxbatch, "plain_peak_bytes", measured)
+    rc = main(["max-batch", "--model", "resnet18", "--image-size", "32", "--budget-from-batch", "4",
+               "--start-batch", "64", "--batch-limit", "8"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "--batch-limit 8 is below --start-batch 64" in err, err
 
 
 def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(capsys, monkeypatch):

@@ -55,8 +55,27 @@ def test_a_negative_budget_on_the_command_line_gets_the_budgets_own_error(capsys
     assert "must be positive" in capsys.readouterr().err
 
 
+def test_a_batch_the_machine_cannot_hold_gets_a_message_and_exit_2(capsys, tmp_path, monkeypatch):
+    import memfit.zoo
+    from memfit.cli import main
+
+    # a fresh user's `memfit run --batch 100000000` got the CPU allocator's traceback and exit status 1 (which `run`
+    # uses for gradients that differ); an allocation no machine can make stands in for it here
+    def example_batch(*args, **kwargs):
+        return torch.empty(2**60, dtype=torch.uint8), None
+
+    monkeypatch.setattr(memfit.zoo, "example_batch", example_batch)
+    out = str(tmp_path / "plan.json")
+    assert main(["plan", "--model", "resnet18", "--batch", "100000000", "--threads", "1", "--out", out]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"out of memory: an allocation of [\d.]+ TiB failed on cpu", err), err
+    assert "lower --batch or --image-size" in err and "Traceback" not in err
+
+
 def test_plan_json_round_trip(tmp_path):
     p = Plan.from_spans("chen", ["a", "b", "c", "d"], [(1, 2)], budget_bytes=10, predicted_peak_bytes=9)
+    with pytest.raises(FileNotFoundError, match="the folder .*missing does not exist; create it"):
+        p.save(tmp_path / "missing" / "plan.json")  # (a bare FileNotFoundError before)
     path = tmp_path / "plan.json"
     p.save(path)
     q = Plan.load(path)

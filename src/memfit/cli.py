@@ -336,6 +336,9 @@ def cmd_max_batch(args) -> int:
                                  "torch-budget:0.5") from None
     if (args.budget is None) == (args.budget_from_batch is None):
         raise ValueError("give exactly one of --budget (bytes, e.g. '2GiB') and --budget-from-batch N")
+    if args.batch_limit < args.start_batch:  # (before plain PyTorch is measured for --budget-from-batch)
+        raise ValueError(f"--batch-limit {args.batch_limit} is below --start-batch {args.start_batch}: raise "
+                         "--batch-limit or lower --start-batch")
     if args.budget is not None:
         budget = Budget.parse(args.budget)
         if budget.nbytes is None:
@@ -442,7 +445,7 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
     p.add_argument("--start-batch", type=_positive, default=2, help="first and smallest batch probed (raised to "
                    "2 for models with BatchNorm, which needs 2 in training)")
-    p.add_argument("--batch-limit", type=int, default=4096, help="largest batch probed")
+    p.add_argument("--batch-limit", type=_positive, default=4096, help="largest batch probed")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     _bench_run_flags(p)
     p.set_defaults(func=cmd_max_batch)
@@ -498,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     _offload_flags(p)
     _grads_flag(p)
-    p.add_argument("--out", default="plan.json")
+    p.add_argument("--out", default="plan.json", help="where to write the plan (JSON; load it with "
+                   "memfit.Plan.load, or give it to memfit.optimize as plan_)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("train", help="train on real images with the plan and plain PyTorch side by side")
     _common(p)
@@ -557,8 +561,35 @@ def main(argv: list[str] | None = None) -> int:
             hint = (f" (the command line always trains the whole model with SGD and momentum 0.9: {batch}raise "
                     "--budget, or plan through the Python API, memfit.optimize(model, batch, budget, optimizer=...), "
                     "with frozen layers or another optimizer)")
-        Console(stderr=True).print(f"[red]memfit {args.command}: {exc}{hint}[/]")
+        Console(stderr=True).print(f"[red]memfit {args.command}: {escape(str(exc))}{escape(hint)}[/]")
         return 2
+    except (MemoryError, RuntimeError) as exc:
+        from memfit.profile.tracker import is_out_of_memory
+
+        if not is_out_of_memory(exc):
+            raise
+        Console(stderr=True).print(f"[red]memfit {args.command}: {escape(_out_of_memory(exc, args))}[/]")
+        return 2
+
+
+def _out_of_memory(exc: BaseException, args) -> str:
+    """The message for an allocation that failed (:func:`memfit.profile.tracker.is_out_of_memory`): its size where
+    the allocator says it, and the flags that set the batch's size."""
+    import re
+
+    text = str(exc)
+    tried = re.search(r"tried to allocate (\d+) bytes", text)  # (the CPU allocator's; CUDA's gives a size)
+    cuda = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    size = f" of {fmt_bytes(int(tried.group(1)))}" if tried else f" of {cuda.group(1)}" if cuda else ""
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = re.split(r":? you tried to allocate|\. Tried to allocate", first[first.find("DefaultCPUAllocator"):]
+                     if "DefaultCPUAllocator" in first else first)[0]
+    names = [name for name in ("batch", "image_size") if hasattr(args, name)]
+    given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names if getattr(args, name) is not None]
+    return (f"out of memory: an allocation{size} failed on {getattr(args, 'device', 'cpu')} ({first}). "
+            f"memfit runs the model on its example batch to measure it, and this batch"
+            f"{' (' + ', '.join(given) + ')' if given else ''} needs more memory than the machine has: lower "
+            f"{' or '.join('--' + name.replace('_', '-') for name in names) or 'the batch size'}")
 
 
 if __name__ == "__main__":

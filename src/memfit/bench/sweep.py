@@ -159,8 +159,8 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
     above 1 (``"50"``) is refused, since it is almost surely a percentage without its ``%``.
 
     Raises:
-        ValueError: an entry is neither, or empty between commas, the list is empty, or (``percent_only``) an
-            entry lacks ``%``.
+        ValueError: an entry is neither, or empty between commas, or above 100%, the list is empty, or
+            (``percent_only``) an entry lacks ``%``.
     """
     if isinstance(text, (list, tuple)):
         items = list(text)
@@ -180,6 +180,8 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
                              + ("" if percent_only else " or a fraction such as 0.5")) from None
         if value <= 0:
             raise ValueError(f"budget {s!r}: a budget must be above 0%")
+        if s.endswith("%") and value > 1:  # (as `memfit run` says: above plain PyTorch's peak nothing is planned)
+            raise ValueError(f"budget {s!r}: a percentage must be in (0, 100]")
         if not s.endswith("%") and (percent_only or value > 1):
             pct = f"{value * 100:g}%" if value <= 1 else f"{s}%"
             raise ValueError(f"budget {s!r}: write budgets as percentages of the activation peak, e.g. '{pct}'")

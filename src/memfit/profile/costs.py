@@ -27,7 +27,7 @@ from memfit.graph.capture import Captured
 from memfit.profile.buffers import FindWrites, buffer_storages, by_storage, reachable_slots, storage_key
 from memfit.profile.link import LinkCost
 from memfit.profile.timing import median_seconds
-from memfit.profile.tracker import MemoryTracker
+from memfit.profile.tracker import MemoryTracker, is_out_of_memory
 from memfit.variants.inplace import PLAIN_INPLACE
 
 
@@ -921,7 +921,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         except Exception as exc:
             args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
             if not args:
-                if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+                if is_out_of_memory(exc):
                     raise
                 raise ValueError(_failed_on_inputs(gm, node, inputs, exc)) from exc
             # a default of None is the likelier culprit (`if mask is not None:` traced as true) than a number

@@ -17,6 +17,16 @@ from typing_extensions import Self
 _MARK = "memfit.mark:"
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``exc`` says an allocation failed: Python's ``MemoryError``, ``torch.OutOfMemoryError`` (CUDA), or the CPU
+    allocator's ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory"; "not enough memory" on Windows)."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator" in text and (
+        "can't allocate memory" in text or "not enough memory" in text)
+
+
 def live_bytes(tensors) -> int:
     """Total storage bytes of ``tensors`` (any iterable, ``None`` entries skipped), each storage counted once."""
     seen: dict[int, int] = {}

@@ -310,7 +310,15 @@ class Plan:
             raise ValueError(f"not a memfit plan ({exc}); make one with memfit.plan(...) and Plan.save") from exc
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as JSON to ``path``."""
+        """Write the plan as JSON to ``path``.
+
+        Raises:
+            FileNotFoundError: ``path``'s folder does not exist (it is not created).
+        """
+        folder = Path(path).absolute().parent
+        if not folder.is_dir():
+            raise FileNotFoundError(f"Plan.save({str(path)!r}): the folder {folder} does not exist; create it "
+                                    "(os.makedirs) or name a file in an existing folder")
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
