@@ -660,3 +660,17 @@ def test_the_float64_step_decides_where_float32_is_beyond_its_noise(monkeypatch)
     monkeypatch.setattr(peers, "one_step_grads", off)
     wrong = rounding_check(model, plan, (x,), y, F.cross_entropy)
     assert not wrong["float64_gradients_match"] and not rounding_verdict(wrong)["gradients_match"], wrong
+
+
+def test_a_long_plot_title_stays_inside_the_figure(tmp_path):
+    # a fresh user's pareto.png had its title (model, sizes, budgets, machine) cut at the right edge
+    from types import SimpleNamespace
+
+    from memfit.bench.plots import pareto_plot
+
+    rows = [{"strategy": "memfit", "budget_fraction": f, "overhead": 1 + f / 10,
+             "planned": {"activation_peak_bytes": int(f * 2**24)}} for f in (0.5, 0.33)]
+    title = "memfit bench: resnet50, batch 8, 128x128 on cpu, " + ", ".join(f"{p}%" for p in range(100, 0, -3))
+    fig = pareto_plot(rows, SimpleNamespace(activation_peak_bytes=2**24), tmp_path / "p.png", title=title)
+    box = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 MIB = 2**20
 
 
-def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -> None:
+def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = ""):
     """Measured activation peak (MiB) against overhead (step time / plain PyTorch's), one line per strategy
     and backend, points sorted by memory; plain PyTorch is the black star at (its activation peak, 1.0).
     Rows without a measurement (infeasible budgets, peers that cannot run) are listed in a note under the
@@ -20,7 +21,10 @@ def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -
         baseline: plain PyTorch's :class:`~memfit.bench.harness.StepFigures` (or anything with
             ``activation_peak_bytes``).
         path: the PNG to write.
-        title: plot title.
+        title: plot title (wrapped to the figure's width).
+
+    Returns:
+        The matplotlib ``Figure`` (already written to ``path``).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -58,7 +62,8 @@ def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -
     ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.set_xlabel("measured activation peak (MiB)")
     ax.set_ylabel("overhead (step time / plain PyTorch)")
-    ax.set_title(title or "memory vs time", fontsize=9)
+    # (a long title, a model and its sizes, budgets and machine, was cut at the figure's right edge)
+    ax.set_title("\n".join(textwrap.wrap(title or "memory vs time", 85)), fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     if missing:
@@ -69,3 +74,4 @@ def pareto_plot(rows: list[dict], baseline, path: str | Path, title: str = "") -
         ax.legend(fontsize=8)
     fig.tight_layout(rect=(0, 0.04 if missing else 0, 1, 1))
     fig.savefig(str(path))
+    return fig
