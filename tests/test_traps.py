@@ -2753,10 +2753,12 @@ def test_a_submodule_compiled_in_place_is_told_to_plan_first():
 
 class _MaskedMHA(nn.Module):
     """A pre-norm block of ``nn.MultiheadAttention`` with attention dropout, called with both a key padding mask and
-    a causal mask (buffers), and a feed-forward MLP, over token embeddings."""
+    a causal mask (buffers), and a feed-forward MLP, over token embeddings; ``weights``: called as PyTorch's
+    default does, the averaged attention weights returned and discarded, without the masks."""
 
-    def __init__(self, d=32, t=64, b=4, vocab=50):
+    def __init__(self, d=32, t=64, b=4, vocab=50, weights=False):
         super().__init__()
+        self.weights = weights
         self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = nn.MultiheadAttention(d, 1, dropout=0.1, batch_first=True)
@@ -2766,18 +2768,23 @@ class _MaskedMHA(nn.Module):
 
     def forward(self, ids):
         h = self.ln1(self.emb(ids))
-        a, _ = self.attn(h, h, h, key_padding_mask=self.padding, attn_mask=self.causal, need_weights=False)
+        if self.weights:
+            a, _ = self.attn(h, h, h)
+        else:
+            a, _ = self.attn(h, h, h, key_padding_mask=self.padding, attn_mask=self.causal, need_weights=False)
         x = h + a
         return self.head(x + self.ff(self.ln2(x)))
 
 
-def test_attention_recomputed_alone_stays_within_its_budget():
+@pytest.mark.parametrize("weights", [False, True], ids=["masks", "weights-discarded"])
+def test_attention_recomputed_alone_stays_within_its_budget(weights):
     # nn.MultiheadAttention's math path with dropout and two masks peaks while its output projection saves its
     # input, before the projection's output exists: a recomputation that stops there peaks as high as the forward
     # did, but was priced at the forward's workspace minus that output (a fresh user's min plan: exactly one
-    # [B, T, D] float32 tensor over the measured peak, 1.018x the budget)
+    # [B, T, D] float32 tensor over the measured peak, 1.018x the budget). With the weights returned and
+    # discarded, their backward (a [B, T, T] gradient) was counted though nothing starts it: B*T*T*4 bytes over
     torch.manual_seed(0)
-    model = _MaskedMHA().train()
+    model = _MaskedMHA(weights=weights).train()
     x, y = torch.randint(0, 50, (4, 64)), torch.randint(0, 50, (4, 64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (MultiheadAttention is one operation to fx)

@@ -497,7 +497,9 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
             costs = _structure(gm, inputs, fixed_ptrs, with_variants, cast_dtype, requires, snapshot)
             _time_nodes(gm, inputs, costs, device, repeats, requires, saved_stats=with_variants)
             _no_faster_than_default(costs)
-            formats, no_grad = _grad_formats(gm, inputs, loss_fn, requires)
+            formats, no_grad, received, unread = _grad_formats(gm, inputs, loss_fn, requires)
+            for c in costs.nodes:  # an output nothing reads gets no gradient in the step
+                c.grad_bytes = max(0, c.grad_bytes - unread.get(c.name, 0))
             if loss_fn is not None:
                 (costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded,
                  loss_param_grads, costs.loss_param_ptrs) = _measure_loss(gm, inputs, loss_fn, device, requires,
@@ -517,7 +519,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                        for p in params if p.requires_grad and id(p) not in no_grad}
             existing = set(trained) if grads_exist else set(trained) & set(costs.loss_param_ptrs)
             grads_exist = grads_exist or (bool(trained) and existing == set(trained))
-            _measure_workspace(gm, inputs, costs, device, requires, formats, existing)
+            _measure_workspace(gm, inputs, costs, device, requires, formats, existing, received)
     finally:
         _restore(snapshot, flags)
         for g, state in generators:
@@ -1591,25 +1593,38 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
     isolated backward passes start from the layouts the step gives them: a gradient need not have its
     output's layout (a mean's backward makes a contiguous gradient for a channels-last activation).
     Parameters' ``.grad`` are not touched (``torch.autograd.grad``); the caller restores buffers and RNG. Also
-    the ``id()`` of the trainable parameters that pass gives no gradient (empty when it gives none at all)."""
+    the ``id()`` of the trainable parameters that pass gives no gradient (empty when it gives none at all),
+    ``{node name: [whether each tensor output received a gradient]}`` (``None`` where no backward pass ran), and
+    ``{node name: bytes of the outputs it makes that received none}`` for the nodes some of whose outputs did
+    (``a, _ = attn(h, h, h)``: MultiheadAttention's averaged weights, B*T*T*4 bytes, get no gradient)."""
     env: dict[str, object] = dict(bind_inputs(gm, inputs))
     formats: dict[str, list] = {}
+    received: dict[str, list[bool]] = {}
 
-    def record(fs: list, k: int):
+    def record(fs: list, got: list, k: int):
         def hook(g):
             if g is not None:  # (an output nothing reads, `a, _ = h.chunk(2, 1)`: autograd calls its hook with None)
                 fs[k] = _format_of(g)
+                got[k] = True
         return hook
 
+    # bytes of each node's gradient-needing outputs it makes itself (as :func:`_structure` counts its grad_bytes)
+    seen = {t.untyped_storage().data_ptr() for t in [*tensors_in(inputs), *gm.parameters(), *gm.buffers()]
+            if isinstance(t, torch.Tensor)}
+    own: dict[str, list[int]] = {}
     with torch.enable_grad():
         for node in compute_nodes(gm):
             out = node_fn(gm, node)(env)
             env[node.name] = out
             ts = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
             fs = formats[node.name] = [None] * len(ts)
+            got = received[node.name] = [False] * len(ts)
+            own[node.name] = [t.numel() * t.element_size() if t.requires_grad and _differentiable(t)
+                              and t.untyped_storage().data_ptr() not in seen else 0 for t in ts]
+            seen.update(t.untyped_storage().data_ptr() for t in ts)
             for k, t in enumerate(ts):
                 if t.requires_grad and t.grad_fn is not None:
-                    t.register_hook(record(fs, k))
+                    t.register_hook(record(fs, got, k))
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         out = fx.node.map_arg(output_node.args[0], lambda a: env[a.name])
         wrt = [p for p in gm.parameters() if p.requires_grad]
@@ -1621,11 +1636,15 @@ def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str
             seeds = [torch.ones_like(t) for t in roots]
         roots_ok = [r for r in roots if isinstance(r, torch.Tensor) and r.requires_grad]
         no_grad: set[int] = set()
+        ran = False
         if wrt and roots_ok and len(roots_ok) == len(roots):
             grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+            ran = True
             if any(g is not None for g in grads):
                 no_grad = {id(p) for p, g in zip(wrt, grads) if g is None and isinstance(p, nn.Parameter)}
-    return formats, no_grad
+    unread = {name: sum(b for b, g in zip(own[name], got) if not g) for name, got in received.items()
+              if ran and any(got)}
+    return formats, no_grad, received if ran else None, unread
 
 
 def _scalars_behind_copy_slices(gm: fx.GraphModule, node: fx.Node, env: dict, ins: list,
@@ -1714,6 +1733,17 @@ def _grad_copy(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return g.clone(memory_format=torch.contiguous_format)
 
 
+def _received_outputs(received: dict[str, list[bool]] | None, name: str, count: int) -> list[bool]:
+    """Which of node ``name``'s ``count`` tensor outputs to start its isolated backward from: those that received a
+    gradient in :func:`_grad_formats`'s step where some did (MultiheadAttention's averaged weights, discarded,
+    were started from ones: B*T*T*4 bytes over the measured peak), else all (a node none of whose outputs got
+    one there, whatever the reason, is measured as before)."""
+    got = (received or {}).get(name)
+    if not got or len(got) != count or not any(got):
+        return [True] * count
+    return list(got)
+
+
 def _noting_saves(note, fixed: set[int]):
     """Saved-tensor hooks that call ``note()`` each time autograd saves a tensor whose storage's data pointer is
     not in ``fixed`` (the parameters, which a checkpoint region holds without its hooks: its recomputation stops
@@ -1742,10 +1772,11 @@ def _stop_workspace(costs: Costs, cost: NodeCost, peak_at_last_save: int, net: i
 
 def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.device,
                        requires: dict[str, list[bool]] | None = None, formats: dict | None = None,
-                       existing: set[int] = frozenset()) -> None:
+                       existing: set[int] = frozenset(), received: dict[str, list[bool]] | None = None) -> None:
     """Transient bytes of each node's forward and backward (and of its variants'), run in isolation under
     the memory tracker; each backward starts from gradients of the layouts ``formats`` (see
-    :func:`_grad_formats`) gives. A parameter gradient that autograd copies into a ``.grad`` that does not exist
+    :func:`_grad_formats`) gives, for the outputs that receive one in the step (``received``: where a node's
+    outputs receive some, the others are unread, `a, _ = attn(h, h, h)`: no gradient starts there). A parameter gradient that autograd copies into a ``.grad`` that does not exist
     yet (:func:`_copied_into_grad`; its storage's data pointer not in ``existing``) is made as autograd makes it,
     and the peak of making it (its bytes, and the 14,400 B buffer of a transposing copy on the CPU) is the node's
     ``grad_copy_bytes``."""
@@ -1786,8 +1817,9 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     torch.clear_autocast_cache()
                 fmts = (formats or {}).get(node.name) or []
                 fmts = fmts if len(fmts) == len(outs) else [None] * len(outs)
-                fmts = [f for t, f in zip(outs, fmts) if t.requires_grad]
-                outs = [t for t in outs if t.requires_grad]
+                wanted = _received_outputs(received, node.name, len(outs))
+                fmts = [f for t, f, w in zip(outs, fmts, wanted) if t.requires_grad and w]
+                outs = [t for t, w in zip(outs, wanted) if t.requires_grad and w]
                 if not outs or not (leaves or params):  # e.g. a get_attr of a parameter: nothing to do
                     continue
                 # the layout the real backward hands this node (a channels-last pooling fed by a mean's
@@ -1845,7 +1877,8 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 leaf_bytes[label] = grad_in - batch
                 if chain:  # again, with the output's gradient held by autograd alone
                     local, leaves = make_env(clone=clone)
-                    outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor) and t.requires_grad]
+                    outs = [t for t, w in zip([t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)],
+                                              wanted) if t.requires_grad and w]
                     if own_casts:
                         torch.clear_autocast_cache()
                     root, one = _Seeded.apply(lambda outs=outs, fmts=fmts: [_seed(t, f) for t, f in zip(outs, fmts)],
