@@ -932,8 +932,11 @@ class PlannedModule(nn.Module):
         room = None if budget is None or plan.predicted_peak_bytes > budget else budget - plan.predicted_peak_bytes
         # the outputs' storages, not the tensors: a detached copy kept for metrics (`logits = out.detach()`) holds the
         # storage as much as `out` does (a fresh user's 1.19 MB over the budget was not warned)
+        # (not while torch.compile traces the call: dynamo makes a bare StorageWeakRef to probe the class, whose
+        # __del__ then printed "Exception ignored ... _free_weak_ref" several times a step)
         watched = [(StorageWeakRef(tensors[k].untyped_storage()), tensors[k].untyped_storage().nbytes())
-                   for k in plan.freed_outputs if k < len(tensors)] if room is not None else []
+                   for k in plan.freed_outputs if k < len(tensors)] \
+            if room is not None and not torch.compiler.is_compiling() else []
         del tensors
 
         def on_grad(grad, call=call):
