@@ -2761,6 +2761,26 @@ def test_a_submodule_compiled_in_place_is_told_to_plan_first():
         memfit.optimize(Net().train(), torch.randn(4, 8), "min")
 
 
+def test_a_submodule_compiled_in_place_after_planning_is_warned_once():
+    # a fresh user's `model.mlp.compile()` after planning was silently ignored (the planned step runs the trace)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Linear(16, 2)).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    planned = memfit.optimize(model, x, "min")
+    model[1].compile(backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            planned(x).sum().backward()
+    told = [str(w.message) for w in seen if "compiled in place" in str(w.message)]
+    assert len(told) == 1 and "the submodule '1' (Sequential)" in told[0] and "no effect" in told[0], told
+    for _ in range(2):
+        ref(x).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+
+
 class _MaskedMHA(nn.Module):
     """A pre-norm block of ``nn.MultiheadAttention`` with attention dropout, called with both a key padding mask and
     a causal mask (buffers), and a feed-forward MLP, over token embeddings; ``weights``: called as PyTorch's

@@ -1094,6 +1094,12 @@ class PlannedModule(nn.Module):
         on ResNet's ``layer4``, registered after planning, captured nothing, and a hook that changed an output
         was ignored). A module with hooks at planning time is kept whole and its hooks run."""
         for path, module in self._traced_modules:
+            if getattr(module, "_compiled_call_impl", None) is not None:  # module.compile() after planning
+                self._warn_once(f"compiled {path}", f"memfit: {f'the submodule {path!r}' if path else 'the model'} "
+                                f"({type(module).__name__}) was compiled in place (module.compile()) after planning, "
+                                "which has no effect on the planned step: memfit traced into it, and the planned "
+                                "module runs its operations from that trace, with PyTorch's eager kernels, which "
+                                "the plan's figures are for. Drop the .compile() call to silence this.")
             if has_own_hooks(module):
                 where = (f"the model's submodule {path!r} ({type(module).__name__})" if path else
                          f"the model itself ({type(module).__name__})")
