@@ -1990,6 +1990,8 @@ def _time_nodes(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: torch.d
             try:
                 record.fwd_seconds = median_seconds(forward, device, repeats, setup=setup)
             except RuntimeError as exc:
+                if is_out_of_memory(exc):  # (PyTorch's own error: no fault of the node's)
+                    raise
                 raise ValueError(_alone_failed(gm, node, exc)) from exc
             if saved_stats and record is cost:
                 _time_stats_recompute(cost, forward, setup, device, repeats)
