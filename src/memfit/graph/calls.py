@@ -50,6 +50,17 @@ def node_fn(gm: fx.GraphModule, node: fx.Node, module=None) -> Callable[[dict[st
 def arg_loader(node: fx.Node) -> Callable[[dict[str, Any]], tuple[Any, Any]]:
     """``load(env) -> (args, kwargs)``: ``node``'s arguments with every node replaced by its value in ``env``."""
     args, kwargs = node.args, node.kwargs
+    nested = (tuple, list, dict, slice)
+    if not any(isinstance(a, nested) for a in (*args, *kwargs.values())):
+        # (the common case, each argument a value or a constant: this runs for every node of every planned step, and
+        # fx's map_arg walks its arguments as a tree, a few microseconds a node)
+        arg_parts = tuple((a.name, None) if isinstance(a, fx.Node) else (None, a) for a in args)
+        kwarg_parts = tuple((k, (v.name, None) if isinstance(v, fx.Node) else (None, v)) for k, v in kwargs.items())
+
+        def load_flat(env):
+            return (tuple(c if n is None else env[n] for n, c in arg_parts),
+                    {k: c if n is None else env[n] for k, (n, c) in kwarg_parts})
+        return load_flat
 
     def load(env):
         return fx.node.map_arg(args, lambda a: env[a.name]), fx.node.map_arg(kwargs, lambda a: env[a.name])

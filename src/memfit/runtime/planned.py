@@ -681,6 +681,7 @@ class PlannedModule(nn.Module):
                              modules=list(modules.values()), slots=slots,
                              stats=[n.name in from_stats for n in group])
             self._steps.append(("region", region, None, frees))
+        self._has_regions = any(kind == "region" for kind, *_ in self._steps)
 
     def _check_stats(self, nodes: list[fx.Node]) -> None:
         """Refuse ``stats_recompute`` entries that are no BatchNorm call: nothing would be recomputed from
@@ -1177,12 +1178,16 @@ class PlannedModule(nn.Module):
         planned = self.plan.output_bytes.get(name)
         if planned is None:
             return
-        seen: dict[int, int] = {}
-        for t in tensors_in(value):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
-                st = t.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-        now = sum(seen.values())
+        if isinstance(value, torch.Tensor):  # (the common case, without a walk through a structure)
+            now = value.untyped_storage().nbytes() if value.layout == torch.strided and value.device.type != "meta" \
+                else 0
+        else:
+            seen: dict[int, int] = {}
+            for t in tensors_in(value):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
+                    st = t.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+            now = sum(seen.values())
         if now > planned and self.__dict__.get("_grown_first") is None:
             self.__dict__["_grown_first"] = name
         if now <= planned + max(4096, planned // 100) or now < 1.5 * self._larger_ratio * planned:
@@ -1353,6 +1358,7 @@ class PlannedModule(nn.Module):
                                                                                           sized(name, value)))
         if off is not None:
             off.produced(-1, [t for a in args for t in tensors_in(a)])  # model inputs: never offloaded
+        output_bytes = self.plan.output_bytes
         with hooks, finder if finder is not None else contextlib.nullcontext():
             for k, (kind, a, b, frees) in enumerate(self._steps):
                 if kind == "node":
@@ -1361,8 +1367,20 @@ class PlannedModule(nn.Module):
                     env[a] = b(env)
                     if off is not None:
                         off.produced(index[a], tensors_in(env[a]))
-                    if sized is not None:
-                        sized(a, env[a])
+                    if sized is not None and (planned := output_bytes.get(a)) is not None:
+                        # (this runs for every node of every step: where its tensors' own bytes are within the planned
+                        # storage bytes, none of them grew but as a view of a larger tensor, which its node was
+                        # checked for; a tensor of a grown input, the inputs' check warns about)
+                        v = env[a]
+                        if type(v) is torch.Tensor:
+                            grown = v.layout != torch.strided or v.nbytes > planned
+                        elif type(v) in (tuple, list):
+                            grown = any(type(x) is not torch.Tensor or x.layout != torch.strided for x in v) or \
+                                sum(x.nbytes for x in v) > planned
+                        else:
+                            grown = True
+                        if grown:
+                            sized(a, v)
                 else:
                     values = [env[n] for n in a.inputs]
                     side = {i: v for i, v in enumerate(values) if state.kind(v) is not None}
@@ -1421,7 +1439,7 @@ class PlannedModule(nn.Module):
         than when the plan was made (a BatchNorm planned in ``eval()`` and trained: a fresh user's running
         statistics were updated twice per step), the dispatch mode that finds the buffers the forward pass writes
         and reads (every buffer is snapshotted in that step)."""
-        if not any(kind == "region" for kind, *_ in self._steps):
+        if not self._has_regions:
             return None, None
         modes = self._modes()
         found = self.__dict__["_kinds"]
