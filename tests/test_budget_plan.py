@@ -582,6 +582,47 @@ def test_min_is_no_higher_than_a_budget_memfit_accepts():
         assert err.smallest_feasible_bytes <= at80.plan.budget_bytes
 
 
+class _DeepSupervision(nn.Module):
+    """Four Linear + GELU blocks with a head after each (deep supervision), all heads' outputs returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
+        self.heads = nn.ModuleList(nn.Linear(64, 4) for _ in range(4))
+
+    def forward(self, x):
+        outs = []
+        for block, head in zip(self.blocks, self.heads):
+            x = block(x)
+            outs.append(head(x))
+        return outs
+
+
+def test_min_above_keeping_everything_and_much_slower_is_warned():
+    # a fresh user's `min` on a small model: a budget above plain PyTorch's own peak (the headroom), for a plan that
+    # saves a few KiB at 2.1x the step time, silently; the byte budget the warning offers keeps everything
+    import torch.nn.functional as F
+
+    from _models import plain_and_planned
+    from memfit.bench.harness import compare
+
+    torch.manual_seed(0)
+    model, x, y = _DeepSupervision().train(), torch.randn(64, 64), torch.randint(0, 4, (64,))
+
+    def loss(out, target):
+        return sum(F.cross_entropy(z, target) for z in out)
+
+    with pytest.warns(UserWarning, match=r"budget='min' planned .* below keeping every activation .* at \d\.\d\dx its "
+                                         r"predicted step time.*give budget=(\d+) \(bytes\)") as seen:
+        base, low, fig = plain_and_planned(model, x, y, "min", loss=loss)
+    assert compare(base, fig)["gradients_match"] and fig.peak_bytes <= low.plan.budget_bytes
+    offered = int(re.search(r"give budget=(\d+)", next(str(w.message) for w in seen if "budget='min'" in str(w.message)))
+                  .group(1))
+    _, kept, fig_kept = plain_and_planned(model, x, y, offered, loss=loss)
+    assert kept.plan.counts()["recompute"] == 0 and fig_kept.peak_bytes <= offered
+    assert fig_kept.peak_bytes == base.peak_bytes  # plain PyTorch's own step
+
+
 class _UnreadHead(nn.Module):
     def __init__(self):
         super().__init__()

@@ -512,6 +512,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
+    if floor:
+        _warn_min_above_plain(result, plain)
     result.grads_exist = grads_exist  # (the loop's, also where the profile took an L2 penalty's gradients as preallocated)
     result.input_shapes = _shapes(inputs)
     nbytes = {st.id: st.nbytes for st in costs.storages}
@@ -543,6 +545,22 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                             and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
+
+
+def _warn_min_above_plain(result: Plan, plain: Plan) -> None:
+    """Warn where ``budget="min"`` took a plan whose budget (its predicted peak plus the replay's headroom) is above
+    keeping every activation's predicted peak, and which is predicted more than 10% slower: it saves less memory
+    than the headroom, and a byte budget at that peak gets plain PyTorch's speed (a fresh user's deep-supervision
+    MLP: 34 KB below plain PyTorch's peak at 2.1x its step time, silently)."""
+    budget, peak = result.budget_bytes, plain.predicted_peak_bytes
+    if budget is None or budget <= peak or result.predicted_step_seconds <= 1.1 * plain.predicted_step_seconds:
+        return
+    saved = peak - result.predicted_peak_bytes
+    warn_user(f"memfit: budget='min' planned {fmt_bytes(max(saved, 0))} below keeping every activation "
+              f"({fmt_bytes(peak)} predicted) at {result.predicted_step_seconds / plain.predicted_step_seconds:.2f}x "
+              f"its predicted step time, and its budget, with the replay's headroom, is {fmt_bytes(budget)}, above "
+              f"that peak. If speed matters more than those bytes, give budget={peak} (bytes): it keeps every "
+              "activation and runs as plain PyTorch does.")
 
 
 def _warn_hooks(model: nn.Module) -> None:
