@@ -2034,34 +2034,65 @@ class _LayerDrop(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
         self.head = nn.Linear(16, 3)
 
-    def forward(self, x):
+    def _draw(self) -> float:
         import random
 
+        import numpy as np
+
+        if self.how == "numpy":
+            return float(np.random.uniform(0.0, 1.0))
+        return torch.rand(1).item() if self.how == "torch" else random.random()
+
+    def forward(self, x):
         for f in self.blocks:
             if self.how == "tensor":
                 x = x + f(x) * x.new_empty(()).bernoulli_(1 - self.p) / (1 - self.p)
-            elif not self.training or (torch.rand(1).item() if self.how == "torch" else random.random()) >= self.p:
+            elif not self.training or self._draw() >= self.p:
                 x = x + f(x)
         return self.head(x)
 
 
-@pytest.mark.parametrize("how", ["torch", "python"])
+@pytest.mark.parametrize("how", ["torch", "python", "numpy"])
 def test_a_random_draw_outside_the_graph_is_refused_with_its_line(how):
     # a fresh user's `if self.training and torch.rand(1).item() < p: return x` planned silently, the branch fixed at
     # trace time: the residual branch was used in 8 of 8 steps against 5 of 8 in plain PyTorch
+    # (numpy's draw was caught by its generator's state alone, and named no line)
     import random
+
+    import numpy as np
 
     model = _LayerDrop(how).train()
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(4, 16)
     torch.manual_seed(3)
     random.seed(3)
-    torch_state, py_state = torch.get_rng_state(), random.getstate()
+    np.random.seed(3)
+    torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
     with pytest.raises(memfit.TraceError, match=r"draws a random number(.|\n)*failing line: .*test_traps.py:\d+ in "
-                                                r"forward(.|\n)*bernoulli_"):
+                                                r"_draw(.|\n)*bernoulli_"):
         memfit.optimize(model, x, "100%")
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == py_state
+    assert np.array_equal(np.random.get_state()[1], np_state[1])
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_numpy_draw_sized_by_a_traced_shape_names_the_users_line_and_the_draw():
+    # a fresh user's `np.random.rand(x.shape[1])` was shown numpy's _common.pyx as the failing line, with advice on
+    # loops over a traced size alone
+    import numpy as np
+
+    class NumpyMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.fc(x * torch.from_numpy(np.random.rand(x.shape[1]) > 0.5).float())
+
+    with pytest.raises(memfit.TraceError, match=r"failing line: .*test_traps.py:\d+ in forward: return self.fc\(x \* "
+                                                r"torch.from_numpy\(np.random.rand(.|\n)*draws a random number outside "
+                                                r"the graph too(.|\n)*torch.rand_like\(x\[0\]\) > 0.5"):
+        memfit.optimize(NumpyMask().train(), torch.randn(4, 16), "100%")
 
 
 def test_a_branch_dropped_through_a_tensor_mask_trains_as_pytorch():

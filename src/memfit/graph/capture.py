@@ -9,6 +9,7 @@ import inspect
 import itertools
 import os
 import re
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -72,9 +73,17 @@ def _in_torch(filename: str) -> bool:
     return filename.startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
+def _in_numpy(filename: str) -> bool:
+    """Whether ``filename`` is numpy's (its Python files, or a compiled module's ``.pyx`` source: a fresh user's
+    ``np.random.rand(x.shape[1])`` was shown ``numpy/random/_common.pyx:309`` as the failing line)."""
+    numpy = sys.modules.get("numpy")
+    return filename.endswith(".pyx") or (numpy is not None and numpy.__file__ is not None
+                                         and filename.startswith(os.path.dirname(numpy.__file__) + os.sep))
+
+
 def _users(filename: str) -> bool:
-    """Whether ``filename`` is the user's code: neither torch's nor memfit's tracing."""
-    return not _in_torch(filename) and "memfit/graph" not in filename
+    """Whether ``filename`` is the user's code: neither torch's, numpy's nor memfit's tracing."""
+    return not _in_torch(filename) and not _in_numpy(filename) and "memfit/graph" not in filename
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -133,8 +142,18 @@ def _refuse_grad_mode_changes():
         torch.autograd.grad_mode.inference_mode.__enter__ = real_inference
 
 
+_DRAW_ADVICE = ("Draw it from the tensors of the step: `keep = x.new_empty(()).bernoulli_(1 - p)` then "
+                "`x + f(x) * keep / (1 - p)` for a whole branch (it is computed at every step, and zeroed when "
+                "dropped), `x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(1 - p)` per sample (as torchvision's "
+                "StochasticDepth does), `torch.randn_like(x)` for noise, `torch.rand_like(x[0]) > 0.5` for a mask, "
+                "`torch.rand_like(x[:, 0]).argsort()` for a permutation of the batch (for torch.randperm(n)).")
 _PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "gauss", "normalvariate",
               "shuffle", "sample", "betavariate", "expovariate", "triangular")
+# numpy.random's functions on its global generator (a draw through them was caught by the generator's state alone,
+# without the user's line)
+_NP_RANDOM = ("rand", "randn", "random", "random_sample", "ranf", "sample", "uniform", "normal", "randint",
+              "random_integers", "choice", "permutation", "shuffle", "binomial", "bernoulli", "beta", "exponential",
+              "gamma", "poisson", "standard_normal", "laplace", "lognormal", "multinomial", "dirichlet")
 
 
 class _SeededOps(TorchDispatchMode):
@@ -163,7 +182,10 @@ def _watch_random_draws(seen: list[str]):
 
     numpy = sys.modules.get("numpy")
     states = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
-    real = {name: getattr(random, name) for name in _PY_RANDOM if hasattr(random, name)}
+    real = [(random, name, getattr(random, name)) for name in _PY_RANDOM if hasattr(random, name)]
+    if numpy is not None:
+        real += [(numpy.random, name, getattr(numpy.random, name)) for name in _NP_RANDOM
+                 if hasattr(numpy.random, name)]
 
     def watched(f):
         def draw(*args, **kwargs):
@@ -171,14 +193,14 @@ def _watch_random_draws(seen: list[str]):
             return f(*args, **kwargs)
         return draw
 
-    for name, f in real.items():
-        setattr(random, name, watched(f))
+    for owner, name, f in real:
+        setattr(owner, name, watched(f))
     try:
         with _SeededOps(seen):
             yield
     finally:
-        for name, f in real.items():
-            setattr(random, name, f)
+        for owner, name, f in real:
+            setattr(owner, name, f)
         after = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
         changed = (not torch.equal(states[0], after[0]) or states[1] != after[1]
                    or (numpy is not None and any(not numpy.array_equal(a, b) if hasattr(a, "shape") else a != b
@@ -766,9 +788,13 @@ def capture(model: nn.Module) -> Captured:
             "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
         ) from None
     except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
+        line = _user_frame(exc)
+        # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
+        drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
+                 "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
         raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-            f"  failing line: {_user_frame(exc)}\n" + _trace_advice(model, exc)
+            f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
         ) from exc
     frozen_grads = [n.target for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(
         "_tensor_constant") and isinstance(t := getattr(gm, n.target, None), torch.Tensor) and t.grad_fn is not None]
@@ -791,11 +817,7 @@ def capture(model: nn.Module) -> Captured:
             "that draw once, while tracing, and the planned step would keep its value at every step (a branch "
             "always taken or always skipped, the same noise).\n"
             + (f"  failing line: {where}\n" if where else "")
-            + "  Draw it from the tensors of the step: `keep = x.new_empty(()).bernoulli_(1 - p)` then "
-            "`x + f(x) * keep / (1 - p)` for a whole branch (it is computed at every step, and zeroed when "
-            "dropped), `x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(1 - p)` per sample (as torchvision's "
-            "StochasticDepth does), `torch.randn_like(x)` for noise, `torch.rand_like(x[:, 0]).argsort()` for a "
-            "permutation of the batch (for torch.randperm(n)). Your model and random generators are as they were.")
+            + "  " + _DRAW_ADVICE + " Your model and random generators are as they were.")
     if attributes.state_writes:
         names = ", ".join(attributes.state_writes[:4]) + (" ..." if len(attributes.state_writes) > 4 else "")
         raise TraceError(
