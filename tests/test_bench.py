@@ -674,3 +674,13 @@ def test_a_long_plot_title_stays_inside_the_figure(tmp_path):
     fig = pareto_plot(rows, SimpleNamespace(activation_peak_bytes=2**24), tmp_path / "p.png", title=title)
     box = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
     assert 0 <= box.x0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+
+
+def test_every_command_line_flag_has_help():
+    # a fresh user found --strategy, --device, --seed, --out, --epochs and --lr without a line in --help
+    from memfit.cli import build_parser
+
+    _, sub = build_parser()
+    missing = {name: [a.option_strings[0] for a in p._actions if a.option_strings and not a.help]
+               for name, p in sub.choices.items()}
+    assert not any(missing.values()), missing

@@ -45,6 +45,8 @@ def test_budget_parse():
             Budget.parse(fraction)
     with pytest.raises(ValueError, match="must be positive"):
         Budget.parse("-5MiB")
+    with pytest.raises(ValueError, match=r"budget '1e400': not a number of bytes"):  # (echoed as inf before)
+        Budget.parse("1e400")
 
 
 def test_a_negative_budget_on_the_command_line_gets_the_budgets_own_error(capsys):

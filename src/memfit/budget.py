@@ -36,6 +36,7 @@ class Budget:
         """
         if isinstance(spec, Budget):
             return spec
+        typed = spec  # (what to echo: "1e400" was shown as inf)
         if isinstance(spec, str):  # a bare number written as text ("1234", "6e9") means what the number means
             for kind in (int, float):
                 try:
@@ -45,7 +46,7 @@ class Budget:
                     pass
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             if isinstance(spec, float) and not math.isfinite(spec):
-                raise ValueError(f"budget {spec!r}: not a number of bytes; write e.g. '2GiB', '40%' or 'min'")
+                raise ValueError(f"budget {typed!r}: not a number of bytes; write e.g. '2GiB', '40%' or 'min'")
             if 0 < spec < 1:  # a fraction, most likely ("0.4" read as 0 bytes)
                 raise ValueError(f"budget {spec!r}: a bare number is a count of bytes; for a fraction of plain "
                                  f"PyTorch's peak write a percentage, '{100 * spec:g}%'")

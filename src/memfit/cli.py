@@ -32,8 +32,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default="min", help="total peak budget: '2GiB', '512MB', bytes, '40%%' of "
                    "the plain PyTorch total peak (fixed bytes included), or 'min' for the least memory memfit "
                    "can reach (default)")
-    p.add_argument("--strategy", default="memfit", choices=STRATEGIES)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--strategy", default="memfit", choices=STRATEGIES, help="what decides each activation: memfit "
+                   "(recompute, offload and operator variants, chosen by an integer program; default), remat-ilp "
+                   "(recompute only), none (plain PyTorch), chen, checkpoint-all, vdnn-all, vdnn-conv (fixed rules)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains (default: cpu)")
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
     p.add_argument("--no-variants", action="store_true", help=(
         "memfit strategy: turn off operator variants (the memory-efficient ReLU, max-pool and convolution "
@@ -46,7 +48,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "(tiled-chain; on by default with variants, for models with such blocks)"))
     p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (CPU)")
     _allocator_flag(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the example batch")
 
 
 def _allocator_flag(p: argparse.ArgumentParser) -> None:
@@ -393,11 +395,11 @@ def _check_vdnn(strategies: list[str], args) -> None:
 def _bench_run_flags(p: argparse.ArgumentParser) -> None:
     """Device, solver, thread, seed, offload and gradient flags of ``bench`` and ``max-batch`` (one thread by
     default, for stable CPU timings)."""
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains (default: cpu)")
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per plan, seconds")
     p.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (CPU; default 1)")
     _allocator_flag(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the example batch")
     _offload_flags(p)
     _grads_flag(p)
 
@@ -483,12 +485,10 @@ def _glue_negative_budgets(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``memfit`` command."""
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The ``memfit`` command's parser and its subcommands' (``run``, ``plan``, ``train``, ``bench``, ...)."""
     parser = argparse.ArgumentParser(prog="memfit", description="Fit deep-network training into a memory "
                                      "budget (recompute activations where it costs least).")
-    from memfit.solve.strategies import OFFLOAD_STRATEGIES
-
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="measure plain PyTorch, solve, train with the plan, compare")
     _common(p)
@@ -508,11 +508,19 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     _offload_flags(p)
     p.add_argument("--data", default="digits", help="'digits' (embedded) or an image-folder path")
-    p.add_argument("--epochs", type=_positive, default=1)
-    p.add_argument("--lr", type=_learning_rate, default=0.05)
+    p.add_argument("--epochs", type=_positive, default=1, help="passes over the data (default: 1)")
+    p.add_argument("--lr", type=_learning_rate, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)")
     _grads_flag(p)
     p.set_defaults(func=cmd_train)
     _add_bench_commands(sub)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``memfit`` command."""
+    from memfit.solve.strategies import OFFLOAD_STRATEGIES
+
+    parser, sub = build_parser()
     args = parser.parse_args(_glue_negative_budgets(sys.argv[1:] if argv is None else list(argv)))
     command = sub.choices.get(args.command, parser)  # (its usage line in the error, not the top level's)
     if getattr(args, "device", "cpu") == "cuda":
