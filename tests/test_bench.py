@@ -80,6 +80,8 @@ def test_parse_fractions():
         parse_fractions("0.5", percent_only=True)
     with pytest.raises(ValueError, match=r"must be in \(0, 100\]"):  # as `memfit run` refuses it
         parse_fractions("150%,50%")
+    with pytest.raises(ValueError, match="above 0%"):  # (a fresh user's nan% failed only after profiling)
+        parse_fractions("nan%", percent_only=True)
     with pytest.raises(ValueError, match="above 0%"):
         parse_fractions("0%", percent_only=True)
     with pytest.raises(ValueError, match="such as '50%'$"):

@@ -56,6 +56,7 @@ from __future__ import annotations
 import csv
 import gc
 import json
+import math
 import platform
 import statistics
 import time
@@ -178,7 +179,7 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
         except ValueError:
             raise ValueError(f"budget {s!r}: expected a percentage of the activation peak such as '50%'"
                              + ("" if percent_only else " or a fraction such as 0.5")) from None
-        if value <= 0:
+        if math.isnan(value) or value <= 0:  # (nan% was accepted, then failed after profiling)
             raise ValueError(f"budget {s!r}: a budget must be above 0%")
         if s.endswith("%") and value > 1:  # (as `memfit run` says: above plain PyTorch's peak nothing is planned)
             raise ValueError(f"budget {s!r}: a percentage must be in (0, 100]")
