@@ -1178,16 +1178,12 @@ class PlannedModule(nn.Module):
         planned = self.plan.output_bytes.get(name)
         if planned is None:
             return
-        if isinstance(value, torch.Tensor):  # (the common case, without a walk through a structure)
-            now = value.untyped_storage().nbytes() if value.layout == torch.strided and value.device.type != "meta" \
-                else 0
-        else:
-            seen: dict[int, int] = {}
-            for t in tensors_in(value):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
-                    st = t.untyped_storage()
-                    seen[st.data_ptr()] = st.nbytes()
-            now = sum(seen.values())
+        seen: dict[int, int] = {}
+        for t in tensors_in(value):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        now = sum(seen.values())
         if now > planned and self.__dict__.get("_grown_first") is None:
             self.__dict__["_grown_first"] = name
         if now <= planned + max(4096, planned // 100) or now < 1.5 * self._larger_ratio * planned:
