@@ -2854,3 +2854,42 @@ def test_attention_recomputed_alone_stays_within_its_budget(weights):
     assert planned.plan.counts().get("recompute", 0) > 0
     assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.002 * fig.peak_bytes, (
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
+
+
+class _SupervisedMHA(nn.Module):
+    """Sequence-first ``nn.MultiheadAttention`` with attention dropout and a per-sample boolean mask
+    (``[N * heads, L, L]``, a buffer) whose averaged weights the loss reads (attention supervision), then a
+    batch-first one."""
+
+    def __init__(self, e=32, heads=4, n=8, t=24):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, e), nn.Linear(e, 3)
+        self.attn = nn.MultiheadAttention(e, heads, dropout=0.1)
+        self.attn2 = nn.MultiheadAttention(e, heads, batch_first=True)
+        lengths = torch.arange(n) % (t // 2) + t // 2
+        mask = (torch.arange(t)[None, None, :] >= lengths[:, None, None]).expand(n, t, t)
+        self.register_buffer("mask", mask.repeat_interleave(heads, 0))
+
+    def forward(self, x):
+        h = self.inp(x)
+        ht = h.transpose(0, 1)
+        a, w = self.attn(ht, ht, ht, attn_mask=self.mask)
+        h = h + a.transpose(0, 1)
+        b, _ = self.attn2(h, h, h, need_weights=False)
+        return self.head(h + b), w
+
+
+def test_attention_whose_weights_the_loss_reads_recomputes_within_its_budget():
+    # the averaged weights' gradient reaches the attention first: its backward makes the [N * heads, L, L]
+    # gradient of the per-head weights before its output projection's backward unpacks the first saved tensor
+    # and starts the recomputation, which then ran beside it (a fresh user's min plan: 1.05x the budget)
+    torch.manual_seed(0)
+    model = _SupervisedMHA().train()
+    x, y = torch.randn(8, 24, 8), torch.randn(8, 24, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (MultiheadAttention is one operation to fx)
+        planned, fig = _within_budget_as_pytorch(
+            model, x, y, lambda out, y: F.mse_loss(out[0], y) + out[1].square().mean(), "min")
+    assert planned.plan.counts().get("recompute", 0) > 0
+    assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.002 * fig.peak_bytes, (
+        planned.plan.predicted_peak_bytes, fig.peak_bytes)

@@ -144,6 +144,13 @@ class NodeCost:
             and ``fwd_workspace``: ``nn.MultiheadAttention``'s math path peaks while its output projection saves
             its input, before the projection's output exists, so the forward's workspace minus that output
             priced the stop one ``[B, T, D]`` tensor under its measured peak.
+        bwd_held_at_unpack: bytes the node's backward has made (less what it freed) when it first unpacks a saved
+            activation: where the node ends a checkpoint region, that unpack starts the recomputation, which runs
+            beside them. ``nn.MultiheadAttention`` returning its averaged weights first runs the average's
+            backward (a ``[N*heads, L, L]`` gradient) and only then its output projection's, the first to unpack
+            (one such gradient, 442,368 B, was missing from a fresh user's recomputation: 1.05x the budget).
+        bwd_held_at_unpack_grad_freed: the same when autograd alone holds the output's gradient (it frees it once
+            read; ``None``: not measured, see ``bwd_workspace_grad_freed``).
         recomputable: a recomputation of this node gives what its forward gave. ``False`` for a node that
             modifies a parameter in place, directly or through ``.data`` (``nn.Embedding(max_norm=...)``
             renormalizes rows again, and the gradients differed by 1e-9; a momentum update of a frozen target
@@ -200,6 +207,8 @@ class NodeCost:
     casts: list[int] = field(default_factory=list)
     unmade_at_stop: list[int] = field(default_factory=list)
     stop_workspace: int = 0
+    bwd_held_at_unpack: int = 0
+    bwd_held_at_unpack_grad_freed: int | None = None
     recomputable: bool = True
     grad_copies: list[str] = field(default_factory=list)
     recompute_seconds: float | None = None
@@ -377,7 +386,7 @@ class Costs:
                 c, outputs=ids(c.outputs), creates=ids(creates), saves=ids(v.saves), mutates=ids(mutates),
                 fwd_seconds=v.fwd_seconds, bwd_seconds=v.bwd_seconds, fwd_workspace=v.fwd_workspace,
                 bwd_workspace=v.bwd_workspace, bwd_workspace_grad_freed=None, variants={}, casts=casts,
-                unmade_at_stop=[], stop_workspace=0,
+                unmade_at_stop=[], stop_workspace=0, bwd_held_at_unpack=0, bwd_held_at_unpack_grad_freed=None,
                 grad_copies=list(c.grad_copies), grad_storage_bytes=dict(c.grad_storage_bytes),
                 grad_views=list(c.grad_views)))
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
@@ -1744,17 +1753,29 @@ def _received_outputs(received: dict[str, list[bool]] | None, name: str, count: 
     return list(got)
 
 
-def _noting_saves(note, fixed: set[int]):
-    """Saved-tensor hooks that call ``note()`` each time autograd saves a tensor whose storage's data pointer is
-    not in ``fixed`` (the parameters, which a checkpoint region holds without its hooks: its recomputation stops
-    at the last other save). Hands autograd a detached alias (see :func:`_recording`)."""
+def _noting_saves(note, fixed: set[int], unpacked=None, direct: set[int] = frozenset()):
+    """Saved-tensor hooks that call ``note()`` (when given) each time autograd saves a tensor whose storage's data
+    pointer is not in ``fixed`` (the parameters, which a checkpoint region holds without its hooks: its
+    recomputation stops at the last other save), and ``unpacked()`` (when given) the first time the backward pass
+    unpacks a saved tensor whose storage is in neither ``fixed`` nor ``direct`` (the model's inputs): where a
+    region's recomputation starts (:mod:`memfit.runtime.direct_saves`). Hands autograd a detached alias (see
+    :func:`_recording`)."""
+    first = [unpacked is not None]
 
     def pack(t):
-        if t.untyped_storage().data_ptr() not in fixed:
+        ptr = t.untyped_storage().data_ptr()
+        if note is not None and ptr not in fixed:
             note()
-        return t.detach()
+        return t.detach(), ptr not in fixed and ptr not in direct
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    def unpack(packed):
+        t, starts = packed
+        if starts and first[0]:
+            first[0] = False
+            unpacked()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _instant(ctx) -> None:
@@ -1802,11 +1823,18 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 local, leaves = make_env(clone=clone, names=names)
                 part = tracker.mark(f"{label}:f") if cpu else MemoryTracker(device)
                 at_save: list[int] = []  # (CUDA) the forward's peak so far at its last save
-                saves = _noting_saves(
+                backward: list = []  # (CUDA) the backward's tracker, once it runs
+                at_unpack: list[int] = []  # (CUDA) the backward's net bytes at its first unpack
+                note = None if not cost.unmade_at_stop else (
                     (lambda label=label: _instant(tracker.mark(f"{label}:s"))) if cpu else
-                    (lambda part=part, at_save=at_save: at_save.append(part.peak_so_far())),
-                    {p.untyped_storage().data_ptr() for p in params}) if record is cost and cost.unmade_at_stop \
-                    else contextlib.nullcontext()
+                    (lambda part=part, at_save=at_save: at_save.append(part.peak_so_far())))
+                unpacked = ((lambda label=label: _instant(tracker.mark(f"{label}:u"))) if cpu else
+                            (lambda backward=backward, at_unpack=at_unpack: at_unpack.append(
+                                backward[-1].net_so_far())))
+                fixed = {p.untyped_storage().data_ptr() for p in params}
+                direct = {v.untyped_storage().data_ptr() for a, v in local.items()
+                          if a in placeholders and isinstance(v, torch.Tensor)}
+                saves = _noting_saves(note, fixed, unpacked, direct) if record is cost else contextlib.nullcontext()
                 with part, saves:
                     outs = [t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)]
                 if not cpu:
@@ -1826,8 +1854,11 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 # contiguous gradient reorders it: 0.66 MB missed on a small CNN when every seed kept its output's)
                 seeds = [_seed(t, f) for t, f in zip(outs, fmts)]
                 part = tracker.mark(f"{label}:b") if cpu else MemoryTracker(device)
+                backward.append(part)
                 with part, _no_autocast(device):
                     grads = torch.autograd.grad(outs, leaves + params, seeds, allow_unused=True)
+                if at_unpack and record is cost:
+                    cost.bwd_held_at_unpack = max(0, at_unpack[0])
                 seed_ptrs = {t.untyped_storage().data_ptr() for t in seeds}
                 fresh = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
                          for g in grads[:len(leaves)] if g is not None}
@@ -1877,19 +1908,27 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 leaf_bytes[label] = grad_in - batch
                 if chain:  # again, with the output's gradient held by autograd alone
                     local, leaves = make_env(clone=clone)
-                    outs = [t for t, w in zip([t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)],
-                                              wanted) if t.requires_grad and w]
+                    at_unpack.clear()
+                    unpacked = ((lambda label=label: _instant(tracker.mark(f"{label}:v"))) if cpu else
+                                (lambda backward=backward, at_unpack=at_unpack: at_unpack.append(
+                                    backward[-1].net_so_far())))
+                    with _noting_saves(None, fixed, unpacked, direct):
+                        outs = [t for t, w in zip([t for t in tensors_in(fn(local)) if isinstance(t, torch.Tensor)],
+                                                  wanted) if t.requires_grad and w]
                     if own_casts:
                         torch.clear_autocast_cache()
                     root, one = _Seeded.apply(lambda outs=outs, fmts=fmts: [_seed(t, f) for t, f in zip(outs, fmts)],
                                               *outs), torch.ones((), device=device)
                     seed_bytes[label] = sum(t.numel() * t.element_size() for t in outs)
                     part = tracker.mark(f"{label}:r") if cpu else MemoryTracker(device)
+                    backward.append(part)
                     with part, _no_autocast(device):
                         grads = torch.autograd.grad(root, leaves + params, one, allow_unused=True)
                     if not cpu:
                         cost.bwd_workspace_grad_freed = min(cost.bwd_workspace, max(
                             0, part.peak_bytes - leaf_bytes[label] - seed_bytes[label]))
+                        if at_unpack:
+                            cost.bwd_held_at_unpack_grad_freed = max(0, at_unpack[0] - seed_bytes[label])
                     del grads, outs, root, local, leaves
     if cpu:
         for label, record in records:
@@ -1906,6 +1945,11 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 if f"{label}:r" in tracker.ranges:
                     record.bwd_workspace_grad_freed = min(record.bwd_workspace, max(
                         0, tracker.range_peak(f"{label}:r")[0] - leaf_bytes.get(label, 0) - seed_bytes[label]))
+                if f"{label}:u" in tracker.ranges:
+                    record.bwd_held_at_unpack = max(0, tracker.range_peak(f"{label}:b", until=f"{label}:u")[1])
+                if f"{label}:v" in tracker.ranges:
+                    record.bwd_held_at_unpack_grad_freed = max(0, tracker.range_peak(
+                        f"{label}:r", until=f"{label}:v")[1] - seed_bytes[label])
     for label, record in records:
         # AccumulateGrad copies once the node's backward has returned (its output's gradient and what it saved
         # released): the replay places the node's own copies there; a variant's stay in its workspace

@@ -119,6 +119,10 @@ class MemoryTracker:
         """CUDA only: the peak bytes allocated since the block started, relative to its start, up to now."""
         return max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
 
+    def net_so_far(self) -> int:
+        """CUDA only: the bytes allocated now, relative to the block's start (may be negative)."""
+        return torch.cuda.memory_allocated(self.device) - self._start
+
     def mark(self, label: str):
         """Context manager naming a part of the block; :meth:`range_peak` then gives that part's figures.
 

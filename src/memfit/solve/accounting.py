@@ -67,6 +67,9 @@ class Accounting:
             weight, then the non-reentrant checkpoint stops before the kernel runs), else
             ``recompute_seconds``. A recomputation of ReLU then a 3x3 convolution on ``[32, 96, 32, 32]`` took
             8-30 ms more than the plain step, the convolution's forward alone 95 ms.
+        held_at_unpack: node index -> what its backward holds when it first unpacks a saved activation, where a
+            recomputation it ends starts (``NodeCost.bwd_held_at_unpack``; where its backward is the last reader of
+            its output's gradient, ``NodeCost.bwd_held_at_unpack_grad_freed``).
         stats_bytes: node index -> statistics held from its forward pass to its recomputation when it is in a
             region (``NodeCost.stats_bytes``).
         buffers: node index -> the written buffers a region holding it copies for its recomputation
@@ -118,6 +121,7 @@ class Accounting:
     loss_keeps: set[int] = field(default_factory=set)
     recompute_seconds: list[float] = field(default_factory=list)
     stop_seconds: list[float] = field(default_factory=list)
+    held_at_unpack: list[int] = field(default_factory=list)
     stats_bytes: list[int] = field(default_factory=list)
     buffers: list[list[str]] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
@@ -201,6 +205,7 @@ class Accounting:
             stateful={b for b, kind in costs.buffer_kinds.items() if kind == "stateful"},
             region_seconds=costs.region_seconds, region_node_seconds=costs.region_node_seconds,
         )
+        acc.held_at_unpack = [c.bwd_held_at_unpack for c in costs.nodes]
         acc.stop_seconds = [0.0 if _saves_before_computing(c) else t for c, t in zip(costs.nodes, acc.recompute_seconds)]
         return _drop_unreached_saves(_with_gradients(acc, costs, graph))
 
@@ -449,6 +454,8 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         ends = t is not None and token_refs[t] == 1
         if ends and costs.nodes[i].bwd_workspace_grad_freed is not None:  # (autograd frees it as soon as it is read)
             acc.bwd_ws[i] = costs.nodes[i].bwd_workspace_grad_freed
+        if ends and costs.nodes[i].bwd_held_at_unpack_grad_freed is not None:
+            acc.held_at_unpack[i] = costs.nodes[i].bwd_held_at_unpack_grad_freed
         summed -= token_bytes[t] if ends and summed else 0
         during[i] = total - unmade + extra
         # (the node's parameter gradients exist by then: its outputs too)

@@ -371,8 +371,12 @@ def solve_regions(acc: Accounting, activation_budget: int, time_limit: float = 2
             terms[x] = terms.get(x, 0.0) - b
         m.row(terms, lo=own_const - big)
         # (a recomputation stopping at i may peak above its forward's workspace: Accounting.stop_ws, counted
-        # wherever i is recomputed, which only errs on the safe side where i is inside a region)
-        terms = {a[i]: 1.0, r[i]: acc.stop_ws[i] / UNIT}
+        # wherever i is recomputed, which only errs on the safe side where i is inside a region; the recomputation
+        # runs beside what i's backward made before its first unpack, which this row's backward part (its
+        # workspace, and the gradients during it) covers unless it is larger: Accounting.held_at_unpack)
+        held = acc.held_at_unpack[i] if acc.held_at_unpack else 0
+        beyond = max(0, held + acc.grad_before[i] - acc.grad_during[i] - acc.bwd_ws[i])
+        terms = {a[i]: 1.0, r[i]: (acc.stop_ws[i] + beyond) / UNIT}
         for name, vc in options[i].items():
             terms[v[i][name]] = (vc.bwd_workspace - acc.bwd_ws[i]) / UNIT
         for s in acts:

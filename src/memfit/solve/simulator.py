@@ -10,7 +10,8 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   last forward use unless something holds it for the backward pass: a kept node that saves it, or a
   checkpoint region that reads it as an input (the region keeps its inputs until its backward ends);
 * backward, ``i`` from last to first: when ``i`` is the last node of a region that saves anything, the
-  region's forward is rerun up to that node and every tensor its nodes save is rematerialized (it stops at
+  region's forward is rerun up to that node (beside what ``i``'s backward made before it first unpacks a saved
+  activation, ``NodeCost.bwd_held_at_unpack``) and every tensor its nodes save is rematerialized (it stops at
   that node's last save: what that node makes after it, ``NodeCost.unmade_at_stop``, is not made: all the
   outputs of a built-in operation, which saves its inputs before computing). A storage an earlier node of the
   rerun makes that is read after that node, through any view (a region output, or a value of a later node of
@@ -263,6 +264,9 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
             to_end = 0  # unsaved storages the recomputation holds until it stops (read after node i)
             # fork_rng's copy of the current state, and the copies of the written buffers the region reaches
             alloc(acc.region_bytes + buffer_copies[r], f"recompute {i} rng state and buffer copies")
+            # the node's backward ran up to its first unpack before the recomputation started: what it made is alive
+            held_grads = acc.held_at_unpack[i] if acc.held_at_unpack else 0
+            alloc(held_grads, f"recompute {i} what its backward made before its first unpack")
             cast: set[int] = set()  # casts of this recomputation (autocast's cache, cleared when it ends)
             unsaved_casts = 0
             spent = sum(acc.recompute_seconds[lo:i]) + acc.stop_seconds[i]  # (the early stop: node i's saves)
@@ -309,7 +313,7 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                 transient(acc.stop_ws[j] if j == i else acc.fwd_ws[j], f"recompute {j} workspace")
                 for s in read_until.pop(j, []):
                     free(acc.nbytes[s], f"recompute {j} free {s}")
-            free(unsaved_casts + to_end + acc.region_bytes + buffer_copies[r], f"recompute {i} end")
+            free(unsaved_casts + to_end + acc.region_bytes + buffer_copies[r] + held_grads, f"recompute {i} end")
             recomputed[r] = copies
             clock += spent
         if r >= 0 and i == spans[r][0]:  # the region's own cost (checkpoint frames, hooks), paid once per step
