@@ -24,7 +24,7 @@ from memfit.bench.maxbatch import (
     model_fixed_bytes,
     parse_strategy,
 )
-from memfit.bench.sweep import Workload, parse_fractions, sweep, write_results
+from memfit.bench.sweep import Workload, parse_fractions, parse_strategies, sweep, write_results
 from memfit.cli import main
 from memfit.solve.plan import Plan
 
@@ -71,6 +71,8 @@ def test_parse_fractions():
     with pytest.raises(ValueError):
         parse_fractions("half")
     assert parse_fractions("50%,30%,") == [0.5, 0.3]  # a trailing comma is fine
+    assert parse_fractions("100%,50%,100%") == [1.0, 0.5]  # a repeated budget is measured once
+    assert parse_strategies("memfit,chen,memfit") == ["memfit", "chen"]  # and a repeated strategy
     with pytest.raises(ValueError, match="empty entry"):  # a fresh user's typo was silently dropped
         parse_fractions("50%,,30%")
     with pytest.raises(ValueError, match="no budgets"):
@@ -601,6 +603,29 @@ def test_max_batch_refuses_a_limit_below_the_start_before_measuring(capsys, monk
                "--start-batch", "64", "--batch-limit", "8"])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "--batch-limit 8 is below --start-batch 64" in err, err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--strategies", "memfit,foo"], "unknown max-batch strategy 'foo'"),
+    (["--budget-from-batch", "0"], "--budget-from-batch 0: the batch whose plain PyTorch peak is the budget must be"),
+    (["--start-batch", "1", "--batch-limit", "1"], "--batch-limit 1 is below the start batch 2 (resnet18 has BatchNorm"),
+    (["--start-batch", "100000"], "--batch-limit 4096 (its default) is below --start-batch 100000"),
+])
+def test_max_batch_checks_its_flags_before_measuring(capsys, monkeypatch, flags, said):
+    # each was told only after plain PyTorch had been measured at --budget-from-batch, or without naming the flag
+    from memfit.bench import maxbatch
+    from memfit.cli import main
+
+    def measured(*args, **kwargs):
+        raise AssertionError("plain PyTorch was measured before the flags were checked")
+
+    monkeypatch.setattr(maxbatch, "plain_peak_bytes", measured)
+    args = ["max-batch", "--model", "resnet18", "--image-size", "32"]
+    if "--budget-from-batch" not in flags:
+        args += ["--budget-from-batch", "4"]
+    assert main(args + flags) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert said in err, err
 
 
 def test_the_command_lines_infeasible_budget_advice_fits_what_it_can_change(capsys, monkeypatch):

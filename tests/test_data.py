@@ -117,3 +117,11 @@ def test_the_readme_train_example_passes_with_a_plan_that_rounds_differently(cap
     assert main(["train", "--model", "resnet18", "--data", "digits", "--epochs", "1", "--threads", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "loss curves match" in out or ("judged by one step" in out and "match to float32 rounding" in out)
+
+
+def test_a_file_given_as_dataset_is_named_as_a_file(tmp_path):
+    # `memfit train --data some_file` said the dataset was "not found" though the file exists
+    f = tmp_path / "images.zip"
+    f.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        load_dataset(str(f), 16)

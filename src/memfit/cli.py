@@ -319,7 +319,14 @@ def cmd_bench(args) -> int:
 def cmd_max_batch(args) -> int:
     from memfit import zoo
     from memfit.bench import peers
-    from memfit.bench.maxbatch import max_batch_table, plain_peak_bytes, zoo_max_batch
+    from memfit.bench.maxbatch import (
+        DEFAULT_BATCH_LIMIT,
+        max_batch_table,
+        min_batch,
+        parse_strategy,
+        plain_peak_bytes,
+        zoo_max_batch,
+    )
     from memfit.budget import Budget
 
     size = args.image_size or zoo.default_size(args.model)[1]
@@ -336,11 +343,21 @@ def cmd_max_batch(args) -> int:
                 raise ValueError(f"--strategies {s!r}: K in torch-budget:K is torch's activation_memory_budget, a plain "
                                  "number from 0 to 1 (1.0 keeps every activation, 0.0 recomputes all it can), e.g. "
                                  "torch-budget:0.5") from None
+    for s in strategies:  # (an unknown one was refused only after plain PyTorch was measured)
+        parse_strategy(s)
     if (args.budget is None) == (args.budget_from_batch is None):
         raise ValueError("give exactly one of --budget (bytes, e.g. '2GiB') and --budget-from-batch N")
-    if args.batch_limit < args.start_batch:  # (before plain PyTorch is measured for --budget-from-batch)
-        raise ValueError(f"--batch-limit {args.batch_limit} is below --start-batch {args.start_batch}: raise "
-                         "--batch-limit or lower --start-batch")
+    if args.budget_from_batch is not None and args.budget_from_batch < 1:
+        raise ValueError(f"--budget-from-batch {args.budget_from_batch}: the batch whose plain PyTorch peak is the "
+                         "budget must be >= 1")
+    # (before plain PyTorch is measured for --budget-from-batch; a model with BatchNorm starts at 2)
+    start = max(args.start_batch, min_batch(zoo.build_model(args.model)))
+    if args.batch_limit < start:
+        default = " (its default)" if args.batch_limit == DEFAULT_BATCH_LIMIT else ""
+        why = f"--start-batch {args.start_batch}: raise --batch-limit or lower --start-batch" \
+            if start == args.start_batch else \
+            f"the start batch {start} ({args.model} has BatchNorm, which needs 2 in training): raise --batch-limit"
+        raise ValueError(f"--batch-limit {args.batch_limit}{default} is below {why}")
     if args.budget is not None:
         budget = Budget.parse(args.budget)
         if budget.nbytes is None:
@@ -406,7 +423,7 @@ def _bench_run_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_bench_commands(sub) -> None:
     from memfit import zoo
-    from memfit.bench.maxbatch import MAXBATCH_STRATEGIES
+    from memfit.bench.maxbatch import DEFAULT_BATCH_LIMIT, MAXBATCH_STRATEGIES
     from memfit.bench.sweep import ALL_STRATEGIES, BENCH_STRATEGIES
     from memfit.solve.strategies import OFFLOAD_STRATEGIES, STRATEGIES
 
@@ -447,7 +464,7 @@ def _add_bench_commands(sub) -> None:
     p.add_argument("--inductor", action="store_true", help="torch-budget with the inductor backend")
     p.add_argument("--start-batch", type=_positive, default=2, help="first and smallest batch probed (raised to "
                    "2 for models with BatchNorm, which needs 2 in training)")
-    p.add_argument("--batch-limit", type=_positive, default=4096, help="largest batch probed")
+    p.add_argument("--batch-limit", type=_positive, default=DEFAULT_BATCH_LIMIT, help="largest batch probed")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     _bench_run_flags(p)
     p.set_defaults(func=cmd_max_batch)

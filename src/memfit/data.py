@@ -106,7 +106,7 @@ def load_dataset(spec: str, image_size: int, *, normalize: bool = True) -> Datas
 
     Raises:
         ValueError: ``image_size`` < 1.
-        FileNotFoundError: ``spec`` is neither ``"digits"`` nor an existing directory; also raised by
+        FileNotFoundError: ``spec`` is neither ``"digits"`` nor an existing directory (a file is named as one); also raised by
             ImageFolder when the directory holds no class folder or no image files.
     """
     if image_size < 1:
@@ -114,6 +114,11 @@ def load_dataset(spec: str, image_size: int, *, normalize: bool = True) -> Datas
     if spec == "digits":
         return DigitsDataset(image_size, normalize=normalize)
     root = Path(spec).expanduser()
+    if root.is_file():
+        raise FileNotFoundError(
+            f"dataset {spec!r} is a file, not a folder: give 'digits' or the path of an image folder "
+            f"(root/<class name>/<image file>)"
+        )
     if not root.is_dir():
         raise FileNotFoundError(
             f"dataset {spec!r} not found: the spec must be 'digits' or the path of an existing image folder "

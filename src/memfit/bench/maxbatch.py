@@ -137,6 +137,10 @@ class BudgetBelowFixedError(ValueError):
             "batch or activation: no batch fits; raise the budget above the fixed bytes")
 
 
+#: the largest batch ``max-batch`` probes unless told (``--batch-limit``).
+DEFAULT_BATCH_LIMIT = 4096
+
+
 def min_batch(model: nn.Module) -> int:
     """The smallest batch worth probing: 2 when ``model`` has BatchNorm layers (training BatchNorm refuses a
     single value per channel, which batch 1 gives after global pooling), else 1."""

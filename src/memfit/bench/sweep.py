@@ -157,7 +157,8 @@ def zoo_workload(name: str, batch_size: int, image_size: int, device: str = "cpu
 
 def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]:
     """``"100%,70%,0.5"`` -> ``[1.0, 0.7, 0.5]``. Percentages or plain fractions, each above 0; a bare number
-    above 1 (``"50"``) is refused, since it is almost surely a percentage without its ``%``.
+    above 1 (``"50"``) is refused, since it is almost surely a percentage without its ``%``. A repeated value is
+    kept once, in its first place.
 
     Raises:
         ValueError: an entry is neither, or empty between commas, or above 100%, the list is empty, or
@@ -186,7 +187,8 @@ def parse_fractions(text: str | list, percent_only: bool = False) -> list[float]
         if not s.endswith("%") and (percent_only or value > 1):
             pct = f"{value * 100:g}%" if value <= 1 else f"{s}%"
             raise ValueError(f"budget {s!r}: write budgets as percentages of the activation peak, e.g. '{pct}'")
-        out.append(value)
+        if value not in out:  # ("100%,100%" ran the same row twice)
+            out.append(value)
     if not out:
         raise ValueError("no budgets given: pass e.g. --budgets 50%,33%")
     return out
@@ -217,7 +219,7 @@ def parse_knobs(text: str) -> list[float]:
 
 
 def parse_strategies(text: str | list) -> list[str]:
-    """``"none,chen,memfit"`` -> names, checked against :data:`ALL_STRATEGIES`."""
+    """``"none,chen,memfit"`` -> names, checked against :data:`ALL_STRATEGIES`, each once."""
     names = text if isinstance(text, (list, tuple)) else [t.strip() for t in str(text).split(",")]
     names = [n for n in names if n]
     if not names:
@@ -225,7 +227,7 @@ def parse_strategies(text: str | list) -> list[str]:
     for n in names:
         if n not in ALL_STRATEGIES:
             raise ValueError(f"unknown strategy {n!r}; choose from {', '.join(ALL_STRATEGIES)}")
-    return list(names)
+    return list(dict.fromkeys(names))  # (each once, in its first place)
 
 
 def activation_budget_bytes(baseline: StepFigures, fraction: float) -> int:
