@@ -167,8 +167,9 @@ def test_smallest_feasible_never_exceeds_keeping_everything():
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)).train()
     x = torch.randn(16, 24, 32)
-    with pytest.warns(UserWarning, match="single operations"):
+    with pytest.warns(UserWarning, match="single operations") as seen:
         plain, _, _ = memfit.plan(model, x, "100%", strategy="none")
+    assert [w.filename for w in seen if "single operations" in str(w.message)] == [__file__]  # (the user's line)
     with pytest.raises(memfit.InfeasibleBudgetError) as err:
         memfit.plan(model, x, plain.predicted_peak_bytes - 1)
     assert err.value.smallest_feasible_bytes == plain.predicted_peak_bytes

@@ -34,6 +34,7 @@ from memfit.graph.augmented import (
 )
 from memfit.graph.calls import dataclass_builder, dataclass_parts
 from memfit.graph.ir import Graph, Node
+from memfit.warn import warn_user
 
 
 class TraceError(RuntimeError):
@@ -886,9 +887,9 @@ def _warn_opaque(gm: fx.GraphModule) -> None:
                      and not has_own_hooks(m)})  # (kept whole for its hooks)
     if opaque:
         rnn = any(stacked_rnn(m) for _, m in mods)
-        warnings.warn(
+        warn_user(
             f"memfit sees {', '.join(opaque[:5])}{' ...' if len(opaque) > 5 else ''} as single operations "
             "(torch.fx does not trace into torch.nn modules): what they save for backward can only be kept "
             "or recomputed as a whole. For finer plans, write such blocks from their parts (Linear, "
             "LayerNorm, ...) in your own module" + (", and a recurrent network of several layers as one "
-            "single-layer nn.LSTM / nn.GRU per layer" if rnn else "") + ".", stacklevel=3)
+            "single-layer nn.LSTM / nn.GRU per layer" if rnn else "") + ".")

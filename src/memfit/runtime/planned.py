@@ -918,7 +918,9 @@ class PlannedModule(nn.Module):
         anchors = _with_graph(tensors)
         if not anchors:
             return
-        name = type(self.model).__name__
+        # (two nn.Sequential of a GAN are told apart by the inputs they were planned for)
+        shapes = ", ".join(str(list(s)) for s in self.plan.input_shapes) if self.plan.input_shapes else ""
+        name = type(self.model).__name__ + (f" (planned for inputs {shapes})" if shapes else "")
         last = self._last_call() if self._last_call is not None else None
         if last is not None and not last.done:
             self._warn_once("twice", f"memfit: {name} was called again in training before the backward pass of its "
