@@ -2079,6 +2079,24 @@ def test_a_random_draw_outside_the_graph_is_refused_with_its_line(how):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.parametrize("validate", [None, False])
+def test_torch_distributions_in_forward_get_advice_on_distributions(validate):
+    # a VAE's Normal(mu, std).rsample() was told about data-dependent control flow (validate_args on) or iterating
+    # a traced value (off): neither named torch.distributions nor the rewrite that works
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu, self.log_std, self.dec = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 8)
+
+        def forward(self, x):
+            q = torch.distributions.Normal(self.mu(x), self.log_std(x).exp(), validate_args=validate)
+            return self.dec(q.rsample())
+
+    with pytest.raises(memfit.TraceError, match=r"failing line: .*test_traps.py:\d+ in forward(.|\n)*"
+                                                r"torch.distributions objects(.|\n)*torch.randn_like\(std\)"):
+        memfit.optimize(VAE().train(), torch.randn(4, 8), "100%")
+
+
 def test_a_numpy_draw_sized_by_a_traced_shape_names_the_users_line_and_the_draw():
     # a fresh user's `np.random.rand(x.shape[1])` was shown numpy's _common.pyx as the failing line, with advice on
     # loops over a traced size alone

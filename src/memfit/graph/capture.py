@@ -382,8 +382,28 @@ def _used_as_value(name: str, line: str) -> bool:
                           rf"\belse\b|$)", line))
 
 
+_DISTRIBUTIONS = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "distributions") + os.sep
+
+
+def _in_distributions(exc: BaseException) -> bool:
+    """``exc`` was raised inside ``torch.distributions`` (a ``Normal(mu, std)`` validating its arguments, ``rsample``
+    or ``kl_divergence`` broadcasting them)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_DISTRIBUTIONS):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    if _in_distributions(exc):  # (a VAE's Normal(...).rsample() was told about control flow, or iteration)
+        return ("  torch.distributions objects check and broadcast their parameters in Python (validate_args, "
+                "broadcast_all), which torch.fx cannot trace. Write the sampling with tensor operations (`z = mu + "
+                "std * torch.randn_like(std)`, and a closed-form KL such as `0.5 * (mu**2 + std**2 - 1 - "
+                "2 * std.log()).sum(1)`), or move the code that builds and uses the distribution into a function of "
+                "its own at module level, marked with torch.fx.wrap(\"name\") (run as one step).")
     if "Proxy object cannot be iterated" in str(exc) and (argument := _iterated_argument(exc)):
         return (f"  `{argument}` is an argument of forward that the line iterates over (a list or tuple of "
                 "tensors, FPN-style feature maps): torch.fx traces each argument as one graph input and cannot "
