@@ -574,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.solve.strategies import InfeasibleBudgetError
 
     try:
+        _check_host_memory(args)
         return args.func(args)
     except (InfeasibleBudgetError, TraceError, ValueError, FileNotFoundError) as exc:
         hint = ""
@@ -595,6 +596,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         Console(stderr=True).print(f"[red]memfit {args.command}: {escape(_out_of_memory(exc, args))}[/]")
         return 2
+
+
+def _check_host_memory(args) -> None:
+    """On the CPU, refuse a batch whose forward outputs alone are more than this machine's available memory
+    (:mod:`memfit.profile.host`): the kernel would kill the process without a message."""
+    if getattr(args, "device", "cpu") != "cpu" or not hasattr(args, "batch") or not hasattr(args, "model"):
+        return
+    import torch
+
+    from memfit import zoo
+    from memfit.profile.host import check_fits_host
+
+    batch, size = (args.batch or 32, args.image_size or 32) if args.command == "train" else _sizes(args)
+    images = torch.empty(batch, 3, size, size, device="meta")  # (zoo.example_batch's shape)
+    check_fits_host(zoo.build_model(args.model), (images,), "--batch or --image-size")
 
 
 def _out_of_memory(exc: BaseException, args) -> str:

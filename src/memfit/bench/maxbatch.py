@@ -44,6 +44,7 @@ from memfit.bench.sweep import Workload, zoo_workload
 from memfit.budget import fmt_bytes
 from memfit.graph.capture import TraceError, capture
 from memfit.profile.costs import profile_graph
+from memfit.profile.host import HostMemoryError, check_fits_host
 from memfit.profile.link import measure_link
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.overhead import price_regions
@@ -213,6 +214,13 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
     base, knob = parse_strategy(strategy)
     b = work.batch_size
     predicted = host_peak = None
+    if work.device.type == "cpu":  # (a probe beyond the machine's memory got the process killed, no message)
+        try:
+            check_fits_host(work.model, work.inputs)
+        except HostMemoryError as exc:
+            return Probe(b, False, reason=f"not run: its forward makes {fmt_bytes(exc.needed_bytes)} of outputs, more "
+                         f"than the {fmt_bytes(exc.available_bytes)} this machine has available",
+                         seconds=time.perf_counter() - t0)
     try:
         if base == "plain":
             m = fresh_copy(work.model)
