@@ -2,6 +2,7 @@
 
 import json
 import re
+import types
 
 import pytest
 import torch
@@ -868,6 +869,16 @@ def _loop_peak(net, loss_fn, opts, held, x, steps=2, zeroed=None):
     return start + tracker.peak_bytes
 
 
+class _PlainCriterion:
+    """A criterion that is no module: a plain object with ``__call__``, keeping its target as an attribute."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, out):
+        return nn.functional.mse_loss(out, self.target[:, :64])
+
+
 class _Criterion(nn.Module):
     """A style-loss-like criterion keeping its target as a plain attribute, not a buffer."""
 
@@ -880,7 +891,8 @@ class _Criterion(nn.Module):
 
 
 @pytest.mark.parametrize("case", ["l2_penalty", "l2_penalty_on_one_layer", "head_of_the_model_called_in_the_loss",
-                                  "two_optimizers", "criterion_with_a_tensor_attribute"])
+                                  "two_optimizers", "criterion_with_a_tensor_attribute",
+                                  "plain_object_criterion", "targets_in_a_namespace"])
 def test_what_the_loss_reaches_is_counted(case):
     """Found by a second fresh user (each over its budget, unwarned): an L2 penalty over the model's parameters in
     the loss (its backward makes the gradients before the model's does, which then adds into them: ResNet-18 1.14x a
@@ -921,6 +933,15 @@ def test_what_the_loss_reaches_is_counted(case):
                 return nn.functional.cross_entropy(h(out), y)
             opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(h.parameters(), lr=1e-3)]
             held = list(h.parameters())
+        elif case == "plain_object_criterion":  # (not a module: its target was not counted, 2.24x the budget)
+            loss_fn = _PlainCriterion(target)
+            opts, held = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)], [loss_fn.target]
+        elif case == "targets_in_a_namespace":  # (`cfg.target` in a lambda: the same)
+            cfg = types.SimpleNamespace(target=target)
+
+            def loss_fn(out, cfg=cfg):
+                return nn.functional.mse_loss(out, cfg.target[:, :64])
+            opts, held = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)], [cfg.target]
         else:
             loss_fn = _Criterion(target)
             opts, held = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)], [loss_fn.target]

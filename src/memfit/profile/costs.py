@@ -548,7 +548,8 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     grad_bytes = sum(trained.values())
     costs.no_grad_params = [name for name, p in gm.named_parameters() if id(p) in no_grad]
     costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes + loss_param_grads
-                         + _closure_bytes(loss_fn, fixed_ptrs | set(state), tuple(inputs) + tuple(user_inputs), held))
+                         + _closure_bytes(loss_fn, fixed_ptrs | set(state), tuple(inputs) + tuple(user_inputs), held,
+                                          device))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
@@ -1195,28 +1196,47 @@ def _differentiable(t: torch.Tensor) -> bool:
 
 def _closure_values(loss_fn) -> list:
     """What ``loss_fn`` holds: its closure cells, the module-level names the function reads, default arguments
-    and ``functools.partial`` arguments, two functions deep (functions are searched, not returned)."""
+    and ``functools.partial`` arguments, and the attributes of the objects among them (a criterion object with a
+    ``__call__``, a bound method's object, a ``SimpleNamespace`` or dataclass of targets), two levels deep
+    (functions and objects are searched, not returned; Python modules, classes and optimizers are not searched)."""
     import functools
+    import types
 
     found: list = []
+    visited: set[int] = set()
+
+    def attributes(obj) -> list:  # a plain object's attributes (a Python module, a class or an optimizer: none)
+        if isinstance(obj, (type, types.ModuleType, torch.optim.Optimizer, torch.Tensor, nn.Module)):
+            return []
+        return list(getattr(obj, "__dict__", {}).values())
 
     def visit(obj, depth):
+        if id(obj) in visited:
+            return
+        visited.add(id(obj))
         if isinstance(obj, functools.partial):
             for v in list(obj.args) + list(obj.keywords.values()) + [obj.func]:
                 visit(v, depth)
             return
         if isinstance(getattr(obj, "__self__", None), nn.Module):  # a module's bound method (``crit.forward``)
             found.append(obj.__self__)
-        if callable(obj) and not isinstance(obj, (torch.Tensor, nn.Module)) and depth < 2:
+        elif isinstance(obj, types.MethodType) and depth < 2:  # a bound method of a plain object: its attributes
+            visit(obj.__self__, depth + 1)
+        if callable(obj) and not isinstance(obj, (torch.Tensor, nn.Module, type)) and depth < 2:
             cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c)]
             # module-level names the function reads (``y`` in ``lambda out: F.mse_loss(out, y)`` at top level)
             code, glob = getattr(obj, "__code__", None), getattr(obj, "__globals__", None) or {}
             names = [glob[n] for n in (code.co_names if code is not None else ()) if n in glob]
-            for v in cells + list(getattr(obj, "__defaults__", None) or ()) + names:
+            plain = attributes(obj) if not isinstance(obj, (types.FunctionType, types.MethodType,
+                                                             types.BuiltinFunctionType)) else []
+            for v in cells + list(getattr(obj, "__defaults__", None) or ()) + names + plain:
                 visit(v, depth + 1)
             return
         if isinstance(obj, (torch.Tensor, list, tuple, dict, nn.Module)):
             found.append(obj)
+        elif depth < 2:  # (a config object, a namespace of targets: `lambda out: F.mse_loss(out, cfg.target)`)
+            for v in attributes(obj):
+                visit(v, depth + 1)
 
     if loss_fn is not None:
         visit(loss_fn, 0)
@@ -1229,11 +1249,13 @@ def loss_held_modules(loss_fn) -> list[nn.Module]:
     return list({id(m): m for m in _closure_values(loss_fn) if isinstance(m, nn.Module)}.values())
 
 
-def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = ()) -> int:
+def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = (),
+                   device: torch.device | None = None) -> int:
     """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``, and the
     parameters and buffers of the modules it calls: a head, a teacher, a discriminator) and of ``held``: they are
     alive for the whole step, like the inputs (:func:`_closure_values`); the model's parameters and buffers and the
-    inputs are not counted again, nor is a storage twice."""
+    inputs are not counted again, nor is a storage twice, nor one on another device type than ``device`` (a
+    dataset's CPU tensors a CUDA step's loss reads)."""
     seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
     total = 0
     for obj in [*_closure_values(loss_fn), *held]:
@@ -1242,7 +1264,7 @@ def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = (
                    *(v for m in obj.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
         for t in tensors_in(obj):
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen and t.device.type != "meta":
+            if ptr not in seen and t.device.type != "meta" and (device is None or t.device.type == device.type):
                 seen.add(ptr)
                 total += t.untyped_storage().nbytes()
     return total
