@@ -1,0 +1,120 @@
+"""Predicted against measured peak where the loss reads more than the model's main output (the thirty-second session).
+
+* ``weights-min``: sequence-first ``nn.MultiheadAttention`` (dropout 0.1, a per-sample boolean mask
+  ``[N * heads, L, L]``) whose averaged weights the loss reads, then a batch-first one; ``budget="min"``. Before the
+  fix the recomputation of the first attention ran beside the gradient its backward had made before its first
+  unpack, unpriced: 1.05x the budget.
+* ``weights-100%``: the same model at ``100%``: the budget is plain PyTorch's predicted peak, which counted the
+  attention output's gradient from the loss on (4% over the measured plain peak before the fix).
+* ``criterion-object``, ``namespace``: an MLP whose loss is a plain object with ``__call__`` holding an 8 MB tensor,
+  or a lambda reading ``cfg.target`` of a ``SimpleNamespace`` holding one; ``budget="min"``. Before the fix those
+  tensors were not counted: 2.24x the budget.
+
+The peak is measured as a training loop sees it: the bytes of everything alive before the step (parameters,
+buffers, optimizer state, the batch, what the loss holds) plus the tracked step's peak above them; gradients are
+compared with a plain PyTorch step from the same weights.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/loss_reach_and_attention_weights.py
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.profile import MemoryTracker, live_bytes
+
+
+class SupervisedAttention(nn.Module):
+    """Sequence-first attention with a boolean per-sample mask whose weights the loss reads, then a batch-first one."""
+
+    def __init__(self, e=64, heads=4, n=16, t=48):
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, e), nn.Linear(e, 3)
+        self.a = nn.MultiheadAttention(e, heads, dropout=0.1)
+        self.b = nn.MultiheadAttention(e, heads, batch_first=True)
+        lengths = torch.randint(t // 2, t + 1, (n,), generator=torch.Generator().manual_seed(0))
+        mask = (torch.arange(t)[None, None, :] >= lengths[:, None, None]).expand(n, t, t)
+        self.register_buffer("mask", mask.repeat_interleave(heads, 0))
+
+    def forward(self, x):
+        h = self.inp(x)
+        ht = h.transpose(0, 1)
+        a, w = self.a(ht, ht, ht, attn_mask=self.mask)
+        h = h + a.transpose(0, 1)
+        h = h + self.b(h, h, h, need_weights=False)[0]
+        return self.head(h), w
+
+
+class Criterion:
+    """A criterion that is no module, holding its target and a large table as attributes."""
+
+    def __init__(self, target):
+        self.target, self.table = target, torch.randn(2000, 1000)
+
+    def __call__(self, out):
+        return F.mse_loss(out, self.target) + 0 * self.table[0, 0]
+
+
+def _peak(net, model, x, loss_fn, opt, held) -> tuple[int, list]:
+    """A loop's step after a warm-up one: (bytes alive before it + tracked peak, the parameters' gradients)."""
+    def step():
+        torch.manual_seed(1)
+        loss_fn(net(x)).backward()
+        opt.step()
+
+    opt.zero_grad()
+    step()
+    opt.zero_grad()
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    start = live_bytes([*model.parameters(), *model.buffers(), x, *held, *state])
+    with MemoryTracker("cpu") as tracker:
+        step()
+    return start + tracker.peak_bytes, [p.grad.clone() for p in model.parameters()]
+
+
+def case(name: str):
+    """(model, x, loss_fn, held tensors, budget)."""
+    torch.manual_seed(0)
+    if name.startswith("weights"):
+        x, y = torch.randn(16, 48, 16), torch.randn(16, 48, 3)
+        return (SupervisedAttention().train(), x, lambda out: F.mse_loss(out[0], y) + out[1].mean(), [y],
+                "min" if name == "weights-min" else "100%")
+    x, target = torch.randn(64, 256), torch.randn(64, 256)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256)).train()
+    if name == "criterion-object":
+        crit = Criterion(target)
+        return model, x, crit, [crit.target, crit.table], "min"
+    cfg = types.SimpleNamespace(target=target, table=torch.randn(2000, 1000))
+    return model, x, lambda out: F.mse_loss(out, cfg.target) + 0 * cfg.table[0, 0], [cfg.target, cfg.table], "min"
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    print(f"{'case':17s} {'budget':>11s} {'predicted':>11s} {'measured':>11s} {'plain':>11s} {'meas/budget':>11s} "
+          f"{'meas/pred':>9s}  gradients")
+    for name in ("weights-min", "weights-100%", "criterion-object", "namespace"):
+        model, x, loss_fn, held, budget = case(name)
+        plain_model = copy.deepcopy(model)
+        plain_peak, plain_grads = _peak(plain_model, plain_model, x, loss_fn,
+                                        torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9), held)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (MultiheadAttention is one operation to fx)
+            planned = memfit.optimize(model, x, budget, optimizer=opt, loss_fn=loss_fn, time_limit=10)
+        peak, grads = _peak(planned, model, x, loss_fn, opt, held)
+        same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, plain_grads, strict=True))
+        p = planned.plan
+        print(f"{name:17s} {p.budget_bytes:>11,d} {p.predicted_peak_bytes:>11,d} {peak:>11,d} {plain_peak:>11,d} "
+              f"{peak / p.budget_bytes:>11.4f} {peak / p.predicted_peak_bytes:>9.4f}  "
+              f"{'match' if same else 'DIFFER'} ({budget}; {p.counts()['recompute']} recomputed)")
+
+
+if __name__ == "__main__":
+    main()
