@@ -3,6 +3,7 @@
 import json
 import re
 import types
+import warnings
 
 import pytest
 import torch
@@ -1003,6 +1004,43 @@ def test_a_network_the_loss_runs_is_counted_as_a_step_measures_it(budget, discri
     planned, peak, state = runs["planned"]
     for a, b in zip(state, runs["plain"][2], strict=True):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+    assert peak <= planned.plan.budget_bytes, (peak, planned.plan.budget_bytes)
+    assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.01 * peak, (planned.plan.predicted_peak_bytes, peak)
+
+
+def test_a_discriminator_with_gradients_and_no_optimizer_given_is_counted_as_it_is():
+    """A fresh user's DCGAN generator step, only the generator's optimizer passed (warned), the discriminator's
+    gradients left from its own step: the loss's backward adds into them, but the plan took them to be made by the
+    step: 1.04x the budget at ``min``. Parameters of a module the loss holds that have a ``.grad`` when planning
+    are now profiled as existing."""
+    from memfit.bench.harness import fresh_copy
+
+    torch.manual_seed(0)  # (the fresh user's: the loss's backward, adding into the discriminator's, sets the peak)
+    gen = nn.Sequential(nn.Linear(16, 128 * 4 * 4), nn.Unflatten(1, (128, 4, 4)), nn.BatchNorm2d(128), nn.ReLU(),
+                        nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.ReLU(),
+                        nn.ConvTranspose2d(64, 3, 4, 2, 1), nn.Tanh()).train()
+    disc = nn.Sequential(nn.Conv2d(3, 64, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(64, 128, 4, 2, 1),
+                         nn.BatchNorm2d(128), nn.LeakyReLU(0.2), nn.Flatten(), nn.Linear(128 * 4 * 4, 1)).train()
+    z, ones = torch.randn(16, 16), torch.ones(16, 1)
+    runs = {}
+    for name in ("plain", "planned"):
+        g, d = fresh_copy(gen), fresh_copy(disc)
+        for p in d.parameters():  # (from the discriminator's own step)
+            p.grad = torch.full_like(p, 0.5)
+
+        def loss_fn(fake, d=d):
+            return nn.functional.binary_cross_entropy_with_logits(d(fake), ones)
+        opt = torch.optim.Adam(g.parameters(), lr=2e-4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the discriminator's parameters are in no optimizer given)
+            net = g if name == "plain" else memfit.optimize(g, z, "min", optimizer=opt, loss_fn=loss_fn)
+        held = [*g.parameters(), *g.buffers(), *d.parameters(), *d.buffers(), *(p.grad for p in d.parameters()), z,
+                ones]
+        peak = _loop_peak(net, loss_fn, [opt], held, z)
+        runs[name] = (net, peak, [p.grad.clone() for p in [*g.parameters(), *d.parameters()]])
+    planned, peak, grads = runs["planned"]
+    for a, b in zip(grads, runs["plain"][2], strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     assert peak <= planned.plan.budget_bytes, (peak, planned.plan.budget_bytes)
     assert abs(planned.plan.predicted_peak_bytes - peak) <= 0.01 * peak, (planned.plan.predicted_peak_bytes, peak)
 
