@@ -69,6 +69,8 @@ def test_a_batch_the_machine_cannot_hold_gets_a_message_and_exit_2(capsys, tmp_p
         return torch.empty(2**60, dtype=torch.uint8), None
 
     monkeypatch.setattr(memfit.zoo, "example_batch", example_batch)
+    # (the check of the forward's outputs against the machine's memory, memfit.profile.host, would refuse it first)
+    monkeypatch.setattr("memfit.profile.host.available_host_bytes", lambda: None)
     out = str(tmp_path / "plan.json")
     assert main(["plan", "--model", "resnet18", "--batch", "100000000", "--threads", "1", "--out", out]) == 2
     err = " ".join(capsys.readouterr().err.split())
@@ -893,7 +895,7 @@ class _Criterion(nn.Module):
 
 @pytest.mark.parametrize("case", ["l2_penalty", "l2_penalty_on_one_layer", "head_of_the_model_called_in_the_loss",
                                   "two_optimizers", "criterion_with_a_tensor_attribute",
-                                  "plain_object_criterion", "targets_in_a_namespace"])
+                                  "plain_object_criterion", "targets_in_a_namespace", "a_trainers_method"])
 def test_what_the_loss_reaches_is_counted(case):
     """Found by a second fresh user (each over its budget, unwarned): an L2 penalty over the model's parameters in
     the loss (its backward makes the gradients before the model's does, which then adds into them: ResNet-18 1.14x a
@@ -937,6 +939,11 @@ def test_what_the_loss_reaches_is_counted(case):
         elif case == "plain_object_criterion":  # (not a module: its target was not counted, 2.24x the budget)
             loss_fn = _PlainCriterion(target)
             opts, held = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)], [loss_fn.target]
+        elif case == "a_trainers_method":  # (its target counted; another model it holds, which the loss never
+            trainer = types.SimpleNamespace(target=target, other=nn.Linear(1000, 1000))  # reads, not)
+            trainer.loss = lambda out, t=trainer: nn.functional.mse_loss(out, t.target[:, :64])
+            loss_fn = trainer.loss
+            opts, held = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)], [target]
         elif case == "targets_in_a_namespace":  # (`cfg.target` in a lambda: the same)
             cfg = types.SimpleNamespace(target=target)
 

@@ -233,6 +233,11 @@ class Costs:
         loss_bytes: transient bytes of the loss's forward and backward beyond the outputs' gradients, plus
             the outputs the loss saves for its backward, measured when a loss function was given; ``None`` means "assume a log-softmax style loss"
             (two output-sized tensors).
+        loss_bytes_freed: ``loss_bytes`` where each output the loss saves is freed once the saver has run in its
+            backward (the step's loop has dropped the outputs; ``None``: not measured, no output saved). The
+            replay uses it where the model holds none of those outputs for its own backward: a loss reading two
+            attention maps frees the first before the second's backward peaks (2 MiB over-predicted with
+            ``loss_bytes``).
         output_ids: storage id of each tensor of the model's output, in :func:`tensors_in` order (``None`` for
             an input or a parameter passed through).
         loss_keeps: storage ids of the outputs the loss saves for its backward (``(out ** 2).mean()``,
@@ -288,6 +293,7 @@ class Costs:
     nodes: list[NodeCost]
     fixed_bytes: int
     loss_bytes: int | None = None
+    loss_bytes_freed: int | None = None
     link: LinkCost | None = None
     grads_exist: bool = False
     step_bytes: int = 0
@@ -316,7 +322,7 @@ class Costs:
             n["variants"] = {k: VariantCost(**v) for k, v in n.get("variants", {}).items()}
             nodes.append(NodeCost(**n))
         return cls(device=d["device"], storages=[Storage(**s) for s in d["storages"]], nodes=nodes,
-                   fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"),
+                   fixed_bytes=d["fixed_bytes"], loss_bytes=d.get("loss_bytes"), loss_bytes_freed=d.get("loss_bytes_freed"),
                    link=LinkCost(**d["link"]) if d.get("link") else None, grads_exist=d.get("grads_exist", False),
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
@@ -485,6 +491,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     inputs = tuple(example_inputs)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     loss_param_grads = 0  # gradients the loss's backward gives parameters outside the model (bytes)
+    loss_reads: set[int] = set()  # data pointers of the storages the loss reads
     device = tensors[0].device if tensors else torch.device("cpu")
     params = list(gm.parameters())
     fixed_ptrs = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())}
@@ -511,10 +518,13 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                 c.grad_bytes = max(0, c.grad_bytes - unread.get(c.name, 0))
             if loss_fn is not None:
                 (costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded,
-                 loss_param_grads, costs.loss_param_ptrs) = _measure_loss(gm, inputs, loss_fn, device, requires,
-                                                                           kept_grads)
+                 loss_param_grads, costs.loss_param_ptrs, loss_reads) = _measure_loss(gm, inputs, loss_fn, device,
+                                                                                      requires, kept_grads)
                 costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
+                if costs.loss_keeps:  # (again, each saved output freed as the loss's backward releases it)
+                    costs.loss_bytes_freed = min(costs.loss_bytes, _measure_loss(
+                        gm, inputs, loss_fn, device, requires, kept_grads, free_outputs=True)[0])
                 costs.loss_grads = sorted({costs.output_ids[k] for k in graded if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
             # the loss's backward gives the model's parameters gradients before the model's backward pass runs (an
@@ -549,7 +559,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     costs.no_grad_params = [name for name, p in gm.named_parameters() if id(p) in no_grad]
     costs.fixed_bytes = (sum(state.values()) + grad_bytes + costs.input_bytes + loss_param_grads
                          + _closure_bytes(loss_fn, fixed_ptrs | set(state), tuple(inputs) + tuple(user_inputs), held,
-                                          device))
+                                          device, loss_reads))
     costs.device = device.type
     costs.grads_exist = grads_exist
     # torch.utils.checkpoint(preserve_rng_state=True) keeps torch.get_rng_state(), a CPU tensor
@@ -1196,13 +1206,22 @@ def _differentiable(t: torch.Tensor) -> bool:
 
 def _closure_values(loss_fn) -> list:
     """What ``loss_fn`` holds: its closure cells, the module-level names the function reads, default arguments
-    and ``functools.partial`` arguments, and the attributes of the objects among them (a criterion object with a
-    ``__call__``, a bound method's object, a ``SimpleNamespace`` or dataclass of targets), two levels deep
-    (functions and objects are searched, not returned; Python modules, classes and optimizers are not searched)."""
+    and ``functools.partial`` arguments, two functions deep (functions are searched, not returned); see
+    :func:`_reach`."""
+    return _reach(loss_fn)[0]
+
+
+def _reach(loss_fn) -> tuple[list, list]:
+    """``(held, through_objects)``: what ``loss_fn`` holds (:func:`_closure_values`), and the tensors, containers and
+    modules among the attributes of the plain objects it holds (a criterion object with ``__call__``, a bound
+    method's object, a ``SimpleNamespace`` or dataclass of targets), two levels deep. The latter may hold anything (a
+    trainer's other models): only what the loss reads of them is its (:func:`_closure_bytes`). Python modules,
+    classes and optimizers are not searched."""
     import functools
     import types
 
     found: list = []
+    via: list = []
     visited: set[int] = set()
 
     def attributes(obj) -> list:  # a plain object's attributes (a Python module, a class or an optimizer: none)
@@ -1210,37 +1229,38 @@ def _closure_values(loss_fn) -> list:
             return []
         return list(getattr(obj, "__dict__", {}).values())
 
-    def visit(obj, depth):
+    def visit(obj, depth, through):
         if id(obj) in visited:
             return
         visited.add(id(obj))
         if isinstance(obj, functools.partial):
             for v in list(obj.args) + list(obj.keywords.values()) + [obj.func]:
-                visit(v, depth)
+                visit(v, depth, through)
             return
         if isinstance(getattr(obj, "__self__", None), nn.Module):  # a module's bound method (``crit.forward``)
-            found.append(obj.__self__)
+            (via if through else found).append(obj.__self__)
         elif isinstance(obj, types.MethodType) and depth < 2:  # a bound method of a plain object: its attributes
-            visit(obj.__self__, depth + 1)
+            visit(obj.__self__, depth + 1, True)
         if callable(obj) and not isinstance(obj, (torch.Tensor, nn.Module, type)) and depth < 2:
             cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c)]
             # module-level names the function reads (``y`` in ``lambda out: F.mse_loss(out, y)`` at top level)
             code, glob = getattr(obj, "__code__", None), getattr(obj, "__globals__", None) or {}
             names = [glob[n] for n in (code.co_names if code is not None else ()) if n in glob]
-            plain = attributes(obj) if not isinstance(obj, (types.FunctionType, types.MethodType,
-                                                             types.BuiltinFunctionType)) else []
-            for v in cells + list(getattr(obj, "__defaults__", None) or ()) + names + plain:
-                visit(v, depth + 1)
+            for v in cells + list(getattr(obj, "__defaults__", None) or ()) + names:
+                visit(v, depth + 1, through)
+            if not isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+                for v in attributes(obj):  # (a criterion object: the loss itself)
+                    visit(v, depth + 1, True)
             return
         if isinstance(obj, (torch.Tensor, list, tuple, dict, nn.Module)):
-            found.append(obj)
+            (via if through else found).append(obj)
         elif depth < 2:  # (a config object, a namespace of targets: `lambda out: F.mse_loss(out, cfg.target)`)
             for v in attributes(obj):
-                visit(v, depth + 1)
+                visit(v, depth + 1, True)
 
     if loss_fn is not None:
-        visit(loss_fn, 0)
-    return found
+        visit(loss_fn, 0, False)
+    return found, via
 
 
 def loss_held_modules(loss_fn) -> list[nn.Module]:
@@ -1250,24 +1270,42 @@ def loss_held_modules(loss_fn) -> list[nn.Module]:
 
 
 def _closure_bytes(loss_fn, fixed_ptrs: set[int], inputs: tuple, held: tuple = (),
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None, read: set[int] = frozenset()) -> int:
     """Bytes of the tensors ``loss_fn`` holds (the targets of ``lambda out: F.cross_entropy(out, labels)``, and the
     parameters and buffers of the modules it calls: a head, a teacher, a discriminator) and of ``held``: they are
-    alive for the whole step, like the inputs (:func:`_closure_values`); the model's parameters and buffers and the
-    inputs are not counted again, nor is a storage twice, nor one on another device type than ``device`` (a
-    dataset's CPU tensors a CUDA step's loss reads)."""
+    alive for the whole step, like the inputs (:func:`_closure_values`); of those it reaches through plain objects
+    (:func:`_reach`), the ones whose storage it reads (``read``, data pointers: a criterion object's target, not a
+    trainer's other model; both were left out, 2.24x a budget). The model's parameters and buffers and the inputs are
+    not counted again, nor is a storage twice, nor one on another device type than ``device`` (a dataset's CPU
+    tensors a CUDA step's loss reads)."""
     seen = set(fixed_ptrs) | {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
     total = 0
-    for obj in [*_closure_values(loss_fn), *held]:
+    found, via = _reach(loss_fn)
+    for obj, through in [*((o, False) for o in [*found, *held]), *((o, True) for o in via)]:
         if isinstance(obj, nn.Module):  # (and tensors kept as plain attributes: a style loss's ``self.target``)
             obj = [*obj.parameters(), *obj.buffers(),
                    *(v for m in obj.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
         for t in tensors_in(obj):
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen and t.device.type != "meta" and (device is None or t.device.type == device.type):
+            if ptr not in seen and t.device.type != "meta" and (device is None or t.device.type == device.type) \
+                    and (not through or ptr in read):
                 seen.add(ptr)
                 total += t.untyped_storage().nbytes()
     return total
+
+
+class _Reads(TorchDispatchMode):
+    """Records the data pointers of the storages every ATen operation reads (its tensor arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ptrs: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tensors_in((args, kwargs or {})):
+            if t.device.type != "meta":
+                self.ptrs.add(t.untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
 
 
 def _filled(cell) -> bool:
@@ -1279,9 +1317,10 @@ def _filled(cell) -> bool:
 
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
-                  requires: dict[str, list[bool]] | None = None, kept_grads: tuple = ()
-                  ) -> tuple[int, int, int, list[int], list[int], int, list[int]]:
-    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads, param_ptrs)`` (see :class:`Costs`;
+                  requires: dict[str, list[bool]] | None = None, kept_grads: tuple = (), free_outputs: bool = False
+                  ) -> tuple[int, int, int, list[int], list[int], int, list[int], set[int]]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads, param_ptrs, read)`` (see
+    :class:`Costs`; ``read``: the data pointers of the storages the loss's forward reads;
     ``param_grads``: bytes of the gradients the loss's backward gives parameters outside the model, a head or a
     discriminator the loss calls, which the step keeps as ``.grad``): transient bytes of
     ``loss_fn`` forward and backward on the model's output, beyond the output's gradient (which the replay
@@ -1299,19 +1338,23 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     passed through) as they are. The backward computes the gradients of those leaves only
     (``torch.autograd.grad``), and those of the leaves outside the model the loss reaches (a head's weight):
     a loss that reads the model's parameters adds nothing to their ``.grad``."""
-    out = _value(lambda _: gm(*inputs), {})
+    model_out = _value(lambda _: gm(*inputs), {})
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    values = tensors_in(out)
+    values = tensors_in(model_out)
     flags = (requires or {}).get(output_node.name)
     if flags is None or len(flags) != len(values):
         flags = [_differentiable(t) for t in values]
-    stand_ins = [t.detach().requires_grad_(True) if f else t for t, f in zip(values, flags)]
-    leaves = [t for t, f in zip(stand_ins, flags) if f]
-    it = iter(stand_ins)
-    out = map_tensors(lambda v: next(it), out)
     fixed = {t.untyped_storage().data_ptr() for t in [*tensors_in(inputs), *gm.parameters(), *gm.buffers()]}
-    out_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in stand_ins
-                    if t.untyped_storage().data_ptr() not in fixed}
+    # outputs with a dense storage of their own stand in as copies that only what the loss saves holds, made inside
+    # the tracker: the loss's backward frees each once its saver has run, as in a step, where the loop has dropped
+    # the output (a loss reading two attention maps freed the first before the second's backward peaked: 2 MiB
+    # over-predicted); their gradients are kept, as autograd keeps them for the model's backward
+    loose = _loose_outputs(values, flags, fixed) if free_outputs else set()
+    sink: dict[int, torch.Tensor] = {}
+    anchor = torch.zeros((), device=device, requires_grad=True) if loose else None
+    stand_ins = [t.detach().requires_grad_(True) if f and k not in loose else t
+                 for k, (t, f) in enumerate(zip(values, flags))]
+    leaves = [t for k, (t, f) in enumerate(zip(stand_ins, flags)) if f and k not in loose]
     kept: dict[int, int] = {}
 
     def pack(t):
@@ -1320,31 +1363,47 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
             kept[ptr] = out_storages[ptr]
         return t.detach()  # (not t itself: a saved output would hold its own graph, see _recording)
 
+    out_storages: dict[int, int] = {}  # storage's data pointer -> bytes
+
     # one tracker for the loss's forward and backward on the CPU, where a tracker does not subtract the frees of
     # blocks allocated before it: a backward tracked apart kept what the loss's forward saved for it (a GAN
     # generator's loss running its discriminator was predicted 1.06-1.17x the measured peak)
     cpu = device.type != "cuda"
     with MemoryTracker(device) if cpu else contextlib.nullcontext() as tracker:
+        for k in loose:
+            stand_ins[k] = _StandIn.apply(anchor, values[k].detach(), sink, k)
+        copies = sum(stand_ins[k].untyped_storage().nbytes() for k in loose)  # (allocated first, in the tracker)
+        ptr_of = [t.untyped_storage().data_ptr() for t in stand_ins]
+        out_storages.update({p: t.untyped_storage().nbytes() for p, t in zip(ptr_of, stand_ins) if p not in fixed})
+        it = iter(stand_ins)
+        out = map_tensors(lambda v: next(it), model_out)
+        reads = _Reads()
         with (tracker.mark("loss:f") if cpu else MemoryTracker(device)) as forward, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), reads:
             loss = _call_loss(loss_fn, out)
-        if leaves and not loss.requires_grad:
+        del out, it
+        for k in loose:  # held by what the loss saved alone from here on (the others stay: the step frees them
+            if ptr_of[k] in kept:  # once the loss has read them, which the replay counts before the loss's backward)
+                stand_ins[k] = None
+        if (leaves or loose) and not loss.requires_grad:
             raise ValueError("loss_fn returned a loss that does not require grad, though the model's output does (a "
                              "`.detach()`, a `torch.no_grad()` or a tensor made from `.item()` inside loss_fn): its "
                              "backward pass would compute nothing (PyTorch's loss.backward() raises 'element 0 of "
                              "tensors does not require grad'). Return the loss computed from the output.")
         # leaves outside the model that the loss reaches (the stand-ins stop the walk at the model's outputs)
         own = {id(t) for t in [*stand_ins, *gm.parameters()]}
-        reached = [t for t in _loss_leaves(loss) if not any(t is s for s in stand_ins)]
+        reached = [t for t in _loss_leaves(loss) if not any(t is s for s in stand_ins) and t is not anchor]
         outside = [t for t in reached if id(t) not in own]
         # (the model's own parameters the loss reads, an L2 penalty: their gradients are fixed bytes, the scalars
         # and temporaries of computing them are the loss's)
         inside = [t for t in reached if id(t) in own]
         with tracker.mark("loss:b") if cpu else MemoryTracker(device) as backward:
             grads_of: tuple = ()
-            if (leaves or outside or inside) and loss.requires_grad:
+            anchors = [anchor] if loose else []
+            if (leaves or anchors or outside or inside) and loss.requires_grad:
                 with _no_autocast(device):
-                    grads_of = torch.autograd.grad(loss, leaves + outside + inside, allow_unused=True)
+                    grads_of = torch.autograd.grad(loss, leaves + outside + inside + anchors, allow_unused=True)
+                grads_of = grads_of[:len(grads_of) - len(anchors)]
             # (a loss that is an output, or a view of one, ``loss_fn=lambda out: out``: the loop holds that
             # output's storage to the end of the step, so it is kept through the loss's backward and held after;
             # counted as freed once the loss had read it, a model returning its own loss measured 4 B over a 100%
@@ -1358,13 +1417,17 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
             if loss.requires_grad:
                 held += loss.numel() * loss.element_size()
             del loss
-    if cpu:
-        forward_peak, during = tracker.range_peak("loss:f")[0], tracker.peak_bytes
+    if cpu:  # (the loose copies were allocated in the tracker before the loss ran: the step's outputs already)
+        forward_peak, during = tracker.range_peak("loss:f")[0], tracker.peak_bytes - copies
     else:
         forward_peak = forward.peak_bytes
         during = max(forward.peak_bytes, forward.net_bytes + backward.peak_bytes)
+    # the outputs' gradients (activation gradients to the replay) by position
+    out_grads = dict(zip([k for k, f in enumerate(flags) if f and k not in loose], grads_of[:len(leaves)]))
+    out_grads.update({k: sink.get(k) for k in loose})
     # (the outputs' gradients are activation gradients to the replay, the others' fixed bytes: neither transient)
-    grads = sum(g.untyped_storage().nbytes() for g in grads_of if g is not None)
+    grads = (sum(g.untyped_storage().nbytes() for g in out_grads.values() if g is not None)
+             + sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):] if g is not None))
     param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):len(leaves) + len(outside)]
                       if g is not None)
     transient = during - grads
@@ -1372,11 +1435,15 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     graded_outside = [t for t, g in zip(outside, grads_of[len(leaves):len(leaves) + len(outside)])
                       if g is not None and id(t) in may_exist]
     if graded_outside:
-        transient = max(transient, _loss_adding_into_grads(out, loss_fn, device, leaves + inside, graded_outside))
-    positions = [k for k, t in enumerate(stand_ins) if t.untyped_storage().data_ptr() in kept]
-    graded = [k for k, g in zip([k for k, f in enumerate(flags) if f], grads_of[:len(leaves)]) if g is not None]
+        fresh = [t.detach().requires_grad_(True) if f else t for t, f in zip(values, flags)]
+        it = iter(fresh)
+        transient = max(transient, _loss_adding_into_grads(
+            map_tensors(lambda v: next(it), model_out), loss_fn, device,
+            [t for t, f in zip(fresh, flags) if f] + inside, graded_outside))
+    positions = [k for k, p in enumerate(ptr_of) if p in kept]
+    graded = sorted(k for k, g in out_grads.items() if g is not None)
     return (max(0, transient), held, forward_peak, positions, graded, param_grads,
-            sorted({t.untyped_storage().data_ptr() for t in reached}))
+            sorted({t.untyped_storage().data_ptr() for t in reached}), reads.ptrs)
 
 
 def _loss_adding_into_grads(out: Any, loss_fn, device: torch.device, made: list[torch.Tensor],
@@ -1979,6 +2046,31 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
             record.grad_copy_bytes = copies.get(label, 0)
         else:
             record.bwd_workspace += copies.get(label, 0)
+
+
+class _StandIn(torch.autograd.Function):
+    """A copy of a model output for :func:`_measure_loss`: made from ``anchor`` (a scalar leaf requiring grad), held by
+    nothing but what the loss saves, and its gradient kept in ``sink[k]`` (as autograd keeps an output's gradient for
+    the model's backward)."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, sink, k):
+        ctx.sink, ctx.k = sink, k
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink[ctx.k] = grad
+        return None, None, None, None
+
+
+def _loose_outputs(values: list, flags: list[bool], fixed: set[int]) -> set[int]:
+    """Positions of the differentiable outputs in ``values`` whose storage is dense, their own (no other output, input,
+    parameter or buffer shares it: a copy would free what the step keeps) and whose copy has its strides."""
+    ptrs = [t.untyped_storage().data_ptr() for t in values]
+    return {k for k, (t, f) in enumerate(zip(values, flags))
+            if f and ptrs.count(ptrs[k]) == 1 and ptrs[k] not in fixed and t.is_floating_point()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous()}
 
 
 class _Seeded(torch.autograd.Function):

@@ -918,12 +918,13 @@ class PlannedModule(nn.Module):
         anchors = _with_graph(tensors)
         if not anchors:
             return
-        # (two nn.Sequential of a GAN are told apart by the inputs they were planned for)
-        shapes = ", ".join(str(list(s)) for s in self.plan.input_shapes) if self.plan.input_shapes else ""
-        name = type(self.model).__name__ + (f" (planned for inputs {shapes})" if shapes else "")
+        name = type(self.model).__name__
         last = self._last_call() if self._last_call is not None else None
         if last is not None and not last.done:
-            self._warn_once("twice", f"memfit: {name} was called again in training before the backward pass of its "
+            # (two nn.Sequential of a GAN are told apart by the inputs they were planned for)
+            shapes = ", ".join(str(list(s)) for s in self.plan.input_shapes) if self.plan.input_shapes else ""
+            planned_for = f" (planned for inputs {shapes})" if shapes else ""
+            self._warn_once("twice", f"memfit: {name}{planned_for} was called again in training before the backward pass of its "
                             "previous call (a discriminator on a real and a fake batch, two augmented views): both "
                             "calls' saved activations are held at once, but the plan counts one call, so the step "
                             "can exceed its budget by up to a whole call's activations. Run backward after each call (the "

@@ -47,6 +47,7 @@ class Accounting:
             (``Costs.loss_held_bytes``).
         loss_forward_bytes: the loss's forward peak beside the outputs (``Costs.loss_forward_bytes``).
         loss_keeps: the outputs the loss saves for its backward (``Costs.loss_keeps``).
+        loss_bytes_freed: ``Costs.loss_bytes_freed``, for a step where the model holds none of ``loss_keeps``.
         casts: storage ids of autocast's cached casts of parameters (kind ``"cast"``): alive from their first
             reader to the end of the forward pass (then only while a kept saver holds them); a region's
             recomputation makes its own, alive until the recomputation ends or, when saved, until the saver's
@@ -107,6 +108,7 @@ class Accounting:
     grad_during: list[int]
     grad_sum: list[int | None] = field(default_factory=list)
     loss_bytes: int | None = None
+    loss_bytes_freed: int | None = None
     needs_grad: list[bool] | None = None
     link: object | None = None
     fwd_offset: int = 0
@@ -193,7 +195,7 @@ class Accounting:
             stop_ws=[max(c.fwd_workspace, c.stop_workspace) for c in costs.nodes],
             bwd_ws=[c.bwd_workspace for c in costs.nodes],
             grad_alias=[c.grad_alias for c in costs.nodes], grad_before=[], grad_during=[],
-            loss_bytes=costs.loss_bytes, link=costs.link, step_bytes=costs.step_bytes,
+            loss_bytes=costs.loss_bytes, loss_bytes_freed=costs.loss_bytes_freed, link=costs.link, step_bytes=costs.step_bytes,
             loss_held_bytes=costs.loss_held_bytes, casts=casts, cast_uses=[list(c.casts) for c in costs.nodes],
             unmade_at_stop=[list(c.unmade_at_stop) for c in costs.nodes], recomputable=[c.recomputable for c in costs.nodes],
             region_bytes=costs.region_bytes, loss_forward_bytes=costs.loss_forward_bytes,

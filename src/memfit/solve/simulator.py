@@ -233,6 +233,8 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     # the loss: measured when profiled with one; else a log-softmax style loss, which keeps one
     # output-sized tensor and makes another in its backward
     loss = acc.loss_bytes if acc.loss_bytes is not None else 2 * sum(acc.nbytes[s] for s in acc.output_storages)
+    if acc.loss_bytes_freed is not None and not any(holders.get(s) for s in acc.loss_keeps):
+        loss = acc.loss_bytes_freed  # (what the loss saved is freed as its backward goes: nothing else holds it)
     transient(loss, "loss backward")
     for s in list(alive):  # outputs the loss saved: released by its backward
         if s in acc.loss_keeps and not holders.get(s):
