@@ -277,6 +277,19 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     return (example_inputs,)
 
 
+def none_arguments(model: nn.Module, inputs: tuple) -> tuple[str, ...]:
+    """The names of ``model``'s forward arguments that are ``None`` for the positional ``inputs``: passed as ``None``,
+    or left out with the default ``None`` (``def forward(self, ids, mask=None)`` called with ``ids`` alone). They
+    are traced as ``None`` (:func:`memfit.graph.capture.capture`)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(p.name for k, p in enumerate(named)
+                 if (inputs[k] if k < len(inputs) else p.default) is None)
+
+
 def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_dir: str | None) -> HostStore | None:
     """The host store a plan may offload to, or ``None`` when offloading is off: ``offload=None`` turns it
     on for CUDA (pinned memory) and, on the CPU, when ``offload_dir`` names a directory for the disk store;
@@ -462,7 +475,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _require_grad_mode()
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
-    captured = _captured or capture(model)
+    captured = _captured or capture(model, none_arguments(model, given))
     if not isinstance(example_inputs, dict):  # (a dict binds by name: nothing of it falls into *args)
         check_var_positional(captured.gm, inputs)
     outside = _outside_params([model, captured.gm], _optimizers(optimizer))
@@ -887,7 +900,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if not any(p.requires_grad for p in model.parameters()) and not any(
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
-        captured = capture(model)
+        captured = capture(model, none_arguments(model, given))
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head
         # frozen was applied to a loop training it, 1.79x its budget)

@@ -59,13 +59,15 @@ class Captured:
     its plain-data :class:`Graph`, the model itself, and the plain Python attributes its forward pass read
     while tracing (``{module path: {attribute: value}}``, :mod:`memfit.graph.attributes`): the graph holds
     their values as constants. ``called``: ``(code, globals)`` of the user's Python functions that ran while
-    tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read)."""
+    tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read). ``none_args``: the
+    forward's arguments traced as ``None`` (:func:`capture`): the graph holds for that value only."""
 
     gm: fx.GraphModule
     graph: Graph
     model: nn.Module | None = None
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
     called: list = field(default_factory=list)
+    none_args: tuple[str, ...] = ()
 
 
 def _in_torch(filename: str) -> bool:
@@ -637,7 +639,21 @@ def _check_names(model: nn.Module, graph: fx.Graph) -> None:
             "Your model is as it was.")
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
+def _as_traced_none(graph: fx.Graph, none_args: tuple[str, ...]) -> fx.Graph:
+    """``graph``, traced with ``concrete_args`` setting ``none_args`` to ``None``, with each such argument's
+    placeholder named as the argument again (fx names it ``mask_1``) and fx's ``_assert_is_none`` checks removed
+    (:class:`memfit.runtime.planned.PlannedModule` refuses another value itself, with a message)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none" and not node.users:
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op == "placeholder" and re.fullmatch(r".+_1", str(node.target)) and str(node.target)[:-2] in none_args:
+            node.target = node.name = str(node.target)[:-2]
+    graph.lint()
+    return graph
+
+
+def _trace(model: nn.Module, none_args: tuple[str, ...] = ()) -> fx.GraphModule:
     """:func:`_trace_graph`, leaving ``model`` as it was. ``torch.fx`` stores each tensor constant the forward makes
     (``torch.arange(16)``, ``torch.ones(16, 16)``) as an attribute ``_tensor_constant<i>`` of the module it traces,
     numbered from the first free name; the ``GraphModule`` holds copies of its own. Left on the model, they
@@ -645,20 +661,22 @@ def _trace(model: nn.Module) -> fx.GraphModule:
     node names (a fresh user's causal mask: ``memfit.optimize(m, ids, plan_=...)`` refused its own plan)."""
     before = set(vars(model))
     try:
-        return _trace_graph(model)
+        return _trace_graph(model, none_args)
     finally:
         for name in set(vars(model)) - before:
             if _TENSOR_CONSTANT.fullmatch(name):
                 delattr(model, name)
 
 
-def _trace_graph(model: nn.Module) -> fx.GraphModule:
+def _trace_graph(model: nn.Module, none_args: tuple[str, ...] = ()) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
-    ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter."""
+    ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter.
+    The arguments ``none_args`` are traced as ``None`` (:func:`capture`)."""
     tracer = _BufferTracer()
     state_before = state_of(model)
+    concrete = {name: None for name in none_args} or None
     try:
-        graph = tracer.trace(model)
+        graph = _as_traced_none(tracer.trace(model, concrete_args=concrete), none_args)
     except _GradModeChange:
         raise
     except Exception as exc:
@@ -671,7 +689,8 @@ def _trace_graph(model: nn.Module) -> fx.GraphModule:
         plain = _Tracer()
         put_back_updated_state(state_before, everything=True)  # (what the failed attempt assigned: it traces again)
         try:
-            graph = plain.trace(model)  # raises when the model does not trace at all
+            graph = _as_traced_none(plain.trace(model, concrete_args=concrete), none_args)  # (raises when the
+            # model does not trace at all)
         except Exception as again:
             # report the attempt that got further into forward: a plain Python error after a line that traces
             # only with buffers as graph values (`import math` forgotten after `self.cos[:T]`) was reported as the
@@ -742,7 +761,7 @@ def _refuse_scripted(model: nn.Module) -> None:
             "passed to torch.jit.script), and train the planned module as it is.")
 
 
-def capture(model: nn.Module) -> Captured:
+def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
     Reads of the model's own buffers are graph values (``get_attr`` nodes), so an in-place update of a
@@ -750,6 +769,10 @@ def capture(model: nn.Module) -> Captured:
 
     Args:
         model: any ``nn.Module`` whose forward has no data-dependent Python control flow.
+        none_args: names of the forward's arguments that are ``None`` in the step (left out at their default
+            ``None``, or passed as ``None``): traced as ``None`` (fx's ``concrete_args``). Traced as graph inputs,
+            ``mask is None`` was ``False`` and ``if mask is None:`` took the other branch: a fresh user's causal
+            attention (`is_causal=mask is None`) ran unmasked, its gradients off by 1.5e-3, silently.
 
     Returns:
         :class:`Captured`: the fx ``GraphModule`` (its submodules are the model's own objects, so
@@ -774,7 +797,7 @@ def capture(model: nn.Module) -> Captured:
     try:
         with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
               _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
-            gm = _trace(model)
+            gm = _trace(model, tuple(none_args))
     except _ReentrantCheckpoint:
         raise TraceError(
             f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
@@ -873,7 +896,7 @@ def capture(model: nn.Module) -> Captured:
             node.meta["memfit_kind"] = kinds[str(node.target).lstrip("*")]
     _warn_opaque(gm)
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
-                    called=list(called.items()))
+                    called=list(called.items()), none_args=tuple(none_args))
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

@@ -459,7 +459,8 @@ class PlannedModule(nn.Module):
             plan.node_ops = node_ops(gm)  # was refused as "solved for a different graph", a fresh-user finding)
         dropped = _drop_lost_inplace_forms(gm, plan)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
-                                     attributes=copy.deepcopy(captured.attributes, memo), called=captured.called),
+                                     attributes=copy.deepcopy(captured.attributes, memo), called=captured.called,
+                                     none_args=captured.none_args),
                             plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -879,6 +880,12 @@ class PlannedModule(nn.Module):
                                      "pass each, by position or by keyword (the forward takes ")
                             .replace("pass a tuple of the forward's positional inputs, in order",
                                      "pass only the forward's arguments")) from None
+        set_now = [name for name in self.__dict__["_captured"].none_args if env.get(name) is not None]
+        if set_now:  # (the graph was traced with it None: it would go unread, silently)
+            raise TypeError(f"the planned module was called with {set_now[0]!r} set, but it was planned with "
+                            f"{set_now[0]}=None (left out or None in example_inputs), and its forward was traced "
+                            f"for None (`{set_now[0]} is None` true): plan with a {set_now[0]} in example_inputs, or "
+                            f"keep a planned module for each case")
         values = input_values(self._value_args, env)  # (before the run, which frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
