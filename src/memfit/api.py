@@ -285,7 +285,9 @@ def none_arguments(model: nn.Module, inputs: tuple) -> tuple[str, ...]:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
         return ()
-    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # (keyword-only ones after the others, as fx's traced forward takes them and _as_tuple binds them)
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] + [
+        p for p in params if p.kind == p.KEYWORD_ONLY]
     return tuple(p.name for k, p in enumerate(named)
                  if (inputs[k] if k < len(inputs) else p.default) is None)
 
