@@ -2079,6 +2079,25 @@ def test_a_random_draw_outside_the_graph_is_refused_with_its_line(how):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+def test_a_python_counter_forward_updates_is_refused_and_left_as_it_was():
+    # a fresh user's warm-up ramp, `self.it += 1; alpha = min(1.0, self.it / 4)`: fx ran the update once, while
+    # tracing, so the planned step kept the first step's ramp (gradients 3.09 off by the fourth step, silently), and
+    # planning had moved model.it from 0 to 1
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.it = nn.Linear(8, 8), 0
+
+        def forward(self, x):
+            self.it += 1
+            return self.l(x) * min(1.0, self.it / 4)
+
+    model = Counter().train()
+    with pytest.raises(memfit.TraceError, match=r"updates the Python number self.it .*register_buffer\('it'"):
+        memfit.optimize(model, torch.randn(4, 8), "100%")
+    assert model.it == 0
+
+
 @pytest.mark.parametrize("validate", [None, False])
 def test_torch_distributions_in_forward_get_advice_on_distributions(validate):
     # a VAE's Normal(mu, std).rsample() was told about data-dependent control flow (validate_args on) or iterating

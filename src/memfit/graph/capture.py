@@ -862,6 +862,23 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
             "always taken or always skipped, the same noise).\n"
             + (f"  failing line: {where}\n" if where else "")
             + "  " + _DRAW_ADVICE + " Your model and random generators are as they were.")
+    # a number forward reads and assigns (`self.it += 1`, a warm-up counter): fx ran that once, while tracing, and the
+    # graph holds the value it had then (a fresh user's ramp stayed at its first step, gradients 3.09 off, silently)
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    counters = [(m, name, old) for (mid, name), (m, old) in attributes.before.items()
+                if name in attributes.reads.get(mid, {}) and type(old) in (int, float)
+                and vars(m).get(name, old) != old]
+    if counters:
+        for m, name, old in counters:  # (the model as it was)
+            m.__dict__[name] = old
+        m, name, _ = counters[0]
+        label = f"{paths.get(id(m), '')}.{name}".lstrip(".")
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} updates the Python number self.{label} (`self.{name} += 1`): "
+            "torch.fx runs that once, while tracing, and the planned step would keep the value it had then, at "
+            "every step. Make it a buffer updated in place, which the plan runs in every step "
+            f"(`self.register_buffer('{name}', torch.zeros((), dtype=torch.long))` in __init__, "
+            f"`self.{name}.add_(1)` in forward), or update it in your training loop. Your model is as it was.")
     if attributes.state_writes:
         names = ", ".join(attributes.state_writes[:4]) + (" ..." if len(attributes.state_writes) > 4 else "")
         raise TraceError(
