@@ -2079,6 +2079,27 @@ def test_a_random_draw_outside_the_graph_is_refused_with_its_line(how):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+def test_a_type_test_on_an_argument_that_fx_takes_the_other_way_is_refused():
+    # a fresh user's `if isinstance(scale, torch.Tensor):` is False on fx's stand-in for the argument: the planned
+    # module ignored `scale` (outputs 3.51 off, silently); the traced graph is now run beside the model once
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x, scale):
+            if isinstance(scale, torch.Tensor):
+                return self.l(x) * scale
+            return self.l(x)
+
+    model = Scaled().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memfit.TraceError, match=r"computes another output than the model on the example inputs "
+                                                r"\(output 0 differs by up to [\d.]+\).*isinstance\(scale"):
+        memfit.optimize(model, (torch.randn(4, 8), torch.tensor(3.0)), "100%")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_a_python_counter_forward_updates_is_refused_and_left_as_it_was():
     # a fresh user's warm-up ramp, `self.it += 1; alpha = min(1.0, self.it / 4)`: fx ran the update once, while
     # tracing, so the planned step kept the first step's ramp (gradients 3.09 off by the fourth step, silently), and

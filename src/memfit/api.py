@@ -26,7 +26,7 @@ from memfit.graph.calls import (
     node_inputs,
     node_ops,
 )
-from memfit.graph.capture import Captured, capture
+from memfit.graph.capture import Captured, capture, check_traced_outputs
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
@@ -477,7 +477,11 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _require_grad_mode()
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
-    captured = _captured or capture(model, none_arguments(model, given))
+    if _captured is None:
+        captured = capture(model, none_arguments(model, given))
+        check_traced_outputs(model, captured.gm, lambda: _private_copy(inputs))
+    else:
+        captured = _captured
     if not isinstance(example_inputs, dict):  # (a dict binds by name: nothing of it falls into *args)
         check_var_positional(captured.gm, inputs)
     outside = _outside_params([model, captured.gm], _optimizers(optimizer))

@@ -132,6 +132,7 @@ class AttributeLog:
         self.before: dict[tuple[int, str], tuple[nn.Module, Any]] = {}  # (module, its value before the first write)
         self.state_writes: list[str] = []  # "path.name" of buffers/parameters forward replaced (restored since)
         self.tensor_writes: list[str] = []  # "path.name" of plain attributes forward set to a traced tensor
+        self.read_after_write: set[tuple[int, str]] = set()  # (module id, name) read again after forward assigned it
 
     def values(self, model: nn.Module) -> dict[str, dict[str, tuple[str, Any]]]:
         """``{module path: {attribute: (kind, value)}}`` for the attributes read and not assigned (path ``""``: the
@@ -186,6 +187,8 @@ def _watching(cls: type) -> type:
         if _ACTIVE and name[:1] != "_":
             if name in object.__getattribute__(self, "__dict__"):
                 _ACTIVE[-1].reads.setdefault(id(self), {})[name] = "instance"
+                if name in _ACTIVE[-1].writes.get(id(self), ()):  # (read again after forward assigned it)
+                    _ACTIVE[-1].read_after_write.add((id(self), name))
             elif any(name in vars(k) and is_plain(vars(k)[name]) for k in user_classes):
                 _ACTIVE[-1].reads.setdefault(id(self), {})[name] = "class"
         return value

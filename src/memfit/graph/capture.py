@@ -32,7 +32,7 @@ from memfit.graph.augmented import (
     writes_into,
     written_constants,
 )
-from memfit.graph.calls import dataclass_builder, dataclass_parts
+from memfit.graph.calls import dataclass_builder, dataclass_parts, tensors_in
 from memfit.graph.ir import Graph, Node
 from memfit.warn import warn_user
 
@@ -742,6 +742,109 @@ def _trace_graph(model: nn.Module, none_args: tuple[str, ...] = ()) -> fx.GraphM
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
+def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Callable[[], tuple]) -> None:
+    """Run ``model`` and its traced graph ``gm`` on the example inputs (``fresh_inputs()``: a new copy each time, in
+    the traced forward's order: its keyword-only arguments, after the others, are given to ``model`` by name)
+    from one RNG seed, without gradients, and refuse a graph whose outputs differ from the model's: a Python test
+    torch.fx evaluated once while tracing, on its stand-ins for the inputs, took another branch than the step takes
+    (``isinstance(scale, torch.Tensor)`` on an argument is ``False`` on fx's stand-in: a fresh user's planned module
+    ignored ``scale``, outputs 3.51 off, silently). Inconclusive, and skipped, where the model itself gives two
+    outputs for one seed (a generator of its own), where a node writes into a parameter, or where a run fails (the
+    profile then reports it). Buffers (BatchNorm's statistics) are put back after each run.
+
+    Raises:
+        TraceError: the outputs differ (the message gives the first that does and by how much).
+    """
+    params = {id(p) for p in model.parameters()}
+    written = [n for n in gm.graph.nodes if n.op == "get_attr" and any(writes_into(u) for u in n.users)]
+    if any(id(getattr(gm, str(n.target).split(".")[0], None)) in params or _is_param(gm, str(n.target))
+           for n in written):
+        return
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # (all it seeds)
+    # what the model's own forward assigns (`self.feat = h.detach()`, a mask cached on the first call) is put back
+    modules = list({id(m): m for m in model.modules()}.values())
+    tables = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")})
+              for m in modules]
+
+    def run(fn) -> list[torch.Tensor]:
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.manual_seed(0)
+                return [t.detach() for t in tensors_in(fn(*fresh_inputs()))]
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            for m, attrs, inner in tables:
+                for key, saved in inner.items():
+                    vars(m)[key].clear()
+                    vars(m)[key].update(saved)
+                for key in [k for k in vars(m) if k not in attrs]:
+                    del vars(m)[key]
+                vars(m).update({k: v for k, v in attrs.items() if k not in inner})
+
+    try:
+        kinds = [(p.name, p.kind) for p in inspect.signature(model.forward).parameters.values()]
+    except (TypeError, ValueError):
+        kinds = []
+    positional = [n for n, k in kinds if k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    keyword = [n for n, k in kinds if k == inspect.Parameter.KEYWORD_ONLY]
+
+    def eager(*inputs):
+        if not keyword or len(inputs) <= len(positional):
+            return model(*inputs)
+        return model(*inputs[:len(positional)], **dict(zip(keyword, inputs[len(positional):])))
+
+    try:
+        first, again, traced = run(eager), run(eager), run(gm)
+    except Exception:  # noqa: BLE001 -- (the profile runs it again and reports what fails)
+        return
+    if not _same_outputs(first, again):
+        return
+    if len(traced) != len(first):
+        raise TraceError(f"the graph torch.fx traced from {type(model).__name__} returns {len(traced)} tensors where the "
+                         f"model returns {len(first)} on the example inputs: {_BRANCH_ADVICE}")
+    for k, (a, b) in enumerate(zip(first, traced)):
+        if not _same_outputs([a], [b]):
+            gap = ((a.double() - b.double()).abs().max().item() if a.shape == b.shape and a.is_floating_point()
+                   else None)
+            what = f"differs by up to {gap:.3g}" if gap is not None else f"is {tuple(b.shape)}, not {tuple(a.shape)}"
+            raise TraceError(f"the graph torch.fx traced from {type(model).__name__} computes another output than the "
+                             f"model on the example inputs (output {k} {what}): {_BRANCH_ADVICE}")
+
+
+_BRANCH_ADVICE = (
+    "a Python test in forward ran once, while tracing, on fx's stand-ins for its arguments, and took another branch "
+    "than the model takes (`isinstance(scale, torch.Tensor)` on an argument, a check of its type or of "
+    "torch.is_autocast_enabled(), a global or attribute forward changes). Decide it in __init__ or in the training "
+    "loop and pass the model what the branch needs, or move that code into a function of its own at module level, "
+    "marked with torch.fx.wrap(\"name\") (run as one step, with the real values). Your model is as it was.")
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        return isinstance(gm.get_parameter(target), nn.Parameter)
+    except AttributeError:
+        return False
+
+
+def _same_outputs(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Two lists of tensors of equal shapes, dtypes and values (floats within 1e-4 relative, 1e-5 absolute; NaNs
+    where the other has NaNs)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point() or x.is_complex():
+            if not torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
 def _refuse_scripted(model: nn.Module) -> None:
     """Refuse TorchScript modules (``torch.jit.script`` / ``torch.jit.trace``), before anything runs: torch.fx
     cannot see into them, and a fresh user's scripted Conv-BatchNorm-ReLU block was planned, had its BatchNorm
@@ -865,8 +968,9 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
     # a number forward reads and assigns (`self.it += 1`, a warm-up counter): fx ran that once, while tracing, and the
     # graph holds the value it had then (a fresh user's ramp stayed at its first step, gradients 3.09 off, silently)
     paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    # (one forward reads again after the update: a counter it only keeps, `self.calls += 1`, is the loop's business)
     counters = [(m, name, old) for (mid, name), (m, old) in attributes.before.items()
-                if name in attributes.reads.get(mid, {}) and type(old) in (int, float)
+                if (mid, name) in attributes.read_after_write and type(old) in (int, float)
                 and vars(m).get(name, old) != old]
     if counters:
         for m, name, old in counters:  # (the model as it was)
