@@ -489,6 +489,9 @@ def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_chan
         memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: out)
     with pytest.raises(TypeError, match=r"optimizer must be the torch.optim.Optimizer .* got str 'sgd'"):
         memfit.optimize(model, x, "100%", optimizer="sgd")
+    with pytest.raises(TypeError, match=r"got a list of tensors \(Parameter of shape \[\d+, \d+\] first\): the "
+                                        r"parameters, not an optimizer built on them$"):  # (it printed the tensor)
+        memfit.optimize(model, x, "100%", optimizer=list(model.parameters()))
     # (a fresh user's loss_fn returning o.detach().sum() was taken; a function as the model gave AttributeError)
     with pytest.raises(ValueError, match=r"loss that does not require grad.*\.detach\(\)"):
         memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: out.detach().sum())

@@ -612,7 +612,11 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     opts = list({id(o): o for o in optimizer}.values()) if many else [optimizer]  # (one given twice: counted once)
     bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
     if bad or not opts:
-        got = f"{type(bad[0]).__name__} {bad[0]!r}" if bad else f"an empty {type(optimizer).__name__}"
+        # (a tensor or a parameter, `optimizer=list(model.parameters())`, is named by kind and shape, not printed)
+        got = (f"an empty {type(optimizer).__name__}" if not bad else
+               f"a list of tensors ({type(bad[0]).__name__} of shape {list(bad[0].shape)} first): the parameters, "
+               "not an optimizer built on them" if isinstance(bad[0], torch.Tensor) else
+               f"{type(bad[0]).__name__} {bad[0]!r}")
         raise TypeError(f"optimizer must be the torch.optim.Optimizer you train with, built on the model's "
                         f"parameters (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), a list of them where parts "
                         f"of the model train with different ones ([body_opt, head_opt]), or None; got "
