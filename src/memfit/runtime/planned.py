@@ -1314,9 +1314,10 @@ class PlannedModule(nn.Module):
         if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"
             self._warn_once(f"autocast {here}", f"memfit: the plan was made {made} and is called "
-                            f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: results are "
-                            "correct but activations differ in size, so the planned memory figures do not hold. "
-                            "Make a plan in the autocast state you train in.")
+                            f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: activations "
+                            "differ in size, so the planned memory figures do not hold, and a forward that tests "
+                            "torch.is_autocast_enabled() took its branch for the planning state (fx ran that test "
+                            "once, while tracing). Make a plan in the autocast state you train in.")
 
     def _warn_aliased(self) -> None:
         """One warning for the nodes :meth:`_fresh` found returning an input (or a view) since the last one."""
