@@ -489,6 +489,8 @@ def test_a_loss_fn_or_an_optimizer_that_cannot_be_used_is_a_clear_error_and_chan
         memfit.optimize(model, x, "100%", optimizer=opt, loss_fn=lambda out: out)
     with pytest.raises(TypeError, match=r"optimizer must be the torch.optim.Optimizer .* got str 'sgd'"):
         memfit.optimize(model, x, "100%", optimizer="sgd")
+    with pytest.raises(ValueError, match=r"example_inputs has a tensor on the meta device, which holds no data"):
+        memfit.optimize(model, x.to("meta"), "100%", optimizer=opt)  # (PyTorch's "Cannot copy out of meta tensor")
     with pytest.raises(TypeError, match=r"got a list of tensors \(Parameter of shape \[\d+, \d+\] first\): the "
                                         r"parameters, not an optimizer built on them$"):  # (it printed the tensor)
         memfit.optimize(model, x, "100%", optimizer=list(model.parameters()))

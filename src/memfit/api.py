@@ -25,6 +25,7 @@ from memfit.graph.calls import (
     map_tensors,
     node_inputs,
     node_ops,
+    tensors_in,
 )
 from memfit.graph.capture import Captured, capture, check_traced_outputs
 from memfit.graph.tiling import apply_tiling, chain_blocks
@@ -472,6 +473,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
     given = _as_tuple(example_inputs, model)
+    if any(t.device.type == "meta" for t in tensors_in(given)):  # (PyTorch's "Cannot copy out of meta tensor")
+        raise ValueError("example_inputs has a tensor on the meta device, which holds no data: memfit measures a real "
+                         "training step, so give real tensors of the step's shapes, on the device you train on "
+                         "(torch.randn(...), or a batch of your data)")
     inputs = _private_copy(given)
     _require_training(model)
     _require_grad_mode()
