@@ -6,6 +6,12 @@
   unpack, unpriced: 1.05x the budget.
 * ``weights-100%``: the same model at ``100%``: the budget is plain PyTorch's predicted peak, which counted the
   attention output's gradient from the loss on (4% over the measured plain peak before the fix).
+* ``per-head-maps``: two pre-norm attention blocks returning their per-head weights (``average_attn_weights=False``),
+  the loss squaring both maps, ``min``. Before the fix the first map, freed by the loss's backward before the
+  second's peaks, was counted alive: 14% over-predicted, and a budget the plan met refused.
+* ``gan-grads-kept``: a DCGAN-style generator step whose loss runs a discriminator, only the generator's optimizer
+  given, the discriminator's gradients left from its own step (PyTorch's DCGAN loop); ``min``. Before the fix they
+  were taken to be made by the step: 1.04x the budget.
 * ``criterion-object``, ``namespace``: an MLP whose loss is a plain object with ``__call__`` holding an 8 MB tensor,
   or a lambda reading ``cfg.target`` of a ``SimpleNamespace`` holding one; ``budget="min"``. Before the fix those
   tensors were not counted: 2.24x the budget.
@@ -62,6 +68,36 @@ class Criterion:
         return F.mse_loss(out, self.target) + 0 * self.table[0, 0]
 
 
+class PerHeadMaps(nn.Module):
+    """Two pre-norm attention blocks returning their per-head attention maps."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(100, d), nn.Linear(d, 100)
+        self.norms = nn.ModuleList([nn.LayerNorm(d) for _ in range(2)])
+        self.attns = nn.ModuleList([nn.MultiheadAttention(d, heads, batch_first=True) for _ in range(2)])
+
+    def forward(self, ids):
+        x, maps = self.emb(ids), []
+        for norm, attn in zip(self.norms, self.attns):
+            h = norm(x)
+            a, w = attn(h, h, h, need_weights=True, average_attn_weights=False)
+            x = x + a
+            maps.append(w)
+        return self.head(x), maps
+
+
+def _gan():
+    gen = nn.Sequential(nn.Linear(16, 128 * 4 * 4), nn.Unflatten(1, (128, 4, 4)), nn.BatchNorm2d(128), nn.ReLU(),
+                        nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.ReLU(),
+                        nn.ConvTranspose2d(64, 3, 4, 2, 1), nn.Tanh()).train()
+    disc = nn.Sequential(nn.Conv2d(3, 64, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(64, 128, 4, 2, 1),
+                         nn.BatchNorm2d(128), nn.LeakyReLU(0.2), nn.Flatten(), nn.Linear(128 * 4 * 4, 1)).train()
+    for p in disc.parameters():  # (from the discriminator's own step)
+        p.grad = torch.full_like(p, 0.5)
+    return gen, disc
+
+
 def _peak(net, model, x, loss_fn, opt, held) -> tuple[int, list]:
     """A loop's step after a warm-up one: (bytes alive before it + tracked peak, the parameters' gradients)."""
     def step():
@@ -82,6 +118,15 @@ def _peak(net, model, x, loss_fn, opt, held) -> tuple[int, list]:
 def case(name: str):
     """(model, x, loss_fn, held tensors, budget)."""
     torch.manual_seed(0)
+    if name == "per-head-maps":
+        ids, y = torch.randint(0, 100, (8, 128)), torch.randint(0, 100, (8, 128))
+        return (PerHeadMaps().train(), ids, lambda out: F.cross_entropy(out[0].flatten(0, 1), y.flatten())
+                + 0.1 * sum((w ** 2).mean() for w in out[1]), [y], "min")
+    if name == "gan-grads-kept":
+        gen, disc = _gan()
+        z, ones = torch.randn(16, 16), torch.ones(16, 1)
+        return (gen, z, lambda fake: F.binary_cross_entropy_with_logits(disc(fake), ones),
+                [z, ones, *disc.parameters(), *disc.buffers(), *(p.grad for p in disc.parameters())], "min")
     if name.startswith("weights"):
         x, y = torch.randn(16, 48, 16), torch.randn(16, 48, 3)
         return (SupervisedAttention().train(), x, lambda out: F.mse_loss(out[0], y) + out[1].mean(), [y],
@@ -99,11 +144,13 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{'case':17s} {'budget':>11s} {'predicted':>11s} {'measured':>11s} {'plain':>11s} {'meas/budget':>11s} "
           f"{'meas/pred':>9s}  gradients")
-    for name in ("weights-min", "weights-100%", "criterion-object", "namespace"):
+    for name in ("weights-min", "weights-100%", "per-head-maps", "gan-grads-kept", "criterion-object", "namespace"):
         model, x, loss_fn, held, budget = case(name)
         plain_model = copy.deepcopy(model)
         plain_peak, plain_grads = _peak(plain_model, plain_model, x, loss_fn,
                                         torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9), held)
+        if name == "gan-grads-kept":  # (the discriminator's gradients as its own step left them, for both runs)
+            model, x, loss_fn, held, budget = case(name)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (MultiheadAttention is one operation to fx)
