@@ -42,3 +42,18 @@ def test_max_batch_does_not_run_a_probe_beyond_the_available_memory(monkeypatch)
     monkeypatch.setattr(host, "available_host_bytes", lambda: 2**20)
     probe = probe_batch(zoo_workload("resnet18", 4, 32, "cpu", 0), "plain", 2**30)
     assert not probe.fits and probe.reason.startswith("not run: its forward makes"), probe
+
+
+def test_max_batch_refuses_a_budget_batch_beyond_the_available_memory_before_measuring(capsys, monkeypatch):
+    # a fresh user's `max-batch --budget-from-batch 100000 --image-size 128` ran 50 s at 20 GB before failing
+    from memfit.bench import maxbatch
+    from memfit.cli import main
+
+    def measured(*args, **kwargs):
+        raise AssertionError("plain PyTorch was measured")
+
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(maxbatch, "plain_peak_bytes", measured)
+    assert main(["max-batch", "--model", "resnet18", "--image-size", "64", "--budget-from-batch", "64"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Lower --budget-from-batch or --image-size" in err, err

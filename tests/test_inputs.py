@@ -202,6 +202,19 @@ def test_an_argument_left_at_none_is_traced_as_none(cls):
         planned(x, mask=torch.ones(8, 16))
 
 
+def test_an_argument_planned_with_a_value_and_called_none_is_refused_before_it_runs():
+    # a fresh user's `is_causal=mask is None`, planned with a mask and called without: the graph ran with the None
+    # and unmasked attention (gradients 2.2e-3 off), with warnings that said results were correct
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = CausalUnlessMasked().train()
+    mask = torch.zeros(2, 4, 4, 4)
+    planned = memfit.optimize(model, (x, mask), "100%")
+    for call in ((x,), (x, None)):
+        with pytest.raises(TypeError, match=r"called with 'mask' None .*plan with mask left out too"):
+            planned(*call)
+
+
 def test_left_out_arguments_get_a_clear_error():
     x = torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"also needs 'y' \(no default value\)"):
@@ -269,14 +282,16 @@ def test_leaving_out_an_argument_the_plan_was_made_with_says_which():
     # a fresh user's nanoGPT loop: planned with (idx, targets), called planned(idx): AttributeError from inside
     x, mask = torch.randn(8, 16), torch.ones(8, 16)
     planned = memfit.optimize(Masked().train(), (x, mask))
-    with pytest.raises(TypeError, match=r"fewer tensors than the plan was made with \(1 instead of 2\): 'mask' is None"):
+    # (refused before it runs: a traced `is_causal=mask is None` ran with the None, silently wrong)
+    with pytest.raises(TypeError, match=r"called with 'mask' None \(left out, or passed as None\), but the plan was "
+                                        r"made with a value for it"):
         planned(x)
     # also given as None, by position or keyword (a fresh user's: a raw "'NoneType' object is not subscriptable")
     for call in ((x, None), (x,)):
         for kwargs in ({}, {"mask": None}):
             if len(call) == 2 and kwargs:
                 continue
-            with pytest.raises(TypeError, match=r"'mask' is None \(left out, or passed as None\)"):
+            with pytest.raises(TypeError, match=r"'mask' None \(left out, or passed as None\)"):
                 planned(*call, **kwargs)
     planned(x, mask).sum().backward()  # and it still works as planned
 

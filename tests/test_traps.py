@@ -2099,6 +2099,16 @@ def test_a_type_test_on_an_argument_that_fx_takes_the_other_way_is_refused():
         memfit.optimize(model, (torch.randn(4, 8), torch.tensor(3.0)), "100%")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
+    class Weighted(Scaled):
+        def forward(self, x, scale):
+            if isinstance(scale, torch.Tensor):  # per-group weights
+                return self.l(x) * scale.mean()
+            return self.l(x) * scale
+
+    # where the other branch fails on the inputs, that is named too (it was "this is a memfit bug")
+    with pytest.raises(memfit.TraceError, match=r"fails on the example inputs, where the model runs.*isinstance"):
+        memfit.optimize(Weighted().train(), (torch.randn(4, 8), torch.randn(2)), "100%")
+
 
 def test_a_python_counter_forward_updates_is_refused_and_left_as_it_was():
     # a fresh user's warm-up ramp, `self.it += 1; alpha = min(1.0, self.it / 4)`: fx ran the update once, while

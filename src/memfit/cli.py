@@ -367,6 +367,8 @@ def cmd_max_batch(args) -> int:
                              "peak at batch N)")
         budget_bytes = budget.nbytes
     else:
+        if args.device == "cpu":  # (a fresh user's --budget-from-batch 100000 ran 50 s at 20 GB before failing)
+            _check_host_memory(args, args.budget_from_batch, size, "--budget-from-batch or --image-size")
         with console.status(f"measuring plain PyTorch at batch {args.budget_from_batch} ..."):
             budget_bytes = plain_peak_bytes(args.model, args.budget_from_batch, size, args.device, args.seed,
                                             grads_exist=args.grads_exist)
@@ -598,21 +600,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _check_host_memory(args) -> None:
+def _check_host_memory(args, batch: int | None = None, size: int | None = None,
+                       lower: str = "--batch or --image-size") -> None:
     """On the CPU, refuse a batch whose forward outputs alone are more than this machine's available memory
-    (:mod:`memfit.profile.host`): the kernel would kill the process without a message."""
-    if getattr(args, "device", "cpu") != "cpu" or not hasattr(args, "batch") or not hasattr(args, "model"):
+    (:mod:`memfit.profile.host`): the kernel would kill the process without a message. ``batch`` and ``size``:
+    those of the command's ``--batch`` and ``--image-size`` unless given; ``lower``: the flags the message names."""
+    if getattr(args, "device", "cpu") != "cpu" or not hasattr(args, "model") or (
+            batch is None and not hasattr(args, "batch")):
         return
     import torch
 
     from memfit import zoo
     from memfit.profile.host import check_fits_host
 
-    batch, size = (args.batch or 32, args.image_size or 32) if args.command == "train" else _sizes(args)
+    if batch is None:
+        batch, size = (args.batch or 32, args.image_size or 32) if args.command == "train" else _sizes(args)
     images = torch.empty(batch, 3, size, size, device="meta")  # (zoo.example_batch's shape)
     with torch.device("meta"):  # (shapes only: VGG-16's 0.5 GB of weights are not initialised for this)
         model = zoo.build_model(args.model)
-    check_fits_host(model, (images,), "--batch or --image-size")
+    check_fits_host(model, (images,), lower)
 
 
 def _out_of_memory(exc: BaseException, args) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import io
 import itertools
 import os
 import re
@@ -797,11 +798,23 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
         return model(*inputs[:len(positional)], **dict(zip(keyword, inputs[len(positional):])))
 
     try:
-        first, again, traced = run(eager), run(eager), run(gm)
-    except Exception:  # noqa: BLE001 -- (the profile runs it again and reports what fails)
+        with contextlib.redirect_stderr(io.StringIO()):  # (a failing GraphModule prints its code)
+            traced = run(gm)
+    except Exception as exc:  # noqa: BLE001 -- (where the model runs, a branch fx took is the cause)
+        traced, failure = None, exc
+    try:
+        first = run(eager)
+    except Exception:  # noqa: BLE001 -- (the model itself fails on them: the profile reports it)
         return
-    if not _same_outputs(first, again):
-        return
+    if traced is None:
+        raise TraceError(f"the graph torch.fx traced from {type(model).__name__} fails on the example inputs, where the "
+                         f"model runs ({type(failure).__name__}: {str(failure)[:300]}): {_BRANCH_ADVICE}") from failure
+    if not _same_outputs(first, traced):
+        try:  # (a model that gives two outputs for one seed, a generator of its own: inconclusive)
+            if not _same_outputs(first, run(eager)):
+                return
+        except Exception:  # noqa: BLE001
+            return
     if len(traced) != len(first):
         raise TraceError(f"the graph torch.fx traced from {type(model).__name__} returns {len(traced)} tensors where the "
                          f"model returns {len(first)} on the example inputs: {_BRANCH_ADVICE}")

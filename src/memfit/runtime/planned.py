@@ -880,7 +880,21 @@ class PlannedModule(nn.Module):
                                      "pass each, by position or by keyword (the forward takes ")
                             .replace("pass a tuple of the forward's positional inputs, in order",
                                      "pass only the forward's arguments")) from None
-        set_now = [name for name in self.__dict__["_captured"].none_args if env.get(name) is not None]
+        # an argument given at planning and None now (left out, or passed as None): the traced forward took the
+        # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
+        # `is_causal=mask is None` ran unmasked attention, gradients 2.2e-3 off, with warnings saying results were
+        # correct); refused before it runs
+        none_args = self.__dict__["_captured"].none_args
+        unset_now = [name for name in self._placeholders if name in env and env[name] is None
+                     and name not in none_args and not str(name).startswith("*")]
+        if unset_now:
+            name = next(str(n.target) for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == unset_now[0])
+            raise TypeError(
+                f"the planned module was called with {name!r} None (left out, or passed as None), but the plan was "
+                f"made with a value for it, and torch.fx recorded the path that value took (a test such as "
+                f"`{name} is None` ran once, while tracing): pass it as at planning time, or plan with {name} left "
+                f"out too and keep a planned module for each case")
+        set_now = [name for name in none_args if env.get(name) is not None]
         if set_now:  # (the graph was traced with it None: it would go unread, silently)
             raise TypeError(f"the planned module was called with {set_now[0]!r} set, but it was planned with "
                             f"{set_now[0]}=None (left out or None in example_inputs), and its forward was traced "
