@@ -2110,6 +2110,42 @@ def test_a_type_test_on_an_argument_that_fx_takes_the_other_way_is_refused():
         memfit.optimize(Weighted().train(), (torch.randn(4, 8), torch.randn(2)), "100%")
 
 
+_STEP = 0
+
+
+class _GlobalCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        global _STEP
+        _STEP += 1
+        return self.l(x) * min(1.0, _STEP / 4)
+
+
+class _DictCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.stats = nn.Linear(8, 8), {"it": 0}
+
+    def forward(self, x):
+        self.stats["it"] += 1
+        return self.l(x) * min(1.0, self.stats["it"] / 4)
+
+
+def test_a_counter_in_a_global_or_a_dict_is_refused_and_left_as_it_was():
+    # fresh users: a global step counter froze at its trace-time value (silently); one kept in a dict moved at each
+    # planning and was refused at every first training step ("plan again")
+    with pytest.raises(memfit.TraceError, match=r"updates the global _STEP \(.*\), a Python number"):
+        memfit.optimize(_GlobalCounter().train(), torch.randn(4, 8), "100%")
+    assert _STEP == 0
+    model = _DictCounter().train()
+    with pytest.raises(memfit.TraceError, match=r"updates self.stats\['it'\], a Python number"):
+        memfit.optimize(model, torch.randn(4, 8), "100%")
+    assert model.stats == {"it": 0}
+
+
 def test_a_python_counter_forward_updates_is_refused_and_left_as_it_was():
     # a fresh user's warm-up ramp, `self.it += 1; alpha = min(1.0, self.it / 4)`: fx ran the update once, while
     # tracing, so the planned step kept the first step's ramp (gradients 3.09 off by the fourth step, silently), and

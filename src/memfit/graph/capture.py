@@ -858,6 +858,41 @@ def _same_outputs(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return True
 
 
+def _python_numbers(model: nn.Module) -> list[tuple[str, dict, str, Any]]:
+    """``(label, container, key, value)`` for the plain numbers forward could keep count in outside the module's own
+    attributes: the entries of a dict attribute of a module (``self.stats["it"]``), and the module-level numbers of
+    the files that define the model's classes (``global STEP``)."""
+    found = []
+    for path, m in model.named_modules():
+        for name, value in vars(m).items():
+            if not name.startswith("_") and isinstance(value, dict):
+                found += [(f"self{'.' + path if path else ''}.{name}[{k!r}]", value, k, v) for k, v in value.items()
+                          if type(v) in (int, float)]
+    files = {type(m).__module__ for m in model.modules()} - {None}
+    for file in sorted(f for f in files if not f.startswith(("torch.", "torchvision.")) and f in sys.modules):
+        space = vars(sys.modules[file])
+        found += [(f"the global {k} ({file})", space, k, v) for k, v in list(space.items())
+                  if type(v) in (int, float) and not k.startswith("__")]
+    return found
+
+
+def _refuse_changed_numbers(model: nn.Module, numbers: list[tuple[str, dict, str, Any]]) -> None:
+    """Refuse a forward that changed a number of :func:`_python_numbers` while tracing (put back first): fx ran the
+    update once, and the planned step would keep its value (a fresh user's global step counter froze, silently; one
+    kept in a dict moved at each planning and was refused at the first step, again after planning again)."""
+    changed = [(label, box, key, old) for label, box, key, old in numbers if box.get(key, old) != old]
+    for _, box, key, old in changed:
+        box[key] = old
+    if changed:
+        label = changed[0][0]
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} updates {label}, a Python number: torch.fx runs that once, "
+            "while tracing, and the planned step would keep the value it had then, at every step. Keep the count in "
+            "a buffer updated in place (`self.register_buffer('step', torch.zeros((), dtype=torch.long))` in "
+            "__init__, `self.step.add_(1)` in forward), or update it in your training loop. Your model is as it "
+            "was.")
+
+
 def _refuse_scripted(model: nn.Module) -> None:
     """Refuse TorchScript modules (``torch.jit.script`` / ``torch.jit.trace``), before anything runs: torch.fx
     cannot see into them, and a fresh user's scripted Conv-BatchNorm-ReLU block was planned, had its BatchNorm
@@ -904,6 +939,7 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
             flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
     _refuse_scripted(model)
+    numbers = _python_numbers(model)
     checkpoints: list[str] = []
     draws: list[str] = []
     real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
@@ -978,6 +1014,7 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
             "always taken or always skipped, the same noise).\n"
             + (f"  failing line: {where}\n" if where else "")
             + "  " + _DRAW_ADVICE + " Your model and random generators are as they were.")
+    _refuse_changed_numbers(model, numbers)
     # a number forward reads and assigns (`self.it += 1`, a warm-up counter): fx ran that once, while tracing, and the
     # graph holds the value it had then (a fresh user's ramp stayed at its first step, gradients 3.09 off, silently)
     paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
