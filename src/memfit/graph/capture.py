@@ -767,6 +767,12 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
     modules = list({id(m): m for m in model.modules()}.values())
     tables = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")})
               for m in modules]
+    # the model's own torch.Generators (`torch.randn(shape, generator=self.gen)`), which fork_rng does not cover
+    found = [v for m in [*modules, gm] for v in vars(m).values() if isinstance(v, torch.Generator)]
+    for node in gm.graph.nodes:
+        fx.node.map_aggregate((node.args, node.kwargs),
+                              lambda v: found.append(v) if isinstance(v, torch.Generator) else None)
+    generators = [(g, g.get_state()) for g in {id(g): g for g in found}.values()]
 
     def run(fn) -> list[torch.Tensor]:
         try:
@@ -777,6 +783,8 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
+            for g, state in generators:
+                g.set_state(state)
             for m, attrs, inner in tables:
                 for key, saved in inner.items():
                     vars(m)[key].clear()
