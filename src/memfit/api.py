@@ -916,6 +916,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
         captured = capture(model, none_arguments(model, given))
+        check_traced_outputs(model, captured.gm, lambda: _private_copy(given))
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head
         # frozen was applied to a loop training it, 1.79x its budget)
