@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,6 +20,8 @@ from memfit.graph.bn_output import (
 from memfit.graph.calls import (
     bind_inputs,
     check_var_positional,
+    forward_params,
+    in_traced_order,
     input_values,
     map_tensors,
     node_inputs,
@@ -230,13 +231,8 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
         raise ValueError("example_inputs is an empty dict: give the forward's inputs (a tensor, a tuple in order, or "
                          "a dict of them by the forward's argument names)")
     if isinstance(example_inputs, dict) and model is not None:
-        try:
-            params = list(inspect.signature(model.forward).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        # (torch.fx's traced forward takes keyword-only arguments by position, after the others: bound by name here)
-        named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] + [
-            p for p in params if p.kind == p.KEYWORD_ONLY]
+        params = forward_params(model)
+        named = in_traced_order(params)
         names = [p.name for p in named]
         keys = [k for k in example_inputs if isinstance(k, str)]
         if all(isinstance(k, str) and k in names for k in example_inputs):
@@ -282,13 +278,7 @@ def none_arguments(model: nn.Module, inputs: tuple) -> tuple[str, ...]:
     """The names of ``model``'s forward arguments that are ``None`` for the positional ``inputs``: passed as ``None``,
     or left out with the default ``None`` (``def forward(self, ids, mask=None)`` called with ``ids`` alone). They
     are traced as ``None`` (:func:`memfit.graph.capture.capture`)."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return ()
-    # (keyword-only ones after the others, as fx's traced forward takes them and _as_tuple binds them)
-    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] + [
-        p for p in params if p.kind == p.KEYWORD_ONLY]
+    named = in_traced_order(forward_params(model))
     return tuple(p.name for k, p in enumerate(named)
                  if (inputs[k] if k < len(inputs) else p.default) is None)
 

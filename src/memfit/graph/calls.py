@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,21 @@ def _constant_text(value) -> str:
 
 def _dataclass_value(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def forward_params(model) -> list[inspect.Parameter]:
+    """The parameters of ``model.forward`` (none where its signature cannot be read)."""
+    try:
+        return list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def in_traced_order(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    """The forward's named parameters in the order torch.fx's traced forward takes them: positional ones, then the
+    keyword-only ones (bound by name from a dict of example inputs)."""
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] + [
+        p for p in params if p.kind == p.KEYWORD_ONLY]
 
 
 def tensors_in(value) -> list:

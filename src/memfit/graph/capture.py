@@ -33,7 +33,7 @@ from memfit.graph.augmented import (
     writes_into,
     written_constants,
 )
-from memfit.graph.calls import dataclass_builder, dataclass_parts, tensors_in
+from memfit.graph.calls import dataclass_builder, dataclass_parts, forward_params, in_traced_order, tensors_in
 from memfit.graph.ir import Graph, Node
 from memfit.warn import warn_user
 
@@ -756,10 +756,8 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
     Raises:
         TraceError: the outputs differ (the message gives the first that does and by how much).
     """
-    params = {id(p) for p in model.parameters()}
     written = [n for n in gm.graph.nodes if n.op == "get_attr" and any(writes_into(u) for u in n.users)]
-    if any(id(getattr(gm, str(n.target).split(".")[0], None)) in params or _is_param(gm, str(n.target))
-           for n in written):
+    if any(_is_param(gm, str(n.target)) for n in written):
         return
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # (all it seeds)
@@ -793,12 +791,9 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
                     del vars(m)[key]
                 vars(m).update({k: v for k, v in attrs.items() if k not in inner})
 
-    try:
-        kinds = [(p.name, p.kind) for p in inspect.signature(model.forward).parameters.values()]
-    except (TypeError, ValueError):
-        kinds = []
-    positional = [n for n, k in kinds if k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    keyword = [n for n, k in kinds if k == inspect.Parameter.KEYWORD_ONLY]
+    named = in_traced_order(forward_params(model))
+    positional = [p.name for p in named if p.kind != p.KEYWORD_ONLY]
+    keyword = [p.name for p in named if p.kind == p.KEYWORD_ONLY]
 
     def eager(*inputs):
         if not keyword or len(inputs) <= len(positional):
