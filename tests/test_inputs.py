@@ -938,6 +938,91 @@ def test_an_argument_left_out_before_a_later_key_is_traced_as_its_none():
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+class _Flags(nn.Module):
+    """Hugging Face style settings: forward arguments with plain Python defaults, tested in Python (a flag, a
+    string, a loop count) or used as a number (``scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.h1, self.h2 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, labels=None, output_hidden_states: bool = False, head="h1", depth=1, scale=1.0):
+        h = F.relu(self.a(x))
+        for _ in range(depth):
+            h = F.relu(self.b(h))
+        h = h * scale
+        out = {"logits": self.h1(h) if head == "h1" else self.h2(h)}
+        if output_hidden_states:
+            out["hidden"] = h
+        if labels is not None:
+            out["loss"] = F.cross_entropy(out["logits"], labels)
+        return out
+
+
+def _flags_loss(out):
+    return out["loss"] + (out["hidden"].square().mean() if "hidden" in out else 0)
+
+
+@pytest.mark.parametrize("settings", [{}, {"output_hidden_states": True, "head": "h2", "depth": 3, "scale": 0.5}])
+def test_flags_strings_and_loop_counts_among_the_arguments_are_traced_at_their_values(settings):
+    # a fresh user's Hugging Face style `model(**batch)` with `output_hidden_states: bool = False` left out was
+    # refused (fx traced the flag as a graph input, and `if output_hidden_states:` cannot be traced on one)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    batch = {"x": x, "labels": y, **settings}
+    model = _Flags().train()
+    plain = fresh_copy(model)
+    _flags_loss(plain(**batch)).backward()
+    planned = memfit.optimize(model, batch, "min", loss_fn=_flags_loss, time_limit=2)
+    out = planned(**batch)
+    assert sorted(out) == sorted(plain(**batch))
+    _flags_loss(out).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+    flag = settings.get("output_hidden_states", False)
+    with pytest.raises(TypeError, match=rf"called with output_hidden_states={not flag}, but it was planned with "
+                                        rf"output_hidden_states={flag} .*traced for that value"):
+        planned(**{**batch, "output_hidden_states": not flag})
+    with pytest.raises(TypeError, match=r"called with head='h3', but it was planned with head="):
+        planned(**{**batch, "head": "h3"})
+    with pytest.raises(TypeError, match=r"called with depth=2, but it was planned with depth="):
+        planned(**{**batch, "depth": 2})  # (`range(depth)`: traced at its value)
+    with pytest.raises(TypeError, match=rf"called with output_hidden_states={int(flag)}, but it was planned with "):
+        planned(**{**batch, "output_hidden_states": int(flag)})  # (`flag is True` tells them apart)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"other values of the forward's arguments: scale=2\.0"):
+        out = planned(**{**batch, "scale": 2.0})  # a number used as one stays a graph input
+    _flags_loss(out).backward()
+    plain.zero_grad(set_to_none=True)
+    _flags_loss(plain(**{**batch, "scale": 2.0})).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert p.grad is None or torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_arguments_traced_at_their_values_keep_their_names():
+    # fx names the placeholder of an argument traced at its value `mask_1` (and that of an argument `mask_1`,
+    # `mask_1_1`): each is named as its argument again, so that a call binds and checks the right one
+    class TwoMasks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(16, 16)
+
+        def forward(self, x, mask=None, mask_1=None):
+            h = self.l(x)
+            if mask is not None:
+                h = h * mask
+            return h if mask_1 is None else h + mask_1
+
+    x = torch.randn(4, 16)
+    model = TwoMasks().train()
+    planned = memfit.optimize(model, {"x": x, "mask_1": None}, "100%")
+    planned(x).sum().backward()
+    for name in ("mask", "mask_1"):
+        with pytest.raises(TypeError, match=rf"called with '{name}' set, but it was planned with {name}=None"):
+            planned(x, **{name: torch.ones(4, 16)})
+
+
 class _DictOut(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1384,21 +1384,22 @@ def test_buffers_replaced_after_planning_are_the_ones_the_step_reads(change):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-def test_control_flow_on_a_flag_argument_is_explained_and_a_wrapper_plans():
+def test_control_flow_on_a_tuple_of_settings_is_explained_and_a_wrapper_plans():
     """Found by a fresh user: ``forward(x, head="h1", extra=False)`` with ``if extra:`` was refused with advice
-    about control flow on tensor values. The message now names the argument and the way out, which plans and
+    about control flow on tensor values. Flags and strings are now traced as their values (``tests/test_inputs.py``);
+    a tuple of settings is still a graph input, and the message names the argument and the way out, which plans and
     trains as PyTorch does."""
 
-    class Flags(nn.Module):
+    class Settings(nn.Module):
         def __init__(self):
             super().__init__()
             self.a, self.h1, self.h2 = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
 
-        def forward(self, x, head="h1", extra=False):
+        def forward(self, x, heads=("h1",)):
             h = F.relu(self.a(x))
-            if extra:
+            if heads:
                 h = h * 2
-            return self.h1(h) if head == "h1" else self.h2(h)
+            return self.h1(h)
 
     class Fixed(nn.Module):
         def __init__(self, m):
@@ -1406,17 +1407,18 @@ def test_control_flow_on_a_flag_argument_is_explained_and_a_wrapper_plans():
             self.m = m
 
         def forward(self, x):
-            return self.m(x, head="h2", extra=True)
+            return self.m(x, heads=())
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with pytest.raises(memfit.TraceError, match=r"`extra` is an argument of forward.*wrapper module.*extra=\.\.\."):
-        memfit.optimize(Flags().train(), x)
-    model = Flags().train()
+    with pytest.raises(memfit.TraceError, match=r"`heads` is an argument of forward.*not a tuple.*wrapper module.*"
+                                                r"heads=\.\.\."):
+        memfit.optimize(Settings().train(), x)
+    model = Settings().train()
     ref = fresh_copy(model)
     planned = memfit.optimize(Fixed(model), x, budget="min")
     F.cross_entropy(planned(x), y).backward()
-    F.cross_entropy(ref(x, head="h2", extra=True), y).backward()
+    F.cross_entropy(ref(x, heads=()), y).backward()
     _same({k: p.grad for k, p in ref.named_parameters() if p.grad is not None},
           {k.removeprefix("m."): p.grad for k, p in planned.model.named_parameters() if p.grad is not None}, tol=0)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from memfit.graph.calls import (
     map_tensors,
     node_inputs,
     node_ops,
+    plain_scalar,
     tensors_in,
 )
 from memfit.graph.capture import Captured, capture, check_traced_outputs
@@ -274,13 +277,15 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     return (example_inputs,)
 
 
-def none_arguments(model: nn.Module, inputs: tuple) -> tuple[str, ...]:
-    """The names of ``model``'s forward arguments that are ``None`` for the positional ``inputs``: passed as ``None``,
-    or left out with the default ``None`` (``def forward(self, ids, mask=None)`` called with ``ids`` alone). They
-    are traced as ``None`` (:func:`memfit.graph.capture.capture`)."""
+def plain_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
+    """``model``'s forward arguments that are one plain Python value (:func:`memfit.graph.calls.plain_scalar`: ``None``,
+    a flag, a number, a string) for the positional ``inputs``, passed or left out at their default
+    (``def forward(self, ids, mask=None, output_hidden_states: bool = False)`` called with ``ids`` alone), by name.
+    :func:`memfit.graph.capture.capture` traces ``None``, flags and strings as these values, and numbers where the
+    forward's Python code needs them (``for _ in range(steps)``)."""
     named = in_traced_order(forward_params(model))
-    return tuple(p.name for k, p in enumerate(named)
-                 if (inputs[k] if k < len(inputs) else p.default) is None)
+    values = {p.name: inputs[k] if k < len(inputs) else p.default for k, p in enumerate(named)}
+    return {name: v for name, v in values.items() if v is not inspect.Parameter.empty and plain_scalar(v)}
 
 
 def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_dir: str | None) -> HostStore | None:
@@ -473,7 +478,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
     if _captured is None:
-        captured = capture(model, none_arguments(model, given))
+        captured = capture(model, plain_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(inputs))
     else:
         captured = _captured
@@ -905,7 +910,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if not any(p.requires_grad for p in model.parameters()) and not any(
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
-        captured = capture(model, none_arguments(model, given))
+        captured = capture(model, plain_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(given))
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head

@@ -316,10 +316,20 @@ def input_values(placeholders: list[fx.Node], env: dict[str, Any]) -> dict[str, 
     graph inputs, so a call with another value runs the same graph with, say, another ``scale_factor``, and other
     activation sizes."""
     def plain(v) -> bool:
-        return v is None or isinstance(v, (bool, int, float, str)) or (
-            isinstance(v, (tuple, list)) and all(plain(x) for x in v))
+        return plain_scalar(v) or (isinstance(v, (tuple, list)) and all(plain(x) for x in v))
 
     return {str(n.target): repr(env[n.name]) for n in placeholders if n.name in env and plain(env[n.name])}
+
+
+def plain_scalar(value) -> bool:
+    """``value`` is one plain Python value: ``None``, a boolean, a number or a string (a flag, a mode, a scale)."""
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def same_fixed_value(planned, now) -> bool:
+    """``now`` is the value ``planned`` that a forward's argument was traced for (:func:`memfit.graph.capture.capture`
+    fixes such arguments): the same type and equal (``1`` is not ``True``: ``flag is True`` tells them apart)."""
+    return now is planned or (type(now) is type(planned) and now == planned)
 
 
 def bind_inputs(gm: fx.GraphModule, inputs: tuple, call: bool = False) -> dict[str, Any]:

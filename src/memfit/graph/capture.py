@@ -8,6 +8,7 @@ import functools
 import inspect
 import io
 import itertools
+import operator
 import os
 import re
 import sys
@@ -60,15 +61,15 @@ class Captured:
     its plain-data :class:`Graph`, the model itself, and the plain Python attributes its forward pass read
     while tracing (``{module path: {attribute: value}}``, :mod:`memfit.graph.attributes`): the graph holds
     their values as constants. ``called``: ``(code, globals)`` of the user's Python functions that ran while
-    tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read). ``none_args``: the
-    forward's arguments traced as ``None`` (:func:`capture`): the graph holds for that value only."""
+    tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read). ``fixed_args``: the
+    forward's arguments traced as a value (``None``, a flag: :func:`capture`), by name: the graph holds for it only."""
 
     gm: fx.GraphModule
     graph: Graph
     model: nn.Module | None = None
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
     called: list = field(default_factory=list)
-    none_args: tuple[str, ...] = ()
+    fixed_args: dict[str, Any] = field(default_factory=dict)
 
 
 def _in_torch(filename: str) -> bool:
@@ -431,8 +432,9 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         names = ", ".join(f"`{a}`" for a in arguments)
         a = arguments[0]
         return (f"  {names} {'are arguments' if len(arguments) > 1 else 'is an argument'} of forward, which torch.fx "
-                "traces as graph inputs even when they are Python values (a flag, a string), so Python control flow "
-                f"on {'them' if len(arguments) > 1 else 'it'} cannot be traced. Fix the value for planning: plan a "
+                "traces as graph inputs (memfit traces None, a flag, a number or a string as its value, but not a "
+                "tuple, a list, a dict or another object of settings), so Python control flow on "
+                f"{'them' if len(arguments) > 1 else 'it'} cannot be traced. Fix the value for planning: plan a "
                 "wrapper module that passes it (`class Fixed(nn.Module): def __init__(self, m): super().__init__(); "
                 f"self.m = m` and `def forward(self, x): return self.m(x, {a}=...)`), or make it an attribute of "
                 f"the model (`self.{a} = ...` read in forward), which memfit then watches: changing it after "
@@ -640,44 +642,76 @@ def _check_names(model: nn.Module, graph: fx.Graph) -> None:
             "Your model is as it was.")
 
 
-def _as_traced_none(graph: fx.Graph, none_args: tuple[str, ...]) -> fx.Graph:
-    """``graph``, traced with ``concrete_args`` setting ``none_args`` to ``None``, with each such argument's
-    placeholder named as the argument again (fx names it ``mask_1``) and fx's ``_assert_is_none`` checks removed
-    (:class:`memfit.runtime.planned.PlannedModule` refuses another value itself, with a message)."""
-    for node in list(graph.nodes):
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none" and not node.users:
+def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -> fx.Graph:
+    """``graph``, traced with ``concrete_args`` setting the forward's arguments ``fixed`` to their values, with fx's
+    checks of those values removed (``_assert_is_none``, and ``torch._assert`` of an ``==``: they fail as bare
+    assertions; :class:`memfit.runtime.planned.PlannedModule` refuses another value itself, with a message) and
+    each such argument's placeholder named as the argument again (fx names it ``mask_1``). ``names``: the forward's
+    arguments in traced order (:func:`memfit.graph.calls.in_traced_order`), one placeholder each."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    renamed = {node: name for node, name in zip(placeholders, names) if name in fixed and str(node.target) != name}
+    checked = set(renamed) | {n for n, name in zip(placeholders, names) if name in fixed}
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        if getattr(node.target, "__name__", "") == "_assert_is_none" and node.args and node.args[0] in checked:
             graph.erase_node(node)
-    for node in graph.nodes:
-        if node.op == "placeholder" and re.fullmatch(r".+_1", str(node.target)) and str(node.target)[:-2] in none_args:
-            node.target = node.name = str(node.target)[:-2]
+        elif (node.target is torch._assert and node.args and isinstance(eq := node.args[0], fx.Node)
+              and eq.target is operator.eq and eq.args and eq.args[0] in checked):
+            graph.erase_node(node)
+            if not eq.users:
+                graph.erase_node(eq)
+    for node, name in renamed.items():
+        node.target = node.name = name
     graph.lint()
     return graph
 
 
-def _trace(model: nn.Module, none_args: tuple[str, ...] = ()) -> fx.GraphModule:
-    """:func:`_trace_graph`, leaving ``model`` as it was. ``torch.fx`` stores each tensor constant the forward makes
+def _trace(model: nn.Module, plain_args: dict[str, Any] | None = None) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """:func:`_trace_graph`, leaving ``model`` as it was, and the forward's arguments the graph was traced for by value
+    (``{name: value}``). Of ``plain_args`` (arguments that are one plain Python value in the step), ``None``, flags and
+    strings are traced as their values (``if mask is not None:``, ``if output_hidden_states:``, ``if mode ==
+    "train":``); a number is a graph input (``h * scale`` runs with the scale of each call) unless the trace fails on a
+    line reading it (``for _ in range(steps)``, ``if depth > 2:``), which is then traced again with it fixed.
+
+    ``torch.fx`` stores each tensor constant the forward makes
     (``torch.arange(16)``, ``torch.ones(16, 16)``) as an attribute ``_tensor_constant<i>`` of the module it traces,
     numbered from the first free name; the ``GraphModule`` holds copies of its own. Left on the model, they
     made a second trace number its constants on, so a plan made in the same process no longer matched the graph's
     node names (a fresh user's causal mask: ``memfit.optimize(m, ids, plan_=...)`` refused its own plan)."""
+    plain_args = dict(plain_args or {})
+    fixed = {name: v for name, v in plain_args.items() if v is None or isinstance(v, (bool, str))}
+    names = [p.name for p in in_traced_order(forward_params(model))]
     before = set(vars(model))
+    state = state_of(model)
     try:
-        return _trace_graph(model, none_args)
+        while True:
+            try:
+                return _trace_graph(model, fixed, names), fixed
+            except (_GradModeChange, _ReentrantCheckpoint, _StateWrite):
+                raise
+            except Exception as exc:
+                needed = {name: v for name, v in plain_args.items() if name not in fixed and name in _arguments_in_control_flow(exc)}
+                if not needed:
+                    raise
+                fixed.update(needed)
+                put_back_updated_state(state, everything=True)  # (what the failed attempt assigned: it traces again)
     finally:
         for name in set(vars(model)) - before:
             if _TENSOR_CONSTANT.fullmatch(name):
                 delattr(model, name)
 
 
-def _trace_graph(model: nn.Module, none_args: tuple[str, ...] = ()) -> fx.GraphModule:
+def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter.
-    The arguments ``none_args`` are traced as ``None`` (:func:`capture`)."""
+    The arguments ``fixed`` are traced as their values (:func:`_trace`); ``names``: the forward's, in traced order."""
     tracer = _BufferTracer()
     state_before = state_of(model)
-    concrete = {name: None for name in none_args} or None
+    fixed, names = fixed or {}, names or []
+    concrete = dict(fixed) or None
     try:
-        graph = _as_traced_none(tracer.trace(model, concrete_args=concrete), none_args)
+        graph = _as_traced_fixed(tracer.trace(model, concrete_args=concrete), fixed, names)
     except _GradModeChange:
         raise
     except Exception as exc:
@@ -690,7 +724,7 @@ def _trace_graph(model: nn.Module, none_args: tuple[str, ...] = ()) -> fx.GraphM
         plain = _Tracer()
         put_back_updated_state(state_before, everything=True)  # (what the failed attempt assigned: it traces again)
         try:
-            graph = _as_traced_none(plain.trace(model, concrete_args=concrete), none_args)  # (raises when the
+            graph = _as_traced_fixed(plain.trace(model, concrete_args=concrete), fixed, names)  # (raises when the
             # model does not trace at all)
         except Exception as again:
             # report the attempt that got further into forward: a plain Python error after a line that traces
@@ -915,7 +949,7 @@ def _refuse_scripted(model: nn.Module) -> None:
             "passed to torch.jit.script), and train the planned module as it is.")
 
 
-def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
+def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
     Reads of the model's own buffers are graph values (``get_attr`` nodes), so an in-place update of a
@@ -923,10 +957,13 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
 
     Args:
         model: any ``nn.Module`` whose forward has no data-dependent Python control flow.
-        none_args: names of the forward's arguments that are ``None`` in the step (left out at their default
-            ``None``, or passed as ``None``): traced as ``None`` (fx's ``concrete_args``). Traced as graph inputs,
-            ``mask is None`` was ``False`` and ``if mask is None:`` took the other branch: a fresh user's causal
-            attention (`is_causal=mask is None`) ran unmasked, its gradients off by 1.5e-3, silently.
+        plain_args: the forward's arguments that are one plain Python value in the step (``None``, a flag, a
+            number, a string; passed, or left out at their default), by name. ``None``, flags and strings are
+            traced as their values (fx's ``concrete_args``), numbers where the trace fails on a line reading them
+            (:func:`_trace`); :attr:`Captured.fixed_args` says which. Traced as graph inputs, ``mask is None`` was
+            ``False`` and ``if mask is None:`` took the other branch (a fresh user's causal attention,
+            ``is_causal=mask is None``, ran unmasked, its gradients off by 1.5e-3, silently), and ``if
+            output_hidden_states:`` (Hugging Face's flags) could not be traced at all.
 
     Returns:
         :class:`Captured`: the fx ``GraphModule`` (its submodules are the model's own objects, so
@@ -952,7 +989,7 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
     try:
         with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
               _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
-            gm = _trace(model, tuple(none_args))
+            gm, fixed = _trace(model, plain_args)
     except _ReentrantCheckpoint:
         raise TraceError(
             f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
@@ -1070,7 +1107,7 @@ def capture(model: nn.Module, none_args: tuple[str, ...] = ()) -> Captured:
             node.meta["memfit_kind"] = kinds[str(node.target).lstrip("*")]
     _warn_opaque(gm)
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
-                    called=list(called.items()), none_args=tuple(none_args))
+                    called=list(called.items()), fixed_args=fixed)
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

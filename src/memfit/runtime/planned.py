@@ -47,6 +47,7 @@ from memfit.graph.calls import (
     node_inputs,
     node_ops,
     positional_inputs,
+    same_fixed_value,
     tensors_in,
 )
 from memfit.graph.capture import Captured
@@ -460,7 +461,7 @@ class PlannedModule(nn.Module):
         dropped = _drop_lost_inplace_forms(gm, plan)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
                                      attributes=copy.deepcopy(captured.attributes, memo), called=captured.called,
-                                     none_args=captured.none_args),
+                                     fixed_args=captured.fixed_args),
                             plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -884,9 +885,9 @@ class PlannedModule(nn.Module):
         # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
         # `is_causal=mask is None` ran unmasked attention, gradients 2.2e-3 off, with warnings saying results were
         # correct); refused before it runs
-        none_args = self.__dict__["_captured"].none_args
+        fixed = self.__dict__["_captured"].fixed_args
         unset_now = [name for name in self._placeholders if name in env and env[name] is None
-                     and name not in none_args and not str(name).startswith("*")]
+                     and name not in fixed and not str(name).startswith("*")]
         if unset_now:
             name = next(str(n.target) for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == unset_now[0])
             raise TypeError(
@@ -894,12 +895,20 @@ class PlannedModule(nn.Module):
                 f"made with a value for it, and torch.fx recorded the path that value took (a test such as "
                 f"`{name} is None` ran once, while tracing): pass it as at planning time, or plan with {name} left "
                 f"out too and keep a planned module for each case")
-        set_now = [name for name in none_args if env.get(name) is not None]
-        if set_now:  # (the graph was traced with it None: it would go unread, silently)
-            raise TypeError(f"the planned module was called with {set_now[0]!r} set, but it was planned with "
-                            f"{set_now[0]}=None (left out or None in example_inputs), and its forward was traced "
-                            f"for None (`{set_now[0]} is None` true): plan with a {set_now[0]} in example_inputs, or "
-                            f"keep a planned module for each case")
+        changed = [name for name, value in fixed.items() if name in env and not same_fixed_value(value, env[name])]
+        if changed:  # (the graph was traced for the planned value: another would go unread, silently)
+            name = changed[0]
+            value, now = fixed[name], env[name]
+            if value is None:
+                raise TypeError(f"the planned module was called with {name!r} set, but it was planned with "
+                                f"{name}=None (left out or None in example_inputs), and its forward was traced "
+                                f"for None (`{name} is None` true): plan with a {name} in example_inputs, or "
+                                f"keep a planned module for each case")
+            raise TypeError(f"the planned module was called with {name}={now!r}, but it was planned with "
+                            f"{name}={value!r} (in example_inputs, or its default), and its forward was traced for "
+                            f"that value (a test such as `if {name}:` ran once, while tracing; the graph does not "
+                            f"read it): call it with {name}={value!r}, or plan with {name}={now!r} in example_inputs "
+                            "and keep a planned module for each value")
         values = input_values(self._value_args, env)  # (before the run, which frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
