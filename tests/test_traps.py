@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import functools
 import gc
 import re
 import sys
@@ -1421,6 +1422,58 @@ def test_control_flow_on_a_tuple_of_settings_is_explained_and_a_wrapper_plans():
     F.cross_entropy(ref(x, heads=()), y).backward()
     _same({k: p.grad for k, p in ref.named_parameters() if p.grad is not None},
           {k.removeprefix("m."): p.grad for k, p in planned.model.named_parameters() if p.grad is not None}, tol=0)
+
+
+def _logged(forward):
+    """A decorator as transformers' ``@can_return_tuple`` is: ``functools.wraps``, taking ``*args, **kwargs``."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("keywords", ["**kwargs", "keyword-only"])
+def test_a_decorated_forward_with_keyword_arguments_is_explained_and_a_wrapper_plans(keywords):
+    # a Hugging Face model (transformers 5.25, GPT2LMHeadModel: `@can_return_tuple def forward(self, ..., **kwargs)`)
+    # was told about data-dependent control flow, for fx's "ValueError: code: co_varnames is too small"
+    class Decorated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(16, 4)
+
+        if keywords == "**kwargs":
+            @_logged
+            def forward(self, x, mask=None, **kwargs):
+                return self.l(x) if mask is None else self.l(x * mask)
+        else:
+            @_logged
+            def forward(self, x, *, mask=None):
+                return self.l(x) if mask is None else self.l(x * mask)
+
+    class Wrapped(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, mask):
+            return self.m(x, mask=mask)
+
+    torch.manual_seed(0)
+    x, mask, y = torch.randn(8, 16), torch.rand(8, 16), torch.randint(0, 4, (8,))
+    model = Decorated().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memfit.TraceError, match=r"Decorated.forward is wrapped by a decorator \(_logged, .*Plan a "
+                                                r"wrapper module that calls it"):
+        memfit.optimize(model, {"x": x, "mask": mask})
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    ref = fresh_copy(model)
+    planned = memfit.optimize(Wrapped(model), (x, mask), budget="min")
+    F.cross_entropy(planned(x, mask), y).backward()
+    F.cross_entropy(ref(x, mask=mask), y).backward()
+    _same({k: p.grad for k, p in ref.named_parameters()},
+          {k.removeprefix("m."): p.grad for k, p in planned.model.named_parameters()}, tol=0)
 
 
 @pytest.mark.slow

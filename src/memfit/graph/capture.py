@@ -400,8 +400,40 @@ def _in_distributions(exc: BaseException) -> bool:
     return False
 
 
+def _decorated_forward(model: nn.Module, exc: BaseException) -> str | None:
+    """The name of the decorator that wraps ``model``'s forward (``functools.wraps``, taking ``*args, **kwargs``) where
+    ``exc`` is torch.fx failing on it: fx rebuilds the root forward's code to pass keyword-only arguments and
+    ``**kwargs`` positionally, from the wrapped function's signature, which the wrapper's code does not have
+    (``ValueError: code: co_varnames is too small``, or a Proxy iterated in the wrapper's ``*args``)."""
+    forward = getattr(type(model), "forward", None)
+    inner = inspect.unwrap(forward) if callable(forward) else forward
+    if inner is forward or not hasattr(forward, "__code__"):
+        return None
+    kinds = {p.kind for p in inspect.signature(inner).parameters.values()}
+    if not kinds & {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}:
+        return None
+    wrapper = forward.__code__
+    where = set()  # (fx runs the wrapper as a copy of its code, patched)
+    tb = exc.__traceback__
+    while tb is not None:
+        where.add((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_firstlineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    if (wrapper.co_filename, wrapper.co_firstlineno, wrapper.co_name) in where or any(
+            name == "_patch_function" for _, _, name in where):
+        return getattr(wrapper, "co_qualname", wrapper.co_name).split(".<locals>")[0]
+    return None
+
+
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    if decorator := _decorated_forward(model, exc):  # (a fresh user was told about data-dependent control flow)
+        return (f"  {type(model).__name__}.forward is wrapped by a decorator ({decorator}, taking *args and **kwargs: "
+                "transformers' @can_return_tuple, an @autocast(), a logging wrapper), and torch.fx cannot trace a "
+                "decorated forward with keyword-only arguments or **kwargs as the model itself. Plan a wrapper "
+                "module that calls it, which fx traces into with the decorator: `class Wrapped(nn.Module): def "
+                "__init__(self, m): super().__init__(); self.m = m` and `def forward(self, x, mask=None): return "
+                "self.m(x, mask=mask)`, then memfit.optimize(Wrapped(model), ...) (parameters are shared; keep "
+                "saving `model.state_dict()`). Your model is as it was.")
     if _in_distributions(exc):  # (a VAE's Normal(...).rsample() was told about control flow, or iteration)
         return ("  torch.distributions objects check and broadcast their parameters in Python (validate_args, "
                 "broadcast_all), which torch.fx cannot trace. Write the sampling with tensor operations (`z = mu + "
