@@ -26,7 +26,8 @@ The replay follows non-reentrant ``torch.utils.checkpoint``:
   buffer it can reach whose value the forward pass reads and writes as long, and copies every written buffer it
   can reach while it is recomputed (``Accounting.region_buffer_bytes``, :mod:`memfit.profile.buffers`);
 * under ``torch.autocast``, the cast of a parameter (``Accounting.casts``) lives from its first reader to the
-  end of the forward pass and the loss (autocast's cache), and then as long as a kept node saves it; a
+  end of the forward pass and the loss's forward (autocast's cache, cleared as the context exits, before
+  ``loss.backward()``), and then as long as a kept node saves it; a
   region's recomputation runs under autocast too and makes its own casts, which live until the
   recomputation ends, or until their saver's backward.
 
@@ -229,6 +230,12 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
         if s in acc.output_storages and not holders.get(s) and s not in acc.loss_keeps:
             alive.discard(s)
             free(acc.nbytes[s], f"loss free {s}")
+    # autocast's cache is cleared when its context exits, after the loss's forward: `loss.backward()` runs outside
+    # it (as PyTorch recommends; the planned module warns where it does not)
+    for s in list(alive):
+        if s in acc.casts and not holders.get(s):
+            alive.discard(s)
+            free(acc.nbytes[s], f"loss free cast {s}")
     grad = acc.grad_before[n - 1] if n else 0
     # the loss: measured when profiled with one; else a log-softmax style loss, which keeps one
     # output-sized tensor and makes another in its backward
@@ -240,10 +247,6 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
         if s in acc.loss_keeps and not holders.get(s):
             alive.discard(s)
             free(acc.nbytes[s], f"loss backward free {s}")
-    for s in list(alive):  # autocast's cache is cleared when its context exits, after the loss
-        if s in acc.casts and not holders.get(s):
-            alive.discard(s)
-            free(acc.nbytes[s], f"loss free cast {s}")
     alloc(acc.loss_held_bytes, "loss value")  # held by the training loop until the step ends
     recomputed: dict[int, set[int]] = {}  # region -> copies alive
     copy_holders: dict[tuple[int, int], set[int]] = {}
