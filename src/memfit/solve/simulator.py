@@ -223,6 +223,11 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
     for s, o in off.items():
         if o.wait >= n:
             wait_for(done[s])
+    for s in list(alive):  # the end of the forward pass is the wait point of a node that made a model output it
+        # saves (a per-head attention map the loss reads): its other offloaded storages leave the device there
+        if s in off and off[s].wait >= n and acc.fwd_last[s] < n and not holders.get(s):
+            alive.discard(s)
+            free(acc.nbytes[s], f"end of forward free offloaded {s}")
     # the loss reads the outputs (alive while it runs its forward: they are its arguments); backward starts with
     # their gradients
     transient(acc.loss_forward_bytes, "loss forward")
