@@ -134,6 +134,15 @@ class AttributeLog:
         self.tensor_writes: list[str] = []  # "path.name" of plain attributes forward set to a traced tensor
         self.read_after_write: set[tuple[int, str]] = set()  # (module id, name) read again after forward assigned it
 
+    def put_back(self) -> None:
+        """Give every attribute forward assigned the value it had before (remove one it added): a failed trace is
+        traced again from the model as it was."""
+        for (_, name), (module, old) in self.before.items():
+            if old is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = old
+
     def values(self, model: nn.Module) -> dict[str, dict[str, tuple[str, Any]]]:
         """``{module path: {attribute: (kind, value)}}`` for the attributes read and not assigned (path ``""``: the
         model itself), their values as they are now (after tracing): plain data by value, other objects by identity

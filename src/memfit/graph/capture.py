@@ -23,7 +23,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.graph.attributes import has_own_hooks, record_calls, record_reads
+from memfit.graph.attributes import AttributeLog, has_own_hooks, record_calls, record_reads
 from memfit.graph.augmented import (
     WRITE_LINE,
     InplaceProxy,
@@ -699,39 +699,32 @@ def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -
     return graph
 
 
-def _trace(model: nn.Module, plain_args: dict[str, Any] | None = None) -> tuple[fx.GraphModule, dict[str, Any]]:
-    """:func:`_trace_graph`, leaving ``model`` as it was, and the forward's arguments the graph was traced for by value
-    (``{name: value}``). Of ``plain_args`` (arguments that are one plain Python value in the step), ``None``, flags and
-    strings are traced as their values (``if mask is not None:``, ``if output_hidden_states:``, ``if mode ==
-    "train":``); a number is a graph input (``h * scale`` runs with the scale of each call) unless the trace fails on a
-    line reading it (``for _ in range(steps)``, ``if depth > 2:``), which is then traced again with it fixed.
-
-    ``torch.fx`` stores each tensor constant the forward makes
+def _trace(model: nn.Module, fixed: dict[str, Any] | None = None) -> fx.GraphModule:
+    """:func:`_trace_graph`, leaving ``model`` as it was; the forward's arguments ``fixed`` are traced as their values
+    (:func:`capture`). ``torch.fx`` stores each tensor constant the forward makes
     (``torch.arange(16)``, ``torch.ones(16, 16)``) as an attribute ``_tensor_constant<i>`` of the module it traces,
     numbered from the first free name; the ``GraphModule`` holds copies of its own. Left on the model, they
     made a second trace number its constants on, so a plan made in the same process no longer matched the graph's
     node names (a fresh user's causal mask: ``memfit.optimize(m, ids, plan_=...)`` refused its own plan)."""
-    plain_args = dict(plain_args or {})
-    fixed = {name: v for name, v in plain_args.items() if v is None or isinstance(v, (bool, str))}
     names = [p.name for p in in_traced_order(forward_params(model))]
     before = set(vars(model))
-    state = state_of(model)
     try:
-        while True:
-            try:
-                return _trace_graph(model, fixed, names), fixed
-            except (_GradModeChange, _ReentrantCheckpoint, _StateWrite):
-                raise
-            except Exception as exc:
-                needed = {name: v for name, v in plain_args.items() if name not in fixed and name in _arguments_in_control_flow(exc)}
-                if not needed:
-                    raise
-                fixed.update(needed)
-                put_back_updated_state(state, everything=True)  # (what the failed attempt assigned: it traces again)
+        return _trace_graph(model, fixed, names)
     finally:
         for name in set(vars(model)) - before:
             if _TENSOR_CONSTANT.fullmatch(name):
                 delattr(model, name)
+
+
+def _put_back_attempt(attributes: AttributeLog, numbers: list[tuple[str, dict, str, Any]],
+                      state: list[tuple[str, nn.Module, str, dict]]) -> None:
+    """Put back what a failed trace of the model assigned before it failed, to trace it again: the modules'
+    attributes (``self.calls += 1``, logged by :func:`memfit.graph.attributes.record_reads`), the numbers of
+    :func:`_python_numbers` and the buffers and parameters (:func:`memfit.graph.augmented.state_of`)."""
+    attributes.put_back()
+    for _, box, key, old in numbers:
+        box[key] = old
+    put_back_updated_state(state, everything=True)
 
 
 def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None) -> fx.GraphModule:
@@ -1012,58 +1005,70 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     """
     _refuse_scripted(model)
     numbers = _python_numbers(model)
-    checkpoints: list[str] = []
-    draws: list[str] = []
+    plain = dict(plain_args or {})
+    # None, flags and strings are traced as their values; a number where the trace fails on a line reading it
+    fixed = {name: v for name, v in plain.items() if v is None or isinstance(v, (bool, str))}
     real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if t.device.type != "meta" and t.untyped_storage().data_ptr()]
-    writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
-                                  {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
-    try:
-        with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-              _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
-            gm, fixed = _trace(model, plain_args)
-    except _ReentrantCheckpoint:
-        raise TraceError(
-            f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
-            "which runs its function under torch.no_grad() and hides it from torch.fx.\n"
-            f"  failing line: {checkpoints[-1]}\n"
-            "  memfit plans recomputation itself: remove that checkpoint (or turn your model's gradient "
-            "checkpointing option off), or pass use_reentrant=False."
-        ) from None
-    except TraceError:
-        raise
-    except _StateWrite as exc:
-        raise TraceError(
-            f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "
-            "through a tensor torch.fx does not trace (reached by a loop over self.parameters() or "
-            "self.named_buffers(), a list of tensors, or torch._foreach_*: a momentum (EMA) update of a target "
-            "network): fx would run that write once, while tracing, and the planned step never.\n"
-            f"  failing line: {exc.line}\n"
-            "  Move the update out of forward, into your training loop before each call of the planned model "
-            "(`model.momentum_update(); loss = loss_fn(planned(x))`), or write it on the module's attributes "
-            "(`self.target.weight.mul_(m).add_(self.online.weight.detach(), alpha=1 - m)`), which fx records and "
-            "the plan runs at every step. Your model is as it was."
-        ) from None
-    except _GradModeChange as exc:
-        raise TraceError(
-            f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
-            "torch.enable_grad, torch.set_grad_enabled or torch.inference_mode), which torch.fx does not "
-            "record: the plan would compute gradients there.\n"
-            f"  failing line: {_user_frame(exc)}\n"
-            "  Write `t = f(x).detach()` instead of `with torch.no_grad(): t = f(x)` (the same values and "
-            "gradients), or compute that part outside the model and pass it in as an input. An update of the "
-            "model's own weights under torch.no_grad() (a momentum encoder's, MoCo's @torch.no_grad() "
-            "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
-        ) from None
-    except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
-        line = _user_frame(exc)
-        # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
-        drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
-                 "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
-        raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
-            f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-            f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
-        ) from exc
+    while True:
+        checkpoints: list[str] = []
+        draws: list[str] = []
+        writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
+                                      {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
+        state, attributes = state_of(model), None
+        try:
+            with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
+                  _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
+                gm = _trace(model, fixed)
+        except _ReentrantCheckpoint:
+            raise TraceError(
+                f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
+                "which runs its function under torch.no_grad() and hides it from torch.fx.\n"
+                f"  failing line: {checkpoints[-1]}\n"
+                "  memfit plans recomputation itself: remove that checkpoint (or turn your model's gradient "
+                "checkpointing option off), or pass use_reentrant=False."
+            ) from None
+        except TraceError:
+            raise
+        except _StateWrite as exc:
+            raise TraceError(
+                f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "
+                "through a tensor torch.fx does not trace (reached by a loop over self.parameters() or "
+                "self.named_buffers(), a list of tensors, or torch._foreach_*: a momentum (EMA) update of a target "
+                "network): fx would run that write once, while tracing, and the planned step never.\n"
+                f"  failing line: {exc.line}\n"
+                "  Move the update out of forward, into your training loop before each call of the planned model "
+                "(`model.momentum_update(); loss = loss_fn(planned(x))`), or write it on the module's attributes "
+                "(`self.target.weight.mul_(m).add_(self.online.weight.detach(), alpha=1 - m)`), which fx records and "
+                "the plan runs at every step. Your model is as it was."
+            ) from None
+        except _GradModeChange as exc:
+            raise TraceError(
+                f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
+                "torch.enable_grad, torch.set_grad_enabled or torch.inference_mode), which torch.fx does not "
+                "record: the plan would compute gradients there.\n"
+                f"  failing line: {_user_frame(exc)}\n"
+                "  Write `t = f(x).detach()` instead of `with torch.no_grad(): t = f(x)` (the same values and "
+                "gradients), or compute that part outside the model and pass it in as an input. An update of the "
+                "model's own weights under torch.no_grad() (a momentum encoder's, MoCo's @torch.no_grad() "
+                "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
+            ) from None
+        except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
+            needed = {name: v for name, v in plain.items()
+                      if name not in fixed and name in _arguments_in_control_flow(exc)}
+            if needed and attributes is not None:  # (a number the line needs as one: traced again, fixed)
+                _put_back_attempt(attributes, numbers, state)
+                fixed.update(needed)
+                continue
+            line = _user_frame(exc)
+            # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
+            drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
+                     "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
+            raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
+                f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+                f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
+            ) from exc
+        break
     frozen_grads = [n.target for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(
         "_tensor_constant") and isinstance(t := getattr(gm, n.target, None), torch.Tensor) and t.grad_fn is not None]
     if frozen_grads:

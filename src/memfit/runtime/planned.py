@@ -906,9 +906,10 @@ class PlannedModule(nn.Module):
                                 f"keep a planned module for each case")
             raise TypeError(f"the planned module was called with {name}={now!r}, but it was planned with "
                             f"{name}={value!r} (in example_inputs, or its default), and its forward was traced for "
-                            f"that value (a test such as `if {name}:` ran once, while tracing; the graph does not "
-                            f"read it): call it with {name}={value!r}, or plan with {name}={now!r} in example_inputs "
-                            "and keep a planned module for each value")
+                            f"that value (Python code read it once, while tracing: "
+                            f"{'`range(' + name + ')` or `if ' + name + ' > 2:`' if type(value) in (int, float) else '`if ' + name + ':`'}"
+                            f"; the graph does not read it): call it with {name}={value!r}, or plan with {name}={now!r} "
+                            "in example_inputs and keep a planned module for each value")
         values = input_values(self._value_args, env)  # (before the run, which frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
