@@ -400,40 +400,8 @@ def _in_distributions(exc: BaseException) -> bool:
     return False
 
 
-def _decorated_forward(model: nn.Module, exc: BaseException) -> str | None:
-    """The name of the decorator that wraps ``model``'s forward (``functools.wraps``, taking ``*args, **kwargs``) where
-    ``exc`` is torch.fx failing on it: fx rebuilds the root forward's code to pass keyword-only arguments and
-    ``**kwargs`` positionally, from the wrapped function's signature, which the wrapper's code does not have
-    (``ValueError: code: co_varnames is too small``, or a Proxy iterated in the wrapper's ``*args``)."""
-    forward = getattr(type(model), "forward", None)
-    inner = inspect.unwrap(forward) if callable(forward) else forward
-    if inner is forward or not hasattr(forward, "__code__"):
-        return None
-    kinds = {p.kind for p in inspect.signature(inner).parameters.values()}
-    if not kinds & {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}:
-        return None
-    wrapper = forward.__code__
-    where = set()  # (fx runs the wrapper as a copy of its code, patched)
-    tb = exc.__traceback__
-    while tb is not None:
-        where.add((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_firstlineno, tb.tb_frame.f_code.co_name))
-        tb = tb.tb_next
-    if (wrapper.co_filename, wrapper.co_firstlineno, wrapper.co_name) in where or any(
-            name == "_patch_function" for _, _, name in where):
-        return getattr(wrapper, "co_qualname", wrapper.co_name).split(".<locals>")[0]
-    return None
-
-
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
-    if decorator := _decorated_forward(model, exc):  # (a fresh user was told about data-dependent control flow)
-        return (f"  {type(model).__name__}.forward is wrapped by a decorator ({decorator}, taking *args and **kwargs: "
-                "transformers' @can_return_tuple, an @autocast(), a logging wrapper), and torch.fx cannot trace a "
-                "decorated forward with keyword-only arguments or **kwargs as the model itself. Plan a wrapper "
-                "module that calls it, which fx traces into with the decorator: `class Wrapped(nn.Module): def "
-                "__init__(self, m): super().__init__(); self.m = m` and `def forward(self, x, mask=None): return "
-                "self.m(x, mask=mask)`, then memfit.optimize(Wrapped(model), ...) (parameters are shared; keep "
-                "saving `model.state_dict()`). Your model is as it was.")
     if _in_distributions(exc):  # (a VAE's Normal(...).rsample() was told about control flow, or iteration)
         return ("  torch.distributions objects check and broadcast their parameters in Python (validate_args, "
                 "broadcast_all), which torch.fx cannot trace. Write the sampling with tensor operations (`z = mu + "
@@ -974,6 +942,42 @@ def _refuse_scripted(model: nn.Module) -> None:
             "passed to torch.jit.script), and train the planned module as it is.")
 
 
+def _refuse_decorated_forward(model: nn.Module) -> None:
+    """Refuse a model whose forward is wrapped by a decorator (``functools.wraps``, or a bare ``def wrapper(*args,
+    **kwargs)``), before anything runs. torch.fx calls the model's own forward with every argument positional, so
+    the decorator sees them other than your calls pass them: fresh users' decorators added a loss term only when
+    ``labels`` came as a keyword (planned silently without it: gradients 6.4e-6 off), returned a tuple instead of
+    a dict, or filled in a keyword (``kwargs.setdefault``) that fx had already passed; transformers' ``forward``
+    is decorated so (``@can_return_tuple``). Called from a wrapper module, the decorator runs while tracing with
+    the arguments as the wrapper passes them."""
+    forward = getattr(type(model), "forward", None)
+    if not callable(forward):
+        return
+    inner = inspect.unwrap(forward)
+    try:
+        params = list(inspect.signature(forward, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):
+        return
+    bare = bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+    if inner is forward and not bare:
+        return
+    code = getattr(forward, "__code__", None)
+    name = getattr(code, "co_qualname", getattr(code, "co_name", "")).split(".<locals>")[0] if code else ""
+    try:
+        real = ", ".join(list(inspect.signature(inner).parameters)[1:]) if inner is not forward else "x, ..."
+    except (TypeError, ValueError):
+        real = "x, ..."
+    raise TraceError(
+        f"{type(model).__name__}.forward is wrapped by a decorator{f' ({name})' if name else ''} that takes *args "
+        "and **kwargs. torch.fx would call it with every argument positional, so the decorator would see them "
+        "otherwise than your calls pass them (keywords it reads or fills in, the return type it chooses) and the "
+        "plan would train what fx saw. Plan a wrapper module that calls your model as your training loop does, "
+        "which fx traces into, decorator included: `class Wrapped(nn.Module): def __init__(self, m): "
+        f"super().__init__(); self.m = m` and `def forward(self, {real}): return self.m(...)` passing them by "
+        "keyword as you do, then memfit.optimize(Wrapped(model), batch, ...) (parameters are shared: keep saving "
+        "`model.state_dict()`). Your model is as it was.")
+
+
 def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
@@ -1004,6 +1008,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
             flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
     _refuse_scripted(model)
+    _refuse_decorated_forward(model)
     numbers = _python_numbers(model)
     plain = dict(plain_args or {})
     # None, flags and strings are traced as their values; a number where the trace fails on a line reading it
