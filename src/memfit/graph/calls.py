@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -322,8 +323,18 @@ def input_values(placeholders: list[fx.Node], env: dict[str, Any]) -> dict[str, 
 
 
 def plain_scalar(value) -> bool:
-    """``value`` is one plain Python value: ``None``, a boolean, a number or a string (a flag, a mode, a scale)."""
-    return value is None or isinstance(value, (bool, int, float, str))
+    """``value`` is one plain Python value: ``None``, a boolean, a number or a string (a flag, a mode, a scale), or a
+    setting of :func:`setting_constant`."""
+    return value is None or isinstance(value, (bool, int, float, str)) or setting_constant(value)
+
+
+def setting_constant(value) -> bool:
+    """``value`` is a setting a forward tests by identity or passes to operations as it is: ``None``, a flag, a
+    string, an ``Enum`` member (an ``IntEnum`` too), a ``torch.dtype``, ``torch.device``, ``torch.layout`` or
+    ``torch.memory_format``. torch.fx would trace it as a stand-in on which ``mode is Mode.FROZEN`` is ``False``,
+    silently (a fresh user's frozen backbone trained: gradients 1.34 where PyTorch has none)."""
+    return value is None or isinstance(value, (bool, str, enum.Enum, torch.dtype, torch.device, torch.layout,
+                                               torch.memory_format))
 
 
 def same_fixed_value(planned, now) -> bool:

@@ -34,7 +34,14 @@ from memfit.graph.augmented import (
     writes_into,
     written_constants,
 )
-from memfit.graph.calls import dataclass_builder, dataclass_parts, forward_params, in_traced_order, tensors_in
+from memfit.graph.calls import (
+    dataclass_builder,
+    dataclass_parts,
+    forward_params,
+    in_traced_order,
+    setting_constant,
+    tensors_in,
+)
 from memfit.graph.ir import Graph, Node
 from memfit.warn import warn_user
 
@@ -704,7 +711,9 @@ def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: l
     fixed, names = fixed or {}, names or []
     concrete = dict(fixed) or None
     try:
-        graph = _as_traced_fixed(tracer.trace(model, concrete_args=concrete), fixed, names)
+        with warnings.catch_warnings():  # (an Enum, a dtype: fx cannot assert it, and says so; the module refuses)
+            warnings.filterwarnings("ignore", message="Was not able to add assertion")
+            graph = _as_traced_fixed(tracer.trace(model, concrete_args=concrete), fixed, names)
     except _GradModeChange:
         raise
     except Exception as exc:
@@ -717,7 +726,9 @@ def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: l
         plain = _Tracer()
         put_back_updated_state(state_before, everything=True)  # (what the failed attempt assigned: it traces again)
         try:
-            graph = _as_traced_fixed(plain.trace(model, concrete_args=concrete), fixed, names)  # (raises when the
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Was not able to add assertion")
+                graph = _as_traced_fixed(plain.trace(model, concrete_args=concrete), fixed, names)  # (raises when the
             # model does not trace at all)
         except Exception as again:
             # report the attempt that got further into forward: a plain Python error after a line that traces
@@ -1012,7 +1023,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     numbers = _python_numbers(model)
     plain = dict(plain_args or {})
     # None, flags and strings are traced as their values; a number where the trace fails on a line reading it
-    fixed = {name: v for name, v in plain.items() if v is None or isinstance(v, (bool, str))}
+    fixed = {name: v for name, v in plain.items() if setting_constant(v)}
     real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if t.device.type != "meta" and t.untyped_storage().data_ptr()]
     while True:
