@@ -939,6 +939,31 @@ def test_an_argument_left_out_before_a_later_key_is_traced_as_its_none():
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+class _Batch(collections.UserDict):
+    """A Hugging Face ``BatchEncoding``'s shape: a Mapping (not a dict) with attribute access."""
+
+    def __getattr__(self, name):
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def test_a_mapping_batch_that_is_no_dict_is_bound_by_name():
+    # a fresh user's tokenizer batch (BatchEncoding, a UserDict) was taken as the forward's first input
+    torch.manual_seed(0)
+    x, extra, y = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    plain = TwoInputs().train()
+    _ce(plain(x, extra), y).backward()
+    m = fresh_copy(plain)
+    batch = _Batch({"y": extra, "x": x})
+    planned = memfit.optimize(m, batch, "min", loss_fn=lambda out: _ce(out, y))
+    assert planned.plan.input_shapes == [[8, 16], [8, 16]]
+    _ce(planned(**batch), y).backward()
+    for (name, p), q in zip(m.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
 class _Flags(nn.Module):
     """Hugging Face style settings: forward arguments with plain Python defaults, tested in Python (a flag, a
     string, a loop count) or used as a number (``scale``)."""

@@ -6,7 +6,7 @@ import difflib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -230,6 +230,12 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     """
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs)
+    if isinstance(example_inputs, Mapping) and not isinstance(example_inputs, dict) and model is not None:
+        # a Hugging Face BatchEncoding (a tokenizer's or a data collator's batch) is a Mapping, not a dict: a fresh
+        # user's was taken as one input; read as the forward's keyword arguments where its keys all name some
+        names = {p.name for p in in_traced_order(forward_params(model))}
+        if len(example_inputs) and all(isinstance(k, str) and k in names for k in example_inputs):
+            example_inputs = dict(example_inputs)
     if isinstance(example_inputs, dict) and not example_inputs:
         raise ValueError("example_inputs is an empty dict: give the forward's inputs (a tensor, a tuple in order, or "
                          "a dict of them by the forward's argument names)")
