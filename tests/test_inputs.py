@@ -964,6 +964,33 @@ def test_a_mapping_batch_that_is_no_dict_is_bound_by_name():
         assert torch.equal(p.grad, q.grad), name
 
 
+class _PassesKeywordsOn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = TwoInputs()
+
+    def forward(self, x, y, *args, **kwargs):
+        if kwargs.get("double"):
+            x = x * 2
+        return self.inner(x, y, *args, **kwargs)
+
+
+def test_a_forward_passing_its_empty_keywords_on_is_traced_with_them_empty():
+    # a fresh user's Hugging Face style `return self.inner(..., **kwargs)` failed with advice about iterating a
+    # traced value: fx traced **kwargs as a stand-in, not empty as the step passes it
+    torch.manual_seed(0)
+    x, extra, y = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = _PassesKeywordsOn().train()
+    plain = fresh_copy(model)
+    _ce(plain(x, extra), y).backward()
+    planned = memfit.optimize(model, (x, extra), "min", loss_fn=lambda out: _ce(out, y))
+    _ce(planned(x, extra), y).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    with pytest.raises(TypeError, match="double"):
+        planned(x, extra, double=True)
+
+
 class _Flags(nn.Module):
     """Hugging Face style settings: forward arguments with plain Python defaults, tested in Python (a flag, a
     string, a loop count) or used as a number (``scale``)."""

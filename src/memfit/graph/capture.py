@@ -553,6 +553,15 @@ class _Tracer(fx.Tracer):
             proxy.node.meta[WRITE_LINE] = user_line()
         return proxy
 
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """fx's, with the forward's ``*args`` and ``**kwargs`` passed empty (``()``, ``{}``), as the step passes them
+        (values in them are refused): on fx's stand-ins, ``self.inner(x, **kwargs)`` and ``kwargs.get("flag")``
+        could not be traced (a fresh user's forward passing its keywords on). Their placeholders stay in the graph."""
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        return fn, [(({} if str(a.node.target).startswith("**") else ())
+                     if isinstance(a, fx.Proxy) and a.node.op == "placeholder" and str(a.node.target).startswith("*")
+                     else a) for a in args]
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
         ran once, while tracing: a fresh user's Grad-CAM hooks on ResNet's ``layer4`` captured nothing)."""
