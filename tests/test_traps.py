@@ -1496,6 +1496,36 @@ def test_a_decorated_forward_is_refused_and_a_wrapper_plans_it_as_called(decorat
           {k.removeprefix("m."): p.grad for k, p in planned.model.named_parameters()}, tol=0)
 
 
+@pytest.mark.parametrize("kind", ["forward_pre", "forward", "full_backward"])
+def test_hooks_on_the_model_itself_are_refused_and_run_on_the_planned_module(kind):
+    # fresh user: the planned module runs the traced forward, not the model's call, so a hook on the model itself
+    # never ran; a counter was then refused at the first step as "registered after planning" (it was not), and a
+    # pre-hook scaling the input failed as a differing output "from a Python test in forward"
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    ref = fresh_copy(model)
+    calls = []
+
+    def hook(*args):
+        calls.append(1)
+
+    handle = getattr(model, f"register_{kind}_hook")(hook)
+    with pytest.raises(memfit.TraceError, match=r"the model itself \(Sequential\) has (forward pre-hook|forward hook|"
+                                                r"backward hook).*register them on the planned module"):
+        memfit.optimize(model, x, "min")
+    assert model._forward_pre_hooks or model._forward_hooks or model._backward_hooks  # (as it was)
+    handle.remove()
+    planned = memfit.optimize(model, x, "min")
+    getattr(planned, f"register_{kind}_hook")(hook)
+    getattr(ref, f"register_{kind}_hook")(hook)
+    calls.clear()
+    F.cross_entropy(planned(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert len(calls) == 2
+    _same({k: p.grad for k, p in ref.named_parameters()}, {k: p.grad for k, p in model.named_parameters()}, tol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
                                       ("densenet121", 32)])

@@ -998,6 +998,26 @@ def _refuse_decorated_forward(model: nn.Module) -> None:
         "`model.state_dict()`). Your model is as it was.")
 
 
+def _refuse_root_hooks(model: nn.Module) -> None:
+    """Refuse a model with hooks on itself (forward, forward-pre or backward hooks, or an instance ``forward``),
+    before anything runs: the planned module runs the traced graph, not the model's ``__call__``, so they would
+    never run (fresh users' counters were then refused at the first step as "registered after planning", and a
+    pre-hook scaling the input as a differing output). Hooks on submodules are kept, their module whole."""
+    kinds = [kind for kind, table in (("forward pre-hook", model._forward_pre_hooks), ("forward hook",
+             model._forward_hooks), ("backward hook", model._backward_hooks), ("backward pre-hook",
+             model._backward_pre_hooks)) if table]
+    if "forward" in model.__dict__ and not hasattr(model, "_orig_mod"):
+        kinds.append("forward set on the instance (model.forward = f)")
+    if kinds:
+        raise TraceError(
+            f"the model itself ({type(model).__name__}) has {', '.join(kinds)} of its own, which the planned module "
+            "would not run: it runs the traced forward, not your model's call. Remove them (keep the handles "
+            "register_*_hook returned, and call handle.remove()) and register them on the planned module "
+            "(planned = memfit.optimize(model, ...); planned.register_forward_hook(hook)), which runs them around "
+            "each call as PyTorch runs them around your model's; an instance forward belongs in the class. "
+            "Your model is as it was.")
+
+
 def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
@@ -1029,6 +1049,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     """
     _refuse_scripted(model)
     _refuse_decorated_forward(model)
+    _refuse_root_hooks(model)
     numbers = _python_numbers(model)
     plain = dict(plain_args or {})
     # None, flags and strings are traced as their values; a number where the trace fails on a line reading it
