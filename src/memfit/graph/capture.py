@@ -154,6 +154,32 @@ def _refuse_grad_mode_changes():
         torch.autograd.grad_mode.inference_mode.__enter__ = real_inference
 
 
+class _AutocastBlock(Exception):
+    """The traced forward entered ``torch.autocast`` (raised inside :func:`_refuse_autocast_blocks`)."""
+
+
+@contextlib.contextmanager
+def _refuse_autocast_blocks():
+    """While tracing, raise :class:`_AutocastBlock` where the forward enters ``torch.autocast`` (a ``with`` block, a
+    decorated submodule, ``enabled=False`` around a float32 head): ``torch.fx`` does not record it, so the graph
+    would run that part in the caller's precision (fresh users' outputs 3.5e-3 to 1.1e-2 off, reported as "a Python
+    test in forward"). An ``enabled=False`` block traced outside autocast changes nothing and is let through (the
+    planned module warns where it is called under another autocast state than at planning)."""
+    real = torch.amp.autocast_mode.autocast.__enter__
+
+    def refuse(self, *args, **kwargs):
+        device = getattr(self, "device", "cpu")
+        if not getattr(self, "_enabled", True) and not torch.is_autocast_enabled(device):
+            return real(self, *args, **kwargs)  # (off inside off: nothing changes; a call under autocast is warned)
+        raise _AutocastBlock()
+
+    torch.amp.autocast_mode.autocast.__enter__ = refuse
+    try:
+        yield
+    finally:
+        torch.amp.autocast_mode.autocast.__enter__ = real
+
+
 _DRAW_ADVICE = ("Draw it from the tensors of the step: `keep = x.new_empty(()).bernoulli_(1 - p)` then "
                 "`x + f(x) * keep / (1 - p)` for a whole branch (it is computed at every step, and zeroed when "
                 "dropped), `x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(1 - p)` per sample (as torchvision's "
@@ -1063,7 +1089,8 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
                                       {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
         state, attributes = state_of(model), None
         try:
-            with (_refuse_grad_mode_changes(), _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
+            with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_user_checkpoints(checkpoints),
+                  _autograd_functions_as_leaves(),
                   _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
                 gm = _trace(model, fixed)
         except _ReentrantCheckpoint:
@@ -1087,6 +1114,17 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
                 "(`model.momentum_update(); loss = loss_fn(planned(x))`), or write it on the module's attributes "
                 "(`self.target.weight.mul_(m).add_(self.online.weight.detach(), alpha=1 - m)`), which fx records and "
                 "the plan runs at every step. Your model is as it was."
+            ) from None
+        except _AutocastBlock as exc:
+            raise TraceError(
+                f"the forward pass of {type(model).__name__} enters torch.autocast, which torch.fx does not record: "
+                "the plan would run that part in the precision of the caller's context.\n"
+                f"  failing line: {_user_frame(exc)}\n"
+                "  Call the planned module inside torch.autocast instead (memfit.optimize inside the same context, "
+                "as the README's mixed-precision section says); for a part that must stay in float32 "
+                "(`enabled=False` around a head), cast explicitly (`self.head(h.float())`), or move that part into a "
+                "function of its own at module level marked with torch.fx.wrap(\"name\") (run as one step, its "
+                "autocast block included). Your model is as it was."
             ) from None
         except _GradModeChange as exc:
             raise TraceError(
