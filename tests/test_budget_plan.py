@@ -1140,3 +1140,15 @@ def test_a_saved_plan_checks_the_state_of_a_head_of_the_model_that_only_the_loss
         memfit.optimize(model, x, plan_=loaded, optimizer=optimizers(torch.optim.Adam), loss_fn=loss_fn)
     same = memfit.optimize(model, x, plan_=loaded, optimizer=optimizers(lambda ps: torch.optim.SGD(ps, lr=0.1)))
     assert same.plan is loaded
+
+
+def test_a_budget_between_the_floor_plans_peak_and_its_headroom_is_told_about_the_headroom():
+    # a fresh user measured the `min` plan's peak (18,106,500 B), asked for 4 KiB more, and was refused with a
+    # smallest feasible budget 197,112 B above it and no word of why
+    from memfit.solve.strategies import InfeasibleBudgetError
+
+    message = str(InfeasibleBudgetError(18_110_596, 18_303_612, 12_000_000, margin_bytes=197_136))
+    assert ("the least-memory plan is predicted to peak at 18106476 bytes (17.3 MiB), and a budget keeps 197136 "
+            "bytes (192.5 KiB) of headroom" in message), message
+    assert "predicted to peak" not in str(InfeasibleBudgetError(17_000_000, 18_303_612, 12_000_000,
+                                                                margin_bytes=197_136))

@@ -86,10 +86,16 @@ class InfeasibleBudgetError(ValueError):
         stopped = ("" if stopped_at is None or below_fixed else
                    " (the search for the lowest-memory plan stopped at its time limit, so a longer time_limit / "
                    "--time-limit may find a lower one; a busy machine slows that search)")
+        # (a fresh user measured the least-memory plan's peak and asked for it: refused, with no word of the headroom)
+        floor = smallest_feasible_bytes - margin_bytes
+        headroom = (f": the least-memory plan is predicted to peak at {floor} bytes ({fmt_bytes(floor)}), and a "
+                    f"budget keeps {margin_bytes} bytes ({fmt_bytes(margin_bytes)}) of headroom above a plan's "
+                    "predicted peak for what the prediction leaves out (the loss's scalars, checkpoint "
+                    "bookkeeping; budget='min' picks that plan)" if margin_bytes > 0 and budget_bytes >= floor else "")
         super().__init__(
             f"no plan fits a budget of {budget_bytes} bytes ({fmt_bytes(budget_bytes)}); the smallest "
             f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}, "
-            f"{fmt_bytes(smallest_feasible_bytes - budget_bytes)} more){stopped}, "
+            f"{fmt_bytes(smallest_feasible_bytes - budget_bytes)} more){headroom}{stopped}, "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
             f"buffers, optimizer state, inputs){hint}.")
 
