@@ -1000,7 +1000,8 @@ class _Flags(nn.Module):
         self.a, self.b, self.h1, self.h2 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
         self.calls = 0
 
-    def forward(self, x, labels=None, output_hidden_states: bool = False, head="h1", depth=1, scale=1.0):
+    def forward(self, x, labels=None, output_hidden_states: bool = False, head="h1", depth=1, scale=1.0,
+                use_cache=False):
         self.calls += 1  # (kept, not read: a failed trace that is traced again with `depth` fixed counts once)
         h = F.relu(self.a(x))
         for _ in range(depth):
@@ -1046,6 +1047,8 @@ def test_flags_strings_and_loop_counts_among_the_arguments_are_traced_at_their_v
         planned(**{**batch, "depth": 2})  # (`range(depth)`: traced at its value)
     with pytest.raises(TypeError, match=rf"called with output_hidden_states={int(flag)}, but it was planned with "):
         planned(**{**batch, "output_hidden_states": int(flag)})  # (`flag is True` tells them apart)
+    for unread in (True, None):  # (a flag forward never reads: another value changes nothing, as in PyTorch)
+        assert torch.equal(planned(**batch, use_cache=unread)["logits"], plain(**batch, use_cache=unread)["logits"])
     model.zero_grad(set_to_none=True)
     with pytest.warns(UserWarning, match=r"other values of the forward's arguments: scale=2\.0"):
         out = planned(**{**batch, "scale": 2.0})  # a number used as one stays a graph input

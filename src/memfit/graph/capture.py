@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
 import functools
 import inspect
 import io
@@ -69,7 +70,8 @@ class Captured:
     while tracing (``{module path: {attribute: value}}``, :mod:`memfit.graph.attributes`): the graph holds
     their values as constants. ``called``: ``(code, globals)`` of the user's Python functions that ran while
     tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read). ``fixed_args``: the
-    forward's arguments traced as a value (``None``, a flag: :func:`capture`), by name: the graph holds for it only."""
+    forward's arguments traced as a value (``None``, a flag: :func:`capture`), by name: the graph holds for it only;
+    ``unread_args``: those its own code never reads, whose other values change nothing."""
 
     gm: fx.GraphModule
     graph: Graph
@@ -77,6 +79,7 @@ class Captured:
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
     called: list = field(default_factory=list)
     fixed_args: dict[str, Any] = field(default_factory=dict)
+    unread_args: tuple[str, ...] = ()
 
 
 def _in_torch(filename: str) -> bool:
@@ -1024,6 +1027,24 @@ def _refuse_decorated_forward(model: nn.Module) -> None:
         "`model.state_dict()`). Your model is as it was.")
 
 
+def _unread_arguments(model: nn.Module, names: list[str]) -> set[str]:
+    """Of ``names``, the arguments that the model's own ``forward`` never loads (no ``LOAD_*`` of the name in its
+    bytecode, closures included): another value of one changes nothing, so the planned module does not refuse it
+    (a fresh user's Hugging Face style ``use_cache=False``, never read in training, was refused at ``True``). None
+    where forward reads its locals dynamically (``locals()``, ``vars()``, ``eval``)."""
+    code = getattr(getattr(type(model), "forward", None), "__code__", None)
+    if code is None:
+        return set()
+    loads: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if not ins.opname.startswith("LOAD_"):
+            continue
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in ("locals", "vars", "eval", "exec"):
+            return set()
+        loads.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))  # (3.13's LOAD_FAST_LOAD_FAST)
+    return {name for name in names if name not in loads}
+
+
 def _refuse_root_hooks(model: nn.Module) -> None:
     """Refuse a model with hooks on itself (forward, forward-pre or backward hooks, or an instance ``forward``),
     before anything runs: the planned module runs the traced graph, not the model's ``__call__``, so they would
@@ -1227,8 +1248,10 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
         if node.op == "placeholder" and str(node.target).lstrip("*") in kinds:
             node.meta["memfit_kind"] = kinds[str(node.target).lstrip("*")]
     _warn_opaque(gm)
+    unread = _unread_arguments(model, list(fixed))
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
-                    called=list(called.items()), fixed_args=fixed)
+                    called=list(called.items()), fixed_args={k: v for k, v in fixed.items() if k not in unread},
+                    unread_args=tuple(sorted(unread)))
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

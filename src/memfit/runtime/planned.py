@@ -461,7 +461,7 @@ class PlannedModule(nn.Module):
         dropped = _drop_lost_inplace_forms(gm, plan)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
                                      attributes=copy.deepcopy(captured.attributes, memo), called=captured.called,
-                                     fixed_args=captured.fixed_args),
+                                     fixed_args=captured.fixed_args, unread_args=captured.unread_args),
                             plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -885,9 +885,9 @@ class PlannedModule(nn.Module):
         # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
         # `is_causal=mask is None` ran unmasked attention, gradients 2.2e-3 off, with warnings saying results were
         # correct); refused before it runs
-        fixed = self.__dict__["_captured"].fixed_args
+        fixed, unread = self.__dict__["_captured"].fixed_args, self.__dict__["_captured"].unread_args
         unset_now = [name for name in self._placeholders if name in env and env[name] is None
-                     and name not in fixed and not str(name).startswith("*")]
+                     and name not in fixed and name not in unread and not str(name).startswith("*")]
         if unset_now:
             name = next(str(n.target) for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == unset_now[0])
             raise TypeError(
@@ -1254,8 +1254,9 @@ class PlannedModule(nn.Module):
         """Warn (twice at most) that the forward's plain-value arguments (``now``, :func:`input_values`) differ from
         the plan's (``planned(x, 3.0)`` for a plan made with ``scale=1.0``: a fresh user's upsampling step measured
         6.3x its budget, silently)."""
+        unread = self.__dict__["_captured"].unread_args  # (another value of those changes nothing)
         changed = [f"{k}={now[k]} (planned with {v})" for k, v in self.plan.input_values.items()
-                   if k in now and now[k] != v]
+                   if k in now and now[k] != v and k not in unread]
         if changed and sum(key.startswith("values ") for key in self._warned) < 2:
             self._warn_once(f"values {changed}", f"memfit: the plan was made for other values of the forward's "
                             f"arguments: {', '.join(changed[:3])}; results are correct, but where such an argument "
