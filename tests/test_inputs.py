@@ -1122,6 +1122,42 @@ def test_arguments_traced_at_their_values_keep_their_names():
             planned(x, **{name: torch.ones(4, 16)})
 
 
+class _Out(dict):
+    """A dict subclass with attribute access through a property."""
+
+    @property
+    def loss(self):
+        return self["loss"]
+
+
+class _SubclassedDictOut(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.l, self.kind = nn.Linear(8, 4), kind
+
+    def forward(self, x, y):
+        h = self.l(x)
+        out = collections.OrderedDict if self.kind == "OrderedDict" else _Out
+        return out(logits=h, loss=F.cross_entropy(h, y))
+
+
+@pytest.mark.parametrize("kind", ["OrderedDict", "subclass"])
+def test_a_dict_subclass_output_comes_back_of_its_class(kind):
+    # fresh user: an OrderedDict output came back a plain dict (`out.move_to_end` failed; torchvision's segmentation
+    # models return one), and a `class Out(dict)` was refused as returning "0 tensors" (fx recorded a plain dict)
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    plain = _SubclassedDictOut(kind).train()
+    m = fresh_copy(plain)
+    planned = memfit.optimize(m, (x, y), "min", loss_fn=lambda out: out["loss"])
+    for module in (plain, planned):
+        out = module(x, y)
+        assert type(out) is (collections.OrderedDict if kind == "OrderedDict" else _Out)
+        assert list(out) == ["logits", "loss"]
+        (out.loss if kind == "subclass" else out["loss"]).backward()
+    assert torch.equal(plain.l.weight.grad, m.l.weight.grad)
+
+
 class _DictOut(nn.Module):
     def __init__(self):
         super().__init__()

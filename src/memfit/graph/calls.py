@@ -128,7 +128,18 @@ def _constant_text(value) -> str:
 
 
 def _dataclass_value(value) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+    """A dataclass instance, or a dict of a subclass PyTorch's pytree does not know (``class Out(dict)``): both are
+    searched and rebuilt through :func:`dataclass_parts` and :func:`dataclass_builder`."""
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or dict_subclass(value)
+
+
+def dict_subclass(value) -> bool:
+    """``value`` is a dict of a subclass other than fx's immutable one and ``defaultdict``: an ``OrderedDict``
+    (torchvision's segmentation models return one) or a class of the user's (``class Out(dict)`` with a ``loss``
+    property), which torch.fx would record as a plain dict (a fresh user's ``out.move_to_end`` then failed)."""
+    from torch.fx.immutable_collections import immutable_dict
+
+    return isinstance(value, dict) and type(value) not in (dict, immutable_dict, collections.defaultdict)
 
 
 def forward_params(model) -> list[inspect.Parameter]:
@@ -196,7 +207,8 @@ def dataclass_parts(value) -> tuple[dict[str, Any], dict]:
     """``(attributes, items)`` of a dataclass instance: its fields that are set, then the other attributes in its
     ``__dict__`` (set in ``__post_init__``: ``self.probs = logits.softmax(-1)``), and, for one that is also a dict
     (Hugging Face's ``ModelOutput``), its entries (``o["pooled"] = h`` too); ``{}`` where it is not."""
-    attrs = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
+    attrs = {f.name: getattr(value, f.name) for f in fields if hasattr(value, f.name)}
     for name, v in getattr(value, "__dict__", {}).items():
         attrs.setdefault(name, v)
     return attrs, (dict(value.items()) if isinstance(value, dict) else {})

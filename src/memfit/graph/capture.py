@@ -38,6 +38,7 @@ from memfit.graph.augmented import (
 from memfit.graph.calls import (
     dataclass_builder,
     dataclass_parts,
+    dict_subclass,
     forward_params,
     in_traced_order,
     setting_constant,
@@ -609,7 +610,7 @@ class _Tracer(fx.Tracer):
         plain dict."""
         if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
             a = a.item()
-        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        if (dataclasses.is_dataclass(a) and not isinstance(a, type)) or dict_subclass(a):
             attributes, items = dataclass_parts(a)
             return self.create_node("call_function", dataclass_builder(type(a)),
                                     (self.create_arg(attributes), self.create_arg(items)), {})
