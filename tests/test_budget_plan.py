@@ -1152,3 +1152,14 @@ def test_a_budget_between_the_floor_plans_peak_and_its_headroom_is_told_about_th
             "bytes (192.5 KiB) of headroom" in message), message
     assert "predicted to peak" not in str(InfeasibleBudgetError(17_000_000, 18_303_612, 12_000_000,
                                                                 margin_bytes=197_136))
+
+
+@pytest.mark.parametrize("switch", [{"variants": "no"}, {"grads_exist": "yes"}, {"tiling": 0}, {"offload": "auto"}])
+def test_a_switch_that_is_not_a_boolean_is_refused(switch):
+    # a fresh user's variants="no" was taken as true, silently
+    model = nn.Sequential(nn.Linear(4, 4)).train()
+    name = next(iter(switch))
+    with pytest.raises(TypeError, match=rf"{name} must be True or False.*got {re.escape(repr(switch[name]))}"):
+        memfit.optimize(model, torch.randn(2, 4), **switch)
+    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+        memfit.plan(model, torch.randn(2, 4), **switch)

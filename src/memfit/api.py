@@ -283,6 +283,15 @@ def _as_tuple(example_inputs, model: nn.Module | None = None) -> tuple:
     return (example_inputs,)
 
 
+def _check_switches(**switches) -> None:
+    """Refuse a switch (``variants``, ``grads_exist``, ``tiling``, ``offload``) that is not a boolean (``offload``
+    may be ``None``): a fresh user's ``variants="no"`` was taken as true, silently."""
+    for name, value in switches.items():
+        if not (isinstance(value, bool) or type(value).__name__ == "bool_" or (name == "offload" and value is None)):
+            raise TypeError(f"{name} must be True or False{' (or None: the default)' if name == 'offload' else ''}, "
+                            f"got {value!r}")
+
+
 def plain_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
     """``model``'s forward arguments that are one plain Python value (:func:`memfit.graph.calls.plain_scalar`: ``None``,
     a flag, a number, a string) for the positional ``inputs``, passed or left out at their default
@@ -471,6 +480,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     # (a string or None compared with 0 was a bare TypeError for a fresh user)
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
+    _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
     given = _as_tuple(example_inputs, model)
@@ -887,6 +897,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         ``Plan.load``).
     """
     _check_model(model)
+    _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
     given = _as_tuple(example_inputs, model)
     if plan_ is not None and not isinstance(plan_, Plan):  # (a path gave "'str' object has no attribute 'autocast'")
         how = ("memfit.Plan.load(path)" if isinstance(plan_, (str, os.PathLike)) else
