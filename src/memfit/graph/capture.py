@@ -540,9 +540,8 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     if isinstance(exc, KeyError) and "__fx_create_arg__" in str(exc):
         return ("  an object whose __getattr__ raises KeyError for a name it does not hold (a dict with attribute "
                 "access, `return self[k]`): torch.fx asks each value it records for __fx_create_arg__ with hasattr(), "
-                "which needs AttributeError, and it records a dict subclass as a plain dict anyway (attribute access "
-                "lost). Return a dataclass (@dataclasses.dataclass), which memfit traces and gives back as returned, "
-                "or a plain dict read by key.")
+                "which needs AttributeError. Raise AttributeError there, or return a dataclass (@dataclasses.dataclass) or a "
+                "dict (a subclass of dict too), which memfit traces and gives back as returned.")
     if re.search(r"\.(register_hook|register_post_accumulate_grad_hook)\(", line):
         return ("  a tensor hook registered in forward (h.register_hook(fn)), which torch.fx cannot record: move it "
                 "into a function of its own at module level that registers the hook and returns the tensor, marked "
@@ -562,10 +561,17 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
         return (f"  a value of a class torch.fx cannot record ({str(exc).rsplit(':', 1)[-1].strip()}), returned by "
                 "the forward or passed to an operation: return tensors in a tuple, list, dict, namedtuple or "
                 "dataclass (@dataclasses.dataclass) instead, which memfit traces, counts and gives back as returned.")
-    return ("  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
-            "rewrite that line with tensor operations (e.g. torch.where), or move that code into a function of "
-            "its own at module level, marked with torch.fx.wrap(\"name\") (fx then records it as one call, which "
-            "memfit runs as one step; a submodule of yours is traced into like the rest).")
+    if "control flow" in str(exc):
+        return ("  memfit needs a forward pass without data-dependent Python control flow on tensor values; "
+                "rewrite that line with tensor operations (e.g. torch.where), or move that code into a function of "
+                "its own at module level, marked with torch.fx.wrap(\"name\") (fx then records it as one call, which "
+                "memfit runs as one step; a submodule of yours is traced into like the rest).")
+    # (fresh users: a decorator's TypeError, a Mapping batch's AttributeError were all given the advice above)
+    return ("  torch.fx runs the forward once on stand-ins for its tensors, which take tensor operations only, and "
+            f"that line did something else with one ({type(exc).__name__}). Move that code into a function of its "
+            "own at module level, marked with torch.fx.wrap(\"name\") (fx then records it as one call, which memfit "
+            "runs as one step; a submodule of yours is traced into like the rest), or compute it outside the model "
+            "and pass the result in.")
 
 
 class _Tracer(fx.Tracer):
