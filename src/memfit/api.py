@@ -294,10 +294,10 @@ def _check_switches(**switches) -> None:
 
 def plain_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
     """``model``'s forward arguments that are one plain Python value (:func:`memfit.graph.calls.plain_scalar`: ``None``,
-    a flag, a number, a string) for the positional ``inputs``, passed or left out at their default
-    (``def forward(self, ids, mask=None, output_hidden_states: bool = False)`` called with ``ids`` alone), by name.
-    :func:`memfit.graph.capture.capture` traces ``None``, flags and strings as these values, and numbers where the
-    forward's Python code needs them (``for _ in range(steps)``)."""
+    a flag, a number, a string, an ``Enum`` member, a ``torch.dtype`` or ``torch.device``) for the positional
+    ``inputs``, passed or left out at their default (``def forward(self, ids, mask=None, output_hidden_states: bool =
+    False)`` called with ``ids`` alone), by name. :func:`memfit.graph.capture.capture` traces all but numbers as
+    these values, and numbers where the forward's Python code needs them (``for _ in range(steps)``)."""
     named = in_traced_order(forward_params(model))
     values = {p.name: inputs[k] if k < len(inputs) else p.default for k, p in enumerate(named)}
     return {name: v for name, v in values.items() if v is not inspect.Parameter.empty and plain_scalar(v)}
