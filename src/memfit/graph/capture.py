@@ -1106,7 +1106,8 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     _refuse_root_hooks(model)
     numbers = _python_numbers(model)
     plain = dict(plain_args or {})
-    # None, flags and strings are traced as their values; a number where the trace fails on a line reading it
+    # settings (None, flags, strings, Enum members, dtypes) are traced as their values; a number where the trace
+    # fails on a line reading it
     fixed = {name: v for name, v in plain.items() if setting_constant(v)}
     real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if t.device.type != "meta" and t.untyped_storage().data_ptr()]
