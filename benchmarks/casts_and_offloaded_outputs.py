@@ -26,11 +26,10 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from loss_reach_and_attention_weights import PerHeadMaps
+from loss_reach_and_attention_weights import PerHeadMaps, step_peak
 from torch import nn
 
 import memfit
-from memfit.profile import MemoryTracker, live_bytes
 
 VOCAB, D = 4000, 64
 
@@ -54,25 +53,6 @@ class EmbeddingHead(nn.Module):
         return self.head(h)
 
 
-def _peak(net, model, x, loss_fn, opt, held, bf16: bool) -> tuple[int, list]:
-    """A loop's step after a warm-up one: (bytes alive before it + tracked peak, the parameters' gradients)."""
-    def step():
-        torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            loss = loss_fn(net(x))
-        loss.backward()
-        opt.step()
-
-    opt.zero_grad()
-    step()
-    opt.zero_grad()
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    start = live_bytes([*model.parameters(), *model.buffers(), x, *held, *state])
-    with MemoryTracker("cpu") as tracker:
-        step()
-    return start + tracker.peak_bytes, [p.grad.clone() for p in model.parameters()]
-
-
 def case(name: str):
     """(model, x, loss_fn, held tensors, budget, bf16, strategy)."""
     torch.manual_seed(0)
@@ -94,7 +74,7 @@ def main() -> None:
     for name in ("bf16-lm", "bf16-lm-tied", "vdnn-all-maps"):
         model, x, loss_fn, held, budget, bf16, strategy = case(name)
         plain_model = copy.deepcopy(model)
-        plain_peak, plain_grads = _peak(plain_model, plain_model, x, loss_fn,
+        plain_peak, plain_grads = step_peak(plain_model, plain_model, x, loss_fn,
                                         torch.optim.AdamW(plain_model.parameters(), 1e-3), held, bf16)
         opt = torch.optim.AdamW(model.parameters(), 1e-3)
         with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="memfit_bench_") as store:
@@ -102,7 +82,7 @@ def main() -> None:
             with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                 planned = memfit.optimize(model, x, budget, strategy=strategy, optimizer=opt, loss_fn=loss_fn,
                                           time_limit=10, offload_dir=store if strategy == "vdnn-all" else None)
-            peak, grads = _peak(planned, model, x, loss_fn, opt, held, bf16)  # (its own autocast, per step)
+            peak, grads = step_peak(planned, model, x, loss_fn, opt, held, bf16)  # (its own autocast, per step)
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, plain_grads, strict=True))
         p = planned.plan
         print(f"{name:14s} {p.budget_bytes:>11,d} {p.predicted_peak_bytes:>11,d} {peak:>11,d} {plain_peak:>11,d} "

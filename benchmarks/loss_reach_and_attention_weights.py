@@ -25,6 +25,7 @@ compared with a plain PyTorch step from the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 import warnings
@@ -98,11 +99,14 @@ def _gan():
     return gen, disc
 
 
-def _peak(net, model, x, loss_fn, opt, held) -> tuple[int, list]:
-    """A loop's step after a warm-up one: (bytes alive before it + tracked peak, the parameters' gradients)."""
+def step_peak(net, model, x, loss_fn, opt, held, bf16: bool = False) -> tuple[int, list]:
+    """A loop's step after a warm-up one: (bytes alive before it + tracked peak, the parameters' gradients); with
+    ``bf16``, the forward pass and the loss under CPU bfloat16 autocast, the backward and the step outside it."""
     def step():
         torch.manual_seed(1)
-        loss_fn(net(x)).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = loss_fn(net(x))
+        loss.backward()
         opt.step()
 
     opt.zero_grad()
@@ -147,7 +151,7 @@ def main() -> None:
     for name in ("weights-min", "weights-100%", "per-head-maps", "gan-grads-kept", "criterion-object", "namespace"):
         model, x, loss_fn, held, budget = case(name)
         plain_model = copy.deepcopy(model)
-        plain_peak, plain_grads = _peak(plain_model, plain_model, x, loss_fn,
+        plain_peak, plain_grads = step_peak(plain_model, plain_model, x, loss_fn,
                                         torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9), held)
         if name == "gan-grads-kept":  # (the discriminator's gradients as its own step left them, for both runs)
             model, x, loss_fn, held, budget = case(name)
@@ -155,7 +159,7 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (MultiheadAttention is one operation to fx)
             planned = memfit.optimize(model, x, budget, optimizer=opt, loss_fn=loss_fn, time_limit=10)
-        peak, grads = _peak(planned, model, x, loss_fn, opt, held)
+        peak, grads = step_peak(planned, model, x, loss_fn, opt, held)
         same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, plain_grads, strict=True))
         p = planned.plan
         print(f"{name:17s} {p.budget_bytes:>11,d} {p.predicted_peak_bytes:>11,d} {peak:>11,d} {plain_peak:>11,d} "
