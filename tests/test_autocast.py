@@ -408,3 +408,37 @@ def test_autocast_entered_inside_forward_is_refused_naming_the_line(island):
         F.cross_entropy(ref(x), y).backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), name
+
+
+class _ChecksAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        if torch.is_autocast_enabled("cpu"):  # (a float32 head under autocast)
+            h = h.float() * 0.5
+        return self.head(h)
+
+
+def test_a_forward_testing_the_autocast_state_is_refused_in_another_state():
+    # the graph holds the branch the planning state took; trained in another state, it ran the other branch's
+    # graph with only a warning about memory figures
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
+    model = _ChecksAutocast().train()
+    ref = fresh_copy(model)
+    planned = memfit.optimize(model, x, "min")
+    F.cross_entropy(planned(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    with (torch.autocast("cpu", dtype=torch.bfloat16),
+          pytest.raises(TypeError, match=r"outside torch.autocast and the planned module is called under "
+                                         r"torch.autocast\(torch.bfloat16\), but the forward reads the autocast state "
+                                         r"\(.*test_autocast.py:\d+: +if torch.is_autocast_enabled")):
+        planned(x)
+    plain = memfit.optimize(nn.Sequential(nn.Linear(32, 4)).train(), x, "min")  # (no test: a warning only)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="outside torch.autocast"):
+        plain(x)

@@ -444,4 +444,5 @@ def apply_bn_from_output(captured: Captured, names: list[str]) -> Captured:
             act.args, act.kwargs = bound.args, bound.kwargs
     new.recompile()
     return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes,
-                    called=captured.called, fixed_args=captured.fixed_args, unread_args=captured.unread_args)
+                    called=captured.called, fixed_args=captured.fixed_args, unread_args=captured.unread_args,
+                    autocast_tests=captured.autocast_tests)

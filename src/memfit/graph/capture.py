@@ -45,7 +45,7 @@ from memfit.graph.calls import (
     tensors_in,
 )
 from memfit.graph.ir import Graph, Node
-from memfit.warn import warn_user
+from memfit.warn import in_library, warn_user
 
 
 class TraceError(RuntimeError):
@@ -72,7 +72,8 @@ class Captured:
     their values as constants. ``called``: ``(code, globals)`` of the user's Python functions that ran while
     tracing (:func:`memfit.graph.attributes.global_reads` watches the globals they read). ``fixed_args``: the
     forward's arguments traced as a value (``None``, a flag: :func:`capture`), by name: the graph holds for it only;
-    ``unread_args``: those its own code never reads, whose other values change nothing."""
+    ``unread_args``: those its own code never reads, whose other values change nothing; ``autocast_tests``: the lines
+    of the user's code that read the autocast state while tracing (``torch.is_autocast_enabled()``)."""
 
     gm: fx.GraphModule
     graph: Graph
@@ -81,6 +82,7 @@ class Captured:
     called: list = field(default_factory=list)
     fixed_args: dict[str, Any] = field(default_factory=dict)
     unread_args: tuple[str, ...] = ()
+    autocast_tests: tuple[str, ...] = ()
 
 
 def _in_torch(filename: str) -> bool:
@@ -182,6 +184,35 @@ def _refuse_autocast_blocks():
         yield
     finally:
         torch.amp.autocast_mode.autocast.__enter__ = real
+
+
+_AUTOCAST_STATE = ("is_autocast_enabled", "is_autocast_cpu_enabled", "get_autocast_dtype", "get_autocast_cpu_dtype",
+                   "get_autocast_gpu_dtype")
+
+
+@contextlib.contextmanager
+def _watch_autocast_tests(seen: list[str]):
+    """While tracing, note in ``seen`` the user's line of each call of ``torch.is_autocast_enabled()`` (and the
+    autocast dtype getters) from the user's code: fx runs such a test once, so the graph holds the planning state's
+    branch, and :class:`memfit.runtime.planned.PlannedModule` refuses a call in another autocast state."""
+    real = {name: getattr(torch, name) for name in _AUTOCAST_STATE if hasattr(torch, name)}
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if not in_library(caller):
+                seen.append(user_line())
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in real.items():
+        setattr(torch, name, watched(fn))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(torch, name, fn)
 
 
 _DRAW_ADVICE = ("Draw it from the tensors of the step: `keep = x.new_empty(()).bernoulli_(1 - p)` then "
@@ -1116,10 +1147,10 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
         draws: list[str] = []
         writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
                                       {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
-        state, attributes = state_of(model), None
+        state, attributes, autocast_tests = state_of(model), None, []
         try:
-            with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_user_checkpoints(checkpoints),
-                  _autograd_functions_as_leaves(),
+            with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
+                  _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
                   _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
                 gm = _trace(model, fixed)
         except _ReentrantCheckpoint:
@@ -1259,7 +1290,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     unread = _unread_arguments(model, list(fixed))
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
                     called=list(called.items()), fixed_args={k: v for k, v in fixed.items() if k not in unread},
-                    unread_args=tuple(sorted(unread)))
+                    unread_args=tuple(sorted(unread)), autocast_tests=tuple(dict.fromkeys(autocast_tests)))
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

@@ -169,4 +169,5 @@ def apply_tiling(captured: Captured, tiled: list[TiledBlock]) -> Captured:
     new.add_module(TILED_ATTR, holder)
     new.recompile()
     return Captured(gm=new, graph=graph_of(new), model=captured.model, attributes=captured.attributes,
-                    called=captured.called, fixed_args=captured.fixed_args, unread_args=captured.unread_args)
+                    called=captured.called, fixed_args=captured.fixed_args, unread_args=captured.unread_args,
+                    autocast_tests=captured.autocast_tests)

@@ -461,7 +461,8 @@ class PlannedModule(nn.Module):
         dropped = _drop_lost_inplace_forms(gm, plan)
         new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
                                      attributes=copy.deepcopy(captured.attributes, memo), called=captured.called,
-                                     fixed_args=captured.fixed_args, unread_args=captured.unread_args),
+                                     fixed_args=captured.fixed_args, unread_args=captured.unread_args,
+                    autocast_tests=captured.autocast_tests),
                             plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -1338,11 +1339,18 @@ class PlannedModule(nn.Module):
         here = autocast_dtype(args)
         if (self.plan.autocast or None) != here:
             made = f"under torch.autocast({self.plan.autocast})" if self.plan.autocast else "outside torch.autocast"
+            tests = self.__dict__["_captured"].autocast_tests
+            if tests:  # (the graph holds the planning state's branch: another state would run the wrong one)
+                raise TypeError(
+                    f"the plan was made {made} and the planned module is called "
+                    f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}, but the forward reads "
+                    f"the autocast state ({tests[0]}), and torch.fx ran that test once, while tracing: the graph "
+                    "holds the branch for the planning state. Make a plan in the autocast state you train in (call "
+                    "memfit.optimize inside the same torch.autocast context), one per state if you use both.")
             self._warn_once(f"autocast {here}", f"memfit: the plan was made {made} and is called "
                             f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: activations "
-                            "differ in size, so the planned memory figures do not hold, and a forward that tests "
-                            "torch.is_autocast_enabled() took its branch for the planning state (fx ran that test "
-                            "once, while tracing). Make a plan in the autocast state you train in.")
+                            "differ in size, so the planned memory figures do not hold. Make a plan in the autocast state "
+                            "you train in.")
 
     def _warn_aliased(self) -> None:
         """One warning for the nodes :meth:`_fresh` found returning an input (or a view) since the last one."""
