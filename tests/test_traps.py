@@ -1534,6 +1534,36 @@ def test_hooks_on_the_model_itself_are_refused_and_run_on_the_planned_module(kin
     _same({k: p.grad for k, p in ref.named_parameters()}, {k: p.grad for k, p in model.named_parameters()}, tol=0)
 
 
+class _Stores(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.l1, self.l2, self.kind = nn.Linear(16, 16), nn.Linear(16, 4), kind
+        self.feats, self.cache, self.log = [], {}, []
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        if self.kind == "list":
+            self.feats.append(h)
+        elif self.kind == "dict":
+            self.cache["h"] = (h, 1)
+        self.log.append(1)  # (a plain value: the loop's business)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "neither"])
+def test_traced_values_stored_into_a_list_or_dict_attribute_are_refused(kind):
+    # a fresh user's feature-matching loss read features forward appended to `self.feats`: the planned step
+    # stored nothing (the feature term silently 0; parameters 7.7e-3 off after 3 steps), or planning's stale tensors
+    model = _Stores(kind).train()
+    if kind == "neither":
+        memfit.optimize(model, torch.randn(4, 16), "min")
+        return
+    with pytest.raises(memfit.TraceError, match=rf"stores traced values into self.{'feats' if kind == 'list' else 'cache'}"
+                                                r" \(a list, dict or set it keeps\).*Return them from forward"):
+        memfit.optimize(model, torch.randn(4, 16), "min")
+    assert model.feats == [] and model.cache == {} and model.log == []  # (as it was)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
                                       ("densenet121", 32)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import dis
 import functools
@@ -1065,6 +1066,49 @@ def _refuse_decorated_forward(model: nn.Module) -> None:
         "`model.state_dict()`). Your model is as it was.")
 
 
+def _containers(model: nn.Module) -> list[tuple[str, Any, Any]]:
+    """``(label, container, copy)`` of each list, dict and set a module of ``model`` holds as a plain attribute
+    (``self.feats = []``), with a shallow copy of its contents, for :func:`_refuse_traced_stores`."""
+    found = []
+    for path, m in model.named_modules():
+        for name, value in vars(m).items():
+            if not name.startswith("_") and type(value) in (list, dict, set):
+                found.append((f"self{'.' + path if path else ''}.{name}", value, copy.copy(value)))
+    return found
+
+
+def _put_back_containers(containers: list[tuple[str, Any, Any]]) -> None:
+    """Give each container of :func:`_containers` its contents from before tracing."""
+    for _, box, saved in containers:
+        box.clear()
+        if isinstance(box, list):
+            box.extend(saved)
+        else:
+            box.update(saved)
+
+
+def _refuse_traced_stores(model: nn.Module, containers: list[tuple[str, Any, Any]]) -> None:
+    """Refuse a forward that put traced values into a list, dict or set attribute (``self.feats.append(h)``,
+    ``self.cache["h"] = h``: features kept for a feature-matching or deep-supervision loss), putting the containers
+    back: fx runs that once, while tracing, and the planned step stores nothing (a fresh user's feature loss was
+    silently 0, or read planning's stale tensors without gradients: parameters 7.7e-3 off in 3 steps)."""
+    def traced(value) -> bool:
+        items = value.values() if isinstance(value, dict) else value
+        return any(isinstance(v, fx.Proxy) or (isinstance(v, (tuple, list)) and any(isinstance(u, fx.Proxy) for u in v))
+                   for v in items)
+
+    stored = [label for label, box, _ in containers if traced(box)]
+    if stored:
+        _put_back_containers(containers)
+        raise TraceError(
+            f"the forward pass of {type(model).__name__} stores traced values into "
+            f"{', '.join(stored[:3])}{' ...' if len(stored) > 3 else ''} (a list, dict or set it keeps): torch.fx runs "
+            "that once, while tracing, and the planned step would store nothing there (a loss reading them would "
+            "see planning's leftovers, or nothing). Return them from forward (`return out, [h1, h2]`, read in "
+            "loss_fn), or register forward hooks on the layers that make them (memfit keeps a hooked layer whole "
+            "and runs its hooks in every step). Your model is as it was.")
+
+
 def _unread_arguments(model: nn.Module, names: list[str]) -> set[str]:
     """Of ``names``, the arguments that the model's own ``forward`` never loads (no ``LOAD_*`` of the name in its
     bytecode, closures included): another value of one changes nothing, so the planned module does not refuse it
@@ -1142,77 +1186,84 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     fixed = {name: v for name, v in plain.items() if setting_constant(v)}
     real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if t.device.type != "meta" and t.untyped_storage().data_ptr()]
-    while True:
-        checkpoints: list[str] = []
-        draws: list[str] = []
-        writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
-                                      {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
-        state, attributes, autocast_tests = state_of(model), None, []
-        try:
-            with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
-                  _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-                  _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
-                gm = _trace(model, fixed)
-        except _ReentrantCheckpoint:
-            raise TraceError(
-                f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
-                "which runs its function under torch.no_grad() and hides it from torch.fx.\n"
-                f"  failing line: {checkpoints[-1]}\n"
-                "  memfit plans recomputation itself: remove that checkpoint (or turn your model's gradient "
-                "checkpointing option off), or pass use_reentrant=False."
-            ) from None
-        except TraceError:
-            raise
-        except _StateWrite as exc:
-            raise TraceError(
-                f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "
-                "through a tensor torch.fx does not trace (reached by a loop over self.parameters() or "
-                "self.named_buffers(), a list of tensors, or torch._foreach_*: a momentum (EMA) update of a target "
-                "network): fx would run that write once, while tracing, and the planned step never.\n"
-                f"  failing line: {exc.line}\n"
-                "  Move the update out of forward, into your training loop before each call of the planned model "
-                "(`model.momentum_update(); loss = loss_fn(planned(x))`), or write it on the module's attributes "
-                "(`self.target.weight.mul_(m).add_(self.online.weight.detach(), alpha=1 - m)`), which fx records and "
-                "the plan runs at every step. Your model is as it was."
-            ) from None
-        except _AutocastBlock as exc:
-            raise TraceError(
-                f"the forward pass of {type(model).__name__} enters torch.autocast, which torch.fx does not record: "
-                "the plan would run that part in the precision of the caller's context.\n"
-                f"  failing line: {_user_frame(exc)}\n"
-                "  Call the planned module inside torch.autocast instead (memfit.optimize inside the same context, "
-                "as the README's mixed-precision section says); for a part that must stay in float32 "
-                "(`enabled=False` around a head), cast explicitly (`self.head(h.float())`), or move that part into a "
-                "function of its own at module level marked with torch.fx.wrap(\"name\") (run as one step, its "
-                "autocast block included). Your model is as it was."
-            ) from None
-        except _GradModeChange as exc:
-            raise TraceError(
-                f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
-                "torch.enable_grad, torch.set_grad_enabled or torch.inference_mode), which torch.fx does not "
-                "record: the plan would compute gradients there.\n"
-                f"  failing line: {_user_frame(exc)}\n"
-                "  Write `t = f(x).detach()` instead of `with torch.no_grad(): t = f(x)` (the same values and "
-                "gradients), or compute that part outside the model and pass it in as an input. An update of the "
-                "model's own weights under torch.no_grad() (a momentum encoder's, MoCo's @torch.no_grad() "
-                "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
-            ) from None
-        except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
-            needed = {name: v for name, v in plain.items()
-                      if name not in fixed and name in _arguments_in_control_flow(exc)}
-            if needed and attributes is not None:  # (a number the line needs as one: traced again, fixed)
-                _put_back_attempt(attributes, numbers, state)
-                fixed.update(needed)
-                continue
-            line = _user_frame(exc)
-            # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
-            drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
-                     "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
-            raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
-                f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-                f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
-            ) from exc
-        break
+    containers = _containers(model)
+    try:
+        while True:
+            checkpoints: list[str] = []
+            draws: list[str] = []
+            writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
+                                          {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
+            state, attributes, autocast_tests = state_of(model), None, []
+            try:
+                with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
+                      _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
+                      _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
+                    gm = _trace(model, fixed)
+            except _ReentrantCheckpoint:
+                raise TraceError(
+                    f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
+                    "which runs its function under torch.no_grad() and hides it from torch.fx.\n"
+                    f"  failing line: {checkpoints[-1]}\n"
+                    "  memfit plans recomputation itself: remove that checkpoint (or turn your model's gradient "
+                    "checkpointing option off), or pass use_reentrant=False."
+                ) from None
+            except TraceError:
+                raise
+            except _StateWrite as exc:
+                raise TraceError(
+                    f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "
+                    "through a tensor torch.fx does not trace (reached by a loop over self.parameters() or "
+                    "self.named_buffers(), a list of tensors, or torch._foreach_*: a momentum (EMA) update of a target "
+                    "network): fx would run that write once, while tracing, and the planned step never.\n"
+                    f"  failing line: {exc.line}\n"
+                    "  Move the update out of forward, into your training loop before each call of the planned model "
+                    "(`model.momentum_update(); loss = loss_fn(planned(x))`), or write it on the module's attributes "
+                    "(`self.target.weight.mul_(m).add_(self.online.weight.detach(), alpha=1 - m)`), which fx records and "
+                    "the plan runs at every step. Your model is as it was."
+                ) from None
+            except _AutocastBlock as exc:
+                raise TraceError(
+                    f"the forward pass of {type(model).__name__} enters torch.autocast, which torch.fx does not record: "
+                    "the plan would run that part in the precision of the caller's context.\n"
+                    f"  failing line: {_user_frame(exc)}\n"
+                    "  Call the planned module inside torch.autocast instead (memfit.optimize inside the same context, "
+                    "as the README's mixed-precision section says); for a part that must stay in float32 "
+                    "(`enabled=False` around a head), cast explicitly (`self.head(h.float())`), or move that part into a "
+                    "function of its own at module level marked with torch.fx.wrap(\"name\") (run as one step, its "
+                    "autocast block included). Your model is as it was."
+                ) from None
+            except _GradModeChange as exc:
+                raise TraceError(
+                    f"the forward pass of {type(model).__name__} changes autograd's grad mode (torch.no_grad, "
+                    "torch.enable_grad, torch.set_grad_enabled or torch.inference_mode), which torch.fx does not "
+                    "record: the plan would compute gradients there.\n"
+                    f"  failing line: {_user_frame(exc)}\n"
+                    "  Write `t = f(x).detach()` instead of `with torch.no_grad(): t = f(x)` (the same values and "
+                    "gradients), or compute that part outside the model and pass it in as an input. An update of the "
+                    "model's own weights under torch.no_grad() (a momentum encoder's, MoCo's @torch.no_grad() "
+                    "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
+                ) from None
+            except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
+                needed = {name: v for name, v in plain.items()
+                          if name not in fixed and name in _arguments_in_control_flow(exc)}
+                if needed and attributes is not None:  # (a number the line needs as one: traced again, fixed)
+                    _put_back_attempt(attributes, numbers, state)
+                    _put_back_containers(containers)
+                    fixed.update(needed)
+                    continue
+                line = _user_frame(exc)
+                # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
+                drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
+                         "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
+                raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
+                    f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+                    f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
+                ) from exc
+            break
+    except BaseException:  # (the model as it was: a failed trace may have stored stand-ins)
+        _put_back_containers(containers)
+        raise
+    _refuse_traced_stores(model, containers)
     frozen_grads = [n.target for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(
         "_tensor_constant") and isinstance(t := getattr(gm, n.target, None), torch.Tensor) and t.grad_fn is not None]
     if frozen_grads:
