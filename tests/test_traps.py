@@ -1490,8 +1490,9 @@ def test_a_decorated_forward_is_refused_and_a_wrapper_plans_it_as_called(decorat
     if decorator == "bare":
         model = _BareDecorated().train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(memfit.TraceError, match=r"forward is wrapped by a decorator \((_extra_loss_for_keyword_labels|"
-                                                r"_bare)\).*with every argument positional.*Plan a wrapper module"):
+    with pytest.raises(memfit.TraceError, match=r"forward is wrapped by a decorator \(_extra_loss_for_keyword_labels\)"
+                                                r".*with every argument positional.*Plan a wrapper module|forward takes "
+                                                r"only \*args and \*\*kwargs \(_bare\).*plan a wrapper module"):
         memfit.optimize(model, {"x": x, "labels": y}, loss_fn=lambda out: out["loss"])
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     if decorator == "bare":
@@ -1562,6 +1563,43 @@ def test_traced_values_stored_into_a_list_or_dict_attribute_are_refused(kind):
                                                 r" \(a list, dict or set it keeps\).*Return them from forward"):
         memfit.optimize(model, torch.randn(4, 16), "min")
     assert model.feats == [] and model.cache == {} and model.log == []  # (as it was)
+
+
+def _timed(forward):
+    """A decorator without functools.wraps whose wrapper names ``self``."""
+
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _TimedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 4)
+
+    @_timed
+    def forward(self, x):
+        return self.l(x)
+
+
+class _PassesAllOn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(8, 4)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [_TimedForward, _PassesAllOn])
+def test_a_forward_taking_only_star_args_is_refused_with_the_way_out(cls):
+    # fresh users: a decorator without functools.wraps, and an EMA-style wrapper passing everything on, were told
+    # "missing 1 required positional argument" and advice about data-dependent control flow
+    with pytest.raises(memfit.TraceError, match=r"forward takes only \*args and \*\*kwargs.*traces \*args and "
+                                                r"\*\*kwargs empty.*Plan the module it calls"):
+        memfit.optimize(cls().train(), torch.randn(2, 8))
 
 
 @pytest.mark.slow

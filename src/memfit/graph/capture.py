@@ -1047,6 +1047,18 @@ def _refuse_decorated_forward(model: nn.Module) -> None:
     except (TypeError, ValueError):
         return
     bare = bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+    variadic = inner is forward and len(params) > 1 and all(
+        p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in params[1:])
+    if variadic:  # (a decorator without functools.wraps, or a wrapper passing everything on: EMA, ModelWithLoss)
+        code = getattr(forward, "__code__", None)
+        raise TraceError(
+            f"{type(model).__name__}.forward takes only *args and **kwargs"
+            f"{' (' + code.co_qualname.split('.<locals>')[0] + ')' if hasattr(code, 'co_qualname') else ''}: a decorator "
+            "without functools.wraps, or a wrapper passing everything on to another module. torch.fx traces *args "
+            "and **kwargs empty, so your inputs cannot reach the model. Plan the module it calls (memfit.optimize("
+            "model.module, ...), parameters are shared), give forward named parameters (`def forward(self, x, "
+            "mask=None)`), or, for a decorator, plan a wrapper module whose forward names them and calls the "
+            "model. Your model is as it was.")
     if inner is forward and not bare:
         return
     code = getattr(forward, "__code__", None)
