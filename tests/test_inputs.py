@@ -9,6 +9,7 @@ import enum
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1047,6 +1048,8 @@ def test_flags_strings_and_loop_counts_among_the_arguments_are_traced_at_their_v
         planned(**{**batch, "depth": 2})  # (`range(depth)`: traced at its value)
     with pytest.raises(TypeError, match=rf"called with output_hidden_states={int(flag)}, but it was planned with "):
         planned(**{**batch, "output_hidden_states": int(flag)})  # (`flag is True` tells them apart)
+    depth = settings.get("depth", 1)  # (a numpy scalar from a sweep's config runs as the number it is)
+    assert torch.equal(planned(**{**batch, "depth": np.int64(depth)})["logits"], plain(**batch)["logits"])
     for unread in (True, None):  # (a flag forward never reads: another value changes nothing, as in PyTorch)
         assert torch.equal(planned(**batch, use_cache=unread)["logits"], plain(**batch, use_cache=unread)["logits"])
     model.zero_grad(set_to_none=True)
@@ -1097,6 +1100,20 @@ def test_enum_and_dtype_arguments_are_traced_at_their_values(given):
         planned(x, freeze=other)
     with pytest.raises(TypeError, match=r"called with dtype=torch.float64, but it was planned with dtype=torch.float32"):
         planned(x, **given, dtype=torch.float64)
+
+
+def test_a_function_argument_is_refused_with_the_way_out():
+    # a fresh user's `forward(self, x, act=F.gelu)` failed inside fx with advice about output types
+    class Act(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x, act=F.gelu):
+            return act(self.l(x))
+
+    with pytest.raises(memfit.TraceError, match=r"argument 'act' is a function \('gelu'\).*self.act = act"):
+        memfit.optimize(Act().train(), torch.randn(2, 8))
 
 
 def test_arguments_traced_at_their_values_keep_their_names():

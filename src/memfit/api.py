@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,7 +33,7 @@ from memfit.graph.calls import (
     plain_scalar,
     tensors_in,
 )
-from memfit.graph.capture import Captured, capture, check_traced_outputs
+from memfit.graph.capture import Captured, TraceError, capture, check_traced_outputs
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
@@ -292,6 +294,20 @@ def _check_switches(**switches) -> None:
                             f"got {value!r}")
 
 
+def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:
+    """Refuse a forward argument whose value (given, or its default) is a function (``act=F.gelu``): torch.fx
+    cannot take one as a graph input (a fresh user was told about output types, inside fx's code)."""
+    named = in_traced_order(forward_params(model))
+    for k, p in enumerate(named):
+        value = inputs[k] if k < len(inputs) else p.default
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)):
+            raise TraceError(
+                f"the forward's argument {p.name!r} is a function ({getattr(value, '__name__', value)!r}), which "
+                "torch.fx cannot take as a graph input. Keep it on the module (`self.act = act` in __init__, read "
+                f"in forward), or plan a wrapper module whose forward calls yours with {p.name}=... (fx then traces "
+                "into that function). Your model is as it was.")
+
+
 def plain_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
     """``model``'s forward arguments that are one plain Python value (:func:`memfit.graph.calls.plain_scalar`: ``None``,
     a flag, a number, a string, an ``Enum`` member, a ``torch.dtype`` or ``torch.device``) for the positional
@@ -494,6 +510,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _refuse_sparse_gradients(model)
     _warn_hooks(model)
     if _captured is None:
+        _refuse_function_arguments(model, given)
         captured = capture(model, plain_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(inputs))
     else:
@@ -927,6 +944,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         if not any(p.requires_grad for p in model.parameters()) and not any(
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
+        _refuse_function_arguments(model, given)
         captured = capture(model, plain_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(given))
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))

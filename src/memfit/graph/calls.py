@@ -352,6 +352,8 @@ def setting_constant(value) -> bool:
 def same_fixed_value(planned, now) -> bool:
     """``now`` is the value ``planned`` that a forward's argument was traced for (:func:`memfit.graph.capture.capture`
     fixes such arguments): the same type and equal (``1`` is not ``True``: ``flag is True`` tells them apart)."""
+    if type(now).__module__ == "numpy" and getattr(now, "ndim", None) == 0 and hasattr(now, "item"):
+        now = now.item()  # (a numpy scalar from a sweep's config: np.int64(3) runs as 3 does)
     return now is planned or (type(now) is type(planned) and now == planned)
 
 
