@@ -88,16 +88,16 @@ class InfeasibleBudgetError(ValueError):
                    "--time-limit may find a lower one; a busy machine slows that search)")
         # (a fresh user measured the least-memory plan's peak and asked for it: refused, with no word of the headroom)
         floor = smallest_feasible_bytes - margin_bytes
-        headroom = (f": the least-memory plan is predicted to peak at {floor} bytes ({fmt_bytes(floor)}), and a "
+        headroom = (f" The least-memory plan is predicted to peak at {floor} bytes ({fmt_bytes(floor)}), and a "
                     f"budget keeps {margin_bytes} bytes ({fmt_bytes(margin_bytes)}) of headroom above a plan's "
                     "predicted peak for what the prediction leaves out (the loss's scalars, checkpoint "
-                    "bookkeeping; budget='min' picks that plan)" if margin_bytes > 0 and budget_bytes >= floor else "")
+                    "bookkeeping); budget='min' picks that plan." if margin_bytes > 0 and budget_bytes >= floor else "")
         super().__init__(
             f"no plan fits a budget of {budget_bytes} bytes ({fmt_bytes(budget_bytes)}); the smallest "
             f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}, "
-            f"{fmt_bytes(smallest_feasible_bytes - budget_bytes)} more){headroom}{stopped}, "
+            f"{fmt_bytes(smallest_feasible_bytes - budget_bytes)} more){stopped}, "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
-            f"buffers, optimizer state, inputs){hint}.")
+            f"buffers, optimizer state, inputs){hint}.{headroom}")
 
     def for_optimizer(self, optimizer: str, state_bytes: int) -> InfeasibleBudgetError:
         """The same error, its advice for ``optimizer`` (a class name) holding ``state_bytes`` of state."""
