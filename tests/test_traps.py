@@ -1602,6 +1602,31 @@ def test_a_forward_taking_only_star_args_is_refused_with_the_way_out(cls):
         memfit.optimize(cls().train(), torch.randn(2, 8))
 
 
+def test_torch_func_transforms_run_the_model_as_pytorch_does():
+    # a fresh user's per-sample gradients (vmap(grad(functional_call(...)))) failed inside the plan's
+    # autograd.Functions with internal errors, also at strategy="none"
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).train()
+    x, y = torch.randn(6, 3, 12, 12), torch.randint(0, 4, (6,))
+
+    def per_sample(module):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p, xi, yi):
+            return F.cross_entropy(functional_call(module, p, (xi[None],)), yi[None])
+
+        return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+    want = per_sample(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: F.cross_entropy(out, y))
+    with pytest.warns(UserWarning, match=r"inside a torch.func transform.*runs your model as PyTorch does"):
+        got = per_sample(planned)
+    _same(want, got, tol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
                                       ("densenet121", 32)])
