@@ -374,12 +374,21 @@ def test_untying_weights_after_planning_warns_that_the_budget_does_not_hold():
     model.head.weight = nn.Parameter(model.tok.weight.detach().clone())  # untied from the embedding
     plain = fresh_copy(model)
     model.zero_grad(set_to_none=True)
-    with pytest.warns(UserWarning, match=r"trainable parameters now take .* more than when the plan was made"):
+    with pytest.warns(UserWarning, match=r"trainable parameters now hold [\d,]+ more elements than when the plan was "
+                                         r"made"):
         out = planned(ids)
     out.square().mean().backward()
     plain(ids).square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), name
+    small = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()  # (a fresh user's float64)
+    x = torch.randn(4, 8)
+    converted = memfit.optimize(small, x, "min").to(torch.float64)
+    with warnings.catch_warnings(record=True) as seen:  # (a dtype conversion is no untying: one warning, its own)
+        warnings.simplefilter("always")
+        converted(x.double()).square().mean().backward()
+    messages = [str(w.message) for w in seen]
+    assert any("torch.float64" in m for m in messages) and not any("more" in m for m in messages), messages
 
 
 def test_unfreezing_after_planning_warns_that_the_budget_does_not_hold():

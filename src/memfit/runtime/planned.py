@@ -579,8 +579,8 @@ class PlannedModule(nn.Module):
         self._buffer_slots = [(module._buffers, name, buf) for module in dict(self._modules_at_build).values()
                               for name, buf in module._buffers.items()]
         self._state_at_build = self._state_now()
-        if "_trainable_bytes_at_plan" not in self.__dict__:  # (not again when a replaced parameter rebuilds it)
-            self.__dict__["_trainable_bytes_at_plan"] = self._trainable_bytes()
+        if "_trainable_elements_at_plan" not in self.__dict__:  # (not again when a replaced parameter rebuilds it)
+            self.__dict__["_trainable_elements_at_plan"] = self._trainable_elements()
         # the modules fx traced into (their code is in the graph; they are never called in a step), by path
         traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
                          if not (n.op == "call_module" and path == n.target)}
@@ -1093,9 +1093,11 @@ class PlannedModule(nn.Module):
         return [(n, id(t)) for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
                                                       model.named_buffers(remove_duplicate=False))]
 
-    def _trainable_bytes(self) -> int:
-        """Bytes of the model's trainable parameters, a storage shared by several (tied weights) counted once."""
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+    def _trainable_elements(self) -> int:
+        """Elements of the model's trainable parameters, a storage shared by several (tied weights) counted once:
+        elements, not bytes, so that a dtype conversion (``model.double()``, warned about as such) does not read
+        as weights untied."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() // p.element_size()
                     for _, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         return sum(storages.values())
 
@@ -1126,14 +1128,14 @@ class PlannedModule(nn.Module):
                 self.register_buffer(name, b)
             self._build()
             shapes = {k: list(v.shape) for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
-            more = self._trainable_bytes() - self.__dict__["_trainable_bytes_at_plan"]
+            more = self._trainable_elements() - self.__dict__["_trainable_elements_at_plan"]
             if self.plan.state_shapes and shapes != self.plan.state_shapes:
                 warnings.warn("memfit: a parameter or buffer of the model was replaced by one of another shape after "
                               "planning; results are correct but the planned memory figures do not hold. Make a "
                               "plan for the model as it is now.", stacklevel=4)
             elif more > 0:  # (a fresh user's GPT, its head untied from the embedding: 1.22x its budget, silently)
-                warnings.warn(f"memfit: the model's trainable parameters now take {fmt_bytes(more)} more than when the "
-                              "plan was made (a parameter replaced by a new tensor where two shared one, as when "
+                warnings.warn(f"memfit: the model's trainable parameters now hold {more:,} more elements than when "
+                              "the plan was made (a parameter replaced by a new tensor where two shared one, as when "
                               "tied weights are untied: model.head.weight = nn.Parameter(...)): results are correct, "
                               "but their gradients and optimizer state are not in the plan, so the step can exceed "
                               "its budget. Make a plan for the model as it is now.", stacklevel=4)
