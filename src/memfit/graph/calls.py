@@ -267,7 +267,8 @@ def check_var_positional(gm: fx.GraphModule, args: tuple, what: str = "example_i
         return
     if "VAR_POSITIONAL" in kinds:
         star = next(str(p.target) for p, kind in zip(placeholders, kinds, strict=True) if kind == "VAR_POSITIONAL")
-        raise ValueError(f"{what} has {len(args)} positional inputs, but the model's forward names {len(named)} "
+        error = ValueError if what == "example_inputs" else TypeError  # (a call's error is a TypeError, as Python's)
+        raise error(f"{what} has {len(args)} positional inputs, but the model's forward names {len(named)} "
                          f"({', '.join(named)}) before {star}: PyTorch passes the others in {star}, which torch.fx "
                          "traces empty, so memfit cannot plan them. Give that input a parameter of its own in forward "
                          "(def forward(self, x, extra, ...)), or wrap the model in a module whose forward names it; "
