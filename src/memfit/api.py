@@ -33,7 +33,7 @@ from memfit.graph.calls import (
     plain_scalar,
     tensors_in,
 )
-from memfit.graph.capture import Captured, TraceError, capture, check_traced_outputs
+from memfit.graph.capture import Captured, TraceError, capture, check_traced_outputs, refuse_decorated_forward
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import Costs, profile_graph
 from memfit.profile.link import measure_link
@@ -492,6 +492,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     """
     budget = Budget.parse(budget)
     _check_model(model)
+    refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
     _check_optimizer(optimizer, model, loss_fn)
     # (a string or None compared with 0 was a bare TypeError for a fresh user)
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
@@ -914,6 +915,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         ``Plan.load``).
     """
     _check_model(model)
+    refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
     _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
     given = _as_tuple(example_inputs, model)
     if plan_ is not None and not isinstance(plan_, Plan):  # (a path gave "'str' object has no attribute 'autocast'")

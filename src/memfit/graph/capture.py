@@ -1030,7 +1030,7 @@ def _refuse_scripted(model: nn.Module) -> None:
             "passed to torch.jit.script), and train the planned module as it is.")
 
 
-def _refuse_decorated_forward(model: nn.Module) -> None:
+def refuse_decorated_forward(model: nn.Module) -> None:
     """Refuse a model whose forward is wrapped by a decorator (``functools.wraps``, or a bare ``def wrapper(*args,
     **kwargs)``), before anything runs. torch.fx calls the model's own forward with every argument positional, so
     the decorator sees them other than your calls pass them: fresh users' decorators added a loss term only when
@@ -1068,8 +1068,8 @@ def _refuse_decorated_forward(model: nn.Module) -> None:
     except (TypeError, ValueError):
         real = "x, ..."
     raise TraceError(
-        f"{type(model).__name__}.forward is wrapped by a decorator{f' ({name})' if name else ''} that takes *args "
-        "and **kwargs. torch.fx would call it with every argument positional, so the decorator would see them "
+        f"{type(model).__name__}.forward is wrapped by a decorator{f' ({name})' if name else ''}. torch.fx would "
+        "call it with every argument positional, so the decorator would see them "
         "otherwise than your calls pass them (keywords it reads or fills in, the return type it chooses) and the "
         "plan would train what fx saw. Plan a wrapper module that calls your model as your training loop does, "
         "which fx traces into, decorator included: `class Wrapped(nn.Module): def __init__(self, m): "
@@ -1189,7 +1189,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
             flow): then computations on buffers alone ran once, while tracing, and are not in the graph.
     """
     _refuse_scripted(model)
-    _refuse_decorated_forward(model)
+    refuse_decorated_forward(model)
     _refuse_root_hooks(model)
     numbers = _python_numbers(model)
     plain = dict(plain_args or {})
