@@ -1627,6 +1627,30 @@ def test_torch_func_transforms_run_the_model_as_pytorch_does():
     _same(want, got, tol=0)
 
 
+def test_a_failure_inside_an_installed_library_names_it_and_fx_wrap(tmp_path, monkeypatch):
+    # a fresh user's einops.rearrange was refused as "a raise statement of yours ... not a limit of tracing"
+    (tmp_path / "fakelib").mkdir()
+    (tmp_path / "fakelib-1.0.dist-info").mkdir()
+    (tmp_path / "fakelib" / "__init__.py").write_text(
+        "import torch\n\n\ndef tokens(x):\n    if type(x) is not torch.Tensor:\n"
+        "        raise RuntimeError(f'Tensor type unknown to fakelib {type(x)}')\n    return x.flatten(2).transpose(1, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fakelib
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.l = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.l(fakelib.tokens(self.c(x)))
+
+    with pytest.raises(memfit.TraceError, match=r"fakelib's tokens \(called at .*test_traps.py:\d+ in forward: .*\) "
+                                                r"runs Python code of its own.*torch.fx.wrap\(\"tokens\"\)") as err:
+        memfit.optimize(Tokens().train(), torch.randn(2, 3, 8, 8))
+    assert "raise statement of yours" not in str(err.value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
                                       ("densenet121", 32)])

@@ -60,9 +60,51 @@ class ForwardRaisedError(TraceError, ValueError):
 
 
 def _raised_by_user(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from a raise statement in the user's code (not torch's)."""
+    """Whether ``exc`` comes from a raise statement in the user's code (not torch's, nor an installed package's)."""
     line = _user_frame(exc)
-    return not line.startswith("inside torch") and re.search(r"(^|: )\s*raise\b", line) is not None
+    return (not line.startswith("inside torch") and _library_call(exc) is None
+            and re.search(r"(^|: )\s*raise\b", line) is not None)
+
+
+def _installed(filename: str) -> bool:
+    """``filename`` belongs to a package pip installed (``einops/einops.py`` beside ``einops-0.8.2.dist-info``, in
+    site-packages or a ``--target`` directory), not to the user's own files."""
+    return _package_root(filename) is not None
+
+
+def _package_root(filename: str) -> tuple[str, str] | None:
+    """``(directory, package)`` of the installed package holding ``filename`` (:func:`_installed`), or ``None``."""
+    path = os.path.abspath(filename)
+    parts = path.split(os.sep)
+    for k in range(len(parts) - 1, max(len(parts) - 8, 1), -1):
+        directory, top = os.sep.join(parts[:k - 1]) or os.sep, parts[k - 1].removesuffix(".py")
+        if _has_dist_info(directory, top.replace("-", "_").lower()):
+            return directory, top
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _has_dist_info(directory: str, package: str) -> bool:
+    try:
+        return any(e.endswith((".dist-info", ".egg-info")) and e.split("-")[0].replace("-", "_").lower() == package
+                   for e in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def _library_call(exc: BaseException) -> tuple[str, str] | None:
+    """``(function, line)`` where ``exc`` was raised inside an installed package other than torch (einops'
+    ``rearrange``): the package's function the user's code called, and the user's line that called it."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
+    if not frames or not _installed(frames[-1].filename):
+        return None
+    own = [k for k, f in enumerate(frames) if not _installed(f.filename)]
+    if not own:
+        return None
+    caller = frames[own[-1]]
+    entry = frames[own[-1] + 1] if own[-1] + 1 < len(frames) else frames[-1]
+    package = (_package_root(entry.filename) or ("", "a package"))[1]
+    return f"{package}'s {entry.name}", f"{caller.filename}:{caller.lineno} in {caller.name}: {caller.line}"
 
 
 @dataclass
@@ -471,6 +513,14 @@ def _in_distributions(exc: BaseException) -> bool:
 
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
+    library = _library_call(exc)
+    if library is not None and "torchvision" not in library[0] and not library[0].endswith("'s forward"):
+        function, caller = library  # (a fresh user's einops.rearrange was called "a raise statement of yours")
+        name = function.rsplit("'s ", 1)[-1]
+        return (f"  {function} (called at {caller}) runs Python code of its own on torch.fx's stand-ins for your "
+                f"tensors, which it cannot handle. Let fx record the call whole: in your file, after importing it, "
+                f"write torch.fx.wrap(\"{name}\") at module level (or call it through a function of yours marked "
+                "so); memfit then runs it as one step.")
     if _in_distributions(exc):  # (a VAE's Normal(...).rsample() was told about control flow, or iteration)
         return ("  torch.distributions objects check and broadcast their parameters in Python (validate_args, "
                 "broadcast_all), which torch.fx cannot trace. Write the sampling with tensor operations (`z = mu + "
