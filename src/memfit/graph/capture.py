@@ -1089,8 +1089,8 @@ def refuse_decorated_forward(model: nn.Module) -> None:
     is decorated so (``@can_return_tuple``). Called from a wrapper module, the decorator runs while tracing with
     the arguments as the wrapper passes them."""
     forward = getattr(type(model), "forward", None)
-    if not callable(forward):
-        return
+    if not callable(forward) or hasattr(model, "_orig_mod") or forward is nn.Module.forward:
+        return  # (torch.compile's wrapper, and a module without a forward, have advice of their own)
     inner = inspect.unwrap(forward)
     try:
         params = list(inspect.signature(forward, follow_wrapped=False).parameters.values())
