@@ -492,7 +492,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     """
     budget = Budget.parse(budget)
     _check_model(model)
-    refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
+    if not isinstance(model, PlannedModule):  # (refused as already planned, below)
+        refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
     _check_optimizer(optimizer, model, loss_fn)
     # (a string or None compared with 0 was a bare TypeError for a fresh user)
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
@@ -915,7 +916,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
         ``Plan.load``).
     """
     _check_model(model)
-    refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
+    if not isinstance(model, PlannedModule):  # (refused as already planned, below)
+        refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
     _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
     given = _as_tuple(example_inputs, model)
     if plan_ is not None and not isinstance(plan_, Plan):  # (a path gave "'str' object has no attribute 'autocast'")
