@@ -1651,6 +1651,24 @@ def test_a_failure_inside_an_installed_library_names_it_and_fx_wrap(tmp_path, mo
     assert "raise statement of yours" not in str(err.value)
 
 
+def test_control_flow_on_an_unpacked_shape_gets_the_shape_advice():
+    # a fresh user's `B, C, H, W = x.shape; if H % 2:` was told about data-dependent control flow (torch.where)
+    class Pads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            b, c, h, w = x.shape
+            if h % 2:
+                x = F.pad(x, (0, 0, 0, 1))
+            return self.c(x)
+
+    with pytest.raises(memfit.TraceError, match=r"Python control flow on a tensor's shape") as err:
+        memfit.optimize(Pads().train(), torch.randn(2, 3, 7, 8))
+    assert "torch.where" not in str(err.value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
                                       ("densenet121", 32)])

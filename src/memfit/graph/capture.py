@@ -475,6 +475,29 @@ def _arguments_in_control_flow(exc: BaseException) -> list[str]:
             if isinstance(value, fx.Proxy) and value.node.op == "placeholder" and re.search(rf"\b{re.escape(name)}\b", line)]
 
 
+def _sizes_on_failing_line(exc: BaseException) -> list[str]:
+    """Names on the failing line of the user's code that hold a traced size (``B, C, H, W = x.shape`` then
+    ``if H % 2:``): a fresh user's unpacked shape got the advice for data-dependent control flow."""
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        if _users(tb.tb_frame.f_code.co_filename):
+            last = tb
+        tb = tb.tb_next
+    if last is None:
+        return []
+    line = traceback.extract_tb(last, limit=1)[0].line or ""
+
+    def size(node) -> bool:
+        while isinstance(node, fx.Node) and node.target is operator.getitem:
+            node = node.args[0]
+        return isinstance(node, fx.Node) and (
+            (node.op == "call_function" and node.target is getattr and node.args[1:2] in (("shape",), ("ndim",)))
+            or (node.op == "call_method" and node.target in ("size", "dim", "numel")))
+
+    return [name for name, value in last.tb_frame.f_locals.items()
+            if isinstance(value, fx.Proxy) and size(value.node) and re.search(rf"\b{re.escape(name)}\b", line)]
+
+
 def _iterated_argument(exc: BaseException) -> str | None:
     """The name of the forward's argument whose iteration raised ``exc`` (the ``self`` of fx's ``Proxy.__iter__``,
     a placeholder), or ``None`` where what was iterated is a value computed in forward."""
@@ -539,7 +562,8 @@ def _trace_advice(model: nn.Module, exc: BaseException) -> str:
                 "into a fixed count (`a, b, c, d = h.chunk(4, 1)`), index with a count fixed in __init__ "
                 "(`parts = h.chunk(self.n, 1)` then `parts[i] for i in range(self.n)`), or move that code into a "
                 "function fx keeps whole (torch.fx.wrap).")
-    if "control flow" in str(exc) and re.search(r"\.shape\b|\.size\(|\.dim\(|\.ndim\b|\blen\(", _user_frame(exc)):
+    if "control flow" in str(exc) and (re.search(r"\.shape\b|\.size\(|\.dim\(|\.ndim\b|\blen\(", _user_frame(exc))
+                                       or _sizes_on_failing_line(exc)):
         return ("  Python control flow on a tensor's shape (`if h.shape[-1] == x.shape[-1]:`): torch.fx traces shapes "
                 "as graph values, not numbers. Decide it from the module's own settings, fixed when it is built "
                 "(`self.residual = layer.in_features == layer.out_features` in __init__, read in forward), or move "
