@@ -1659,7 +1659,7 @@ def test_control_flow_on_an_unpacked_shape_gets_the_shape_advice():
             self.c = nn.Conv2d(3, 4, 3, padding=1)
 
         def forward(self, x):
-            b, c, h, w = x.shape
+            _, _, h, _ = x.shape
             if h % 2:
                 x = F.pad(x, (0, 0, 0, 1))
             return self.c(x)
