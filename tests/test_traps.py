@@ -1669,6 +1669,29 @@ def test_control_flow_on_an_unpacked_shape_gets_the_shape_advice():
     assert "torch.where" not in str(err.value)
 
 
+def test_pruning_a_layer_the_plan_runs_as_a_variant_runs_it_as_pytorchs_own():
+    # a fresh user's torch.nn.utils.prune after planning made the next step fail with the planning-time
+    # "plan asks for variant 'conv-split-backward' on node c2, which memfit cannot apply"
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).train()
+    x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 4, (4,))
+    plan, _, _ = memfit.plan(model, x, "100%", strategy="none")
+    plan.variants = {"_2": "conv-split-backward"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the plan was edited after it was solved)
+        planned = memfit.optimize(model, x, plan_=plan)
+    ref = fresh_copy(model)
+    for m in (model, ref):
+        prune.l1_unstructured(m[2], "weight", 0.5)
+    with pytest.warns(UserWarning, match=r"node _2 can no longer run as the plan's 'conv-split-backward'.*prune"):
+        F.cross_entropy(planned(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    _same({k: p.grad for k, p in ref.named_parameters()}, {k: p.grad for k, p in model.named_parameters()}, tol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, px", [("resnet18", 64), ("mobilenet_v3_small", 64), ("convnext_tiny", 32),
                                       ("densenet121", 32)])

@@ -775,8 +775,17 @@ class PlannedModule(nn.Module):
         try:
             fn = variant_call(self.gm, node, variant)
         except ValueError as e:
-            raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply "
-                             f"({e})") from None
+            if "_trainable_elements_at_plan" not in self.__dict__:  # (the first build: the plan itself is wrong)
+                raise ValueError(f"plan asks for variant {variant!r} on node {node.name}, which memfit cannot apply "
+                                 f"({e})") from None
+            # rebuilt after the model changed (torch.nn.utils.prune on a split convolution: a fresh user's step
+            # failed with this planning error): the node runs as PyTorch's own
+            self._warn_once(f"variant lost {node.name}", f"memfit: node {node.name} can no longer run as the plan's "
+                            f"{variant!r} ({e}): something changed its module after planning (a hook, a "
+                            "parametrization, torch.nn.utils.prune). It runs as PyTorch's own: results are "
+                            "correct, but the step can exceed the plan's figures. Plan again for the model as it "
+                            "is now.")
+            return node_fn(self.gm, node)
         return self._guarded(node, variant, module, fn)
 
     def _guarded(self, node: fx.Node, variant: str, module: nn.Module | None, fn):
