@@ -127,19 +127,15 @@ def _constant_text(value) -> str:
     return type(value).__name__
 
 
-def _dataclass_value(value) -> bool:
-    """A dataclass instance, or a dict of a subclass PyTorch's pytree does not know (``class Out(dict)``): both are
-    searched and rebuilt through :func:`dataclass_parts` and :func:`dataclass_builder`."""
-    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or dict_subclass(value)
-
-
-def dict_subclass(value) -> bool:
-    """``value`` is a dict of a subclass other than fx's immutable one and ``defaultdict``: an ``OrderedDict``
-    (torchvision's segmentation models return one) or a class of the user's (``class Out(dict)`` with a ``loss``
-    property), which torch.fx would record as a plain dict (a fresh user's ``out.move_to_end`` then failed)."""
+def rebuilt_of_its_class(value) -> bool:
+    """A value searched and rebuilt through :func:`dataclass_parts` and :func:`dataclass_builder`, in the graph and
+    around it: a dataclass instance, or a dict of a subclass other than fx's immutable one and ``defaultdict`` (an
+    ``OrderedDict``, as torchvision's segmentation models return; a ``class Out(dict)`` of the user's), which
+    torch.fx would record as a plain dict (a fresh user's ``out.move_to_end`` then failed)."""
     from torch.fx.immutable_collections import immutable_dict
 
-    return isinstance(value, dict) and type(value) not in (dict, immutable_dict, collections.defaultdict)
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or (
+        isinstance(value, dict) and type(value) not in (dict, immutable_dict, collections.defaultdict))
 
 
 def forward_params(model) -> list[inspect.Parameter]:
@@ -164,10 +160,10 @@ def tensors_in(value) -> list:
     from torch.utils._pytree import tree_leaves
 
     found = []
-    for v in tree_leaves(value, is_leaf=_dataclass_value):  # (before a pytree registration: transformers' fails)
+    for v in tree_leaves(value, is_leaf=rebuilt_of_its_class):  # (before a pytree registration: transformers' fails)
         if isinstance(v, torch.Tensor):
             found.append(v)
-        elif _dataclass_value(v):
+        elif rebuilt_of_its_class(v):
             found += tensors_in(list(dataclass_parts(v)))
     return found
 
@@ -180,12 +176,12 @@ def map_tensors(fn: Callable, value):
     def leaf(v):
         if isinstance(v, torch.Tensor):
             return fn(v)
-        if _dataclass_value(v):  # (rebuilt as the traced forward builds it: no __post_init__ again)
+        if rebuilt_of_its_class(v):  # (rebuilt as the traced forward builds it: no __post_init__ again)
             attrs, items = map_tensors(fn, dataclass_parts(v))
             return dataclass_builder(type(v))(attrs, items)
         return v
 
-    return tree_map(leaf, value, is_leaf=_dataclass_value)
+    return tree_map(leaf, value, is_leaf=rebuilt_of_its_class)
 
 
 def mutable_containers(value):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import dis
 import functools
 import inspect
@@ -39,9 +38,9 @@ from memfit.graph.augmented import (
 from memfit.graph.calls import (
     dataclass_builder,
     dataclass_parts,
-    dict_subclass,
     forward_params,
     in_traced_order,
+    rebuilt_of_its_class,
     setting_constant,
     tensors_in,
 )
@@ -92,8 +91,8 @@ def _has_dist_info(directory: str, package: str) -> bool:
         return False
 
 
-def _library_call(exc: BaseException) -> tuple[str, str] | None:
-    """``(function, line)`` where ``exc`` was raised inside an installed package other than torch (einops'
+def _library_call(exc: BaseException) -> tuple[str, str, str] | None:
+    """``(package, function, line)`` where ``exc`` was raised inside an installed package other than torch (einops'
     ``rearrange``): the package's function the user's code called, and the user's line that called it."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
     if not frames or not _installed(frames[-1].filename):
@@ -104,7 +103,7 @@ def _library_call(exc: BaseException) -> tuple[str, str] | None:
     caller = frames[own[-1]]
     entry = frames[own[-1] + 1] if own[-1] + 1 < len(frames) else frames[-1]
     package = (_package_root(entry.filename) or ("", "a package"))[1]
-    return f"{package}'s {entry.name}", f"{caller.filename}:{caller.lineno} in {caller.name}: {caller.line}"
+    return package, entry.name, f"{caller.filename}:{caller.lineno} in {caller.name}: {caller.line}"
 
 
 @dataclass
@@ -459,25 +458,9 @@ def _autograd_functions_as_leaves():
         Function.apply = real
 
 
-def _arguments_in_control_flow(exc: BaseException) -> list[str]:
-    """Names of the forward's own arguments (fx placeholders) that the failing line of the user's code reads,
-    found in that frame's locals: ``if extra:`` on ``forward(self, x, extra=False)``."""
-    tb, last = exc.__traceback__, None
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if _users(name):
-            last = tb
-        tb = tb.tb_next
-    if last is None:
-        return []
-    line = (traceback.extract_tb(last, limit=1)[0].line or "")
-    return [name for name, value in last.tb_frame.f_locals.items()
-            if isinstance(value, fx.Proxy) and value.node.op == "placeholder" and re.search(rf"\b{re.escape(name)}\b", line)]
-
-
-def _sizes_on_failing_line(exc: BaseException) -> list[str]:
-    """Names on the failing line of the user's code that hold a traced size (``B, C, H, W = x.shape`` then
-    ``if H % 2:``): a fresh user's unpacked shape got the advice for data-dependent control flow."""
+def _traced_on_failing_line(exc: BaseException) -> list[tuple[str, fx.Proxy]]:
+    """``(name, proxy)`` of the locals of the user's innermost frame in ``exc``'s traceback that are fx stand-ins and
+    that its failing line names."""
     tb, last = exc.__traceback__, None
     while tb is not None:
         if _users(tb.tb_frame.f_code.co_filename):
@@ -486,7 +469,19 @@ def _sizes_on_failing_line(exc: BaseException) -> list[str]:
     if last is None:
         return []
     line = traceback.extract_tb(last, limit=1)[0].line or ""
+    return [(name, value) for name, value in last.tb_frame.f_locals.items()
+            if isinstance(value, fx.Proxy) and re.search(rf"\b{re.escape(name)}\b", line)]
 
+
+def _arguments_in_control_flow(exc: BaseException) -> list[str]:
+    """Names of the forward's own arguments (fx placeholders) that the failing line of the user's code reads,
+    found in that frame's locals: ``if extra:`` on ``forward(self, x, extra=False)``."""
+    return [name for name, value in _traced_on_failing_line(exc) if value.node.op == "placeholder"]
+
+
+def _sizes_on_failing_line(exc: BaseException) -> list[str]:
+    """Names on the failing line of the user's code that hold a traced size (``B, C, H, W = x.shape`` then
+    ``if H % 2:``): a fresh user's unpacked shape got the advice for data-dependent control flow."""
     def size(node) -> bool:
         while isinstance(node, fx.Node) and node.target is operator.getitem:
             node = node.args[0]
@@ -494,8 +489,7 @@ def _sizes_on_failing_line(exc: BaseException) -> list[str]:
             (node.op == "call_function" and node.target is getattr and node.args[1:2] in (("shape",), ("ndim",)))
             or (node.op == "call_method" and node.target in ("size", "dim", "numel")))
 
-    return [name for name, value in last.tb_frame.f_locals.items()
-            if isinstance(value, fx.Proxy) and size(value.node) and re.search(rf"\b{re.escape(name)}\b", line)]
+    return [name for name, value in _traced_on_failing_line(exc) if size(value.node)]
 
 
 def _iterated_argument(exc: BaseException) -> str | None:
@@ -537,10 +531,9 @@ def _in_distributions(exc: BaseException) -> bool:
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
     library = _library_call(exc)
-    if library is not None and "torchvision" not in library[0] and not library[0].endswith("'s forward"):
-        function, caller = library  # (a fresh user's einops.rearrange was called "a raise statement of yours")
-        name = function.rsplit("'s ", 1)[-1]
-        return (f"  {function} (called at {caller}) runs Python code of its own on torch.fx's stand-ins for your "
+    if library is not None and library[0] != "torchvision" and library[1] != "forward":
+        package, name, caller = library  # (a fresh user's einops.rearrange was called "a raise statement of yours")
+        return (f"  {package}'s {name} (called at {caller}) runs Python code of its own on torch.fx's stand-ins for your "
                 f"tensors, which it cannot handle. Let fx record the call whole: in your file, after importing it, "
                 f"write torch.fx.wrap(\"{name}\") at module level (or call it through a function of yours marked "
                 "so); memfit then runs it as one step.")
@@ -722,7 +715,7 @@ class _Tracer(fx.Tracer):
         plain dict."""
         if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
             a = a.item()
-        if (dataclasses.is_dataclass(a) and not isinstance(a, type)) or dict_subclass(a):
+        if rebuilt_of_its_class(a):
             attributes, items = dataclass_parts(a)
             return self.create_node("call_function", dataclass_builder(type(a)),
                                     (self.create_arg(attributes), self.create_arg(items)), {})
