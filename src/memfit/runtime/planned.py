@@ -346,6 +346,17 @@ def _warn_compiled(planned: PlannedModule) -> None:
                        "model without memfit.")
 
 
+def _under_functorch(args: tuple, kwargs: dict, model: nn.Module) -> bool:
+    """Whether this call runs inside a ``torch.func`` transform: an input or the model's first parameter is a
+    functorch wrapper (a batched tensor of ``vmap``, a gradient-tracking one of ``grad``). An ordinary step, with no
+    functorch interpreter active, answers at once; torch.compile's tracing has one active but no such wrappers."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    first = next(model.parameters(), None)
+    return any(wrapped(t) for t in tensors_in((args, kwargs))) or (first is not None and wrapped(first))
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -878,7 +889,7 @@ class PlannedModule(nn.Module):
             return out
         # inside a torch.func transform (vmap, grad): the plan's autograd.Functions and checkpoint hooks do not
         # support them (a fresh user's per-sample gradients failed with internal errors)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if _under_functorch(args, kwargs, model):
             self._warn_once("functorch", "memfit: the planned module was called inside a torch.func transform (vmap, "
                             "grad, jacrev, ...), which the plan's operator variants and checkpoints do not support: "
                             "it runs your model as PyTorch does there, unplanned (the values are PyTorch's; the "
