@@ -198,3 +198,30 @@ def zeros_added_into(h, conv):
 
 SLICE_ASSIGNMENTS = (into_slice, slice_updated, number_into_columns, by_mask, by_index, traced_bound,
                      view_read_after_assignment, padded_into_zeros, zeros_added_into)
+
+
+def trains_as_pytorch_for_its_shapes(model, inputs: tuple, budget="min"):
+    """Plan a copy of ``model`` (whose forward reads sizes in Python code: the trace is specialized to ``inputs``'
+    shapes, :mod:`memfit.graph.sized`), then run one step of it and of plain PyTorch on another copy, with the sum
+    of the outputs' mean squares as the loss: the gradients (to 1e-5) and buffers (BatchNorm statistics) agree.
+    Returns ``(planned, plain)``."""
+    import memfit
+    from memfit.bench.harness import fresh_copy
+    from memfit.graph.calls import tensors_in
+
+    def loss(out):
+        return sum((t.float() ** 2).mean() for t in tensors_in(out) if t.is_floating_point())
+
+    torch.manual_seed(0)
+    plain, m = fresh_copy(model), fresh_copy(model)
+    planned = memfit.optimize(m, inputs, budget, loss_fn=loss)
+    assert planned.__dict__["_captured"].specialized is not None
+    for net in (planned, plain):
+        torch.manual_seed(1)
+        loss(net(*inputs)).backward()
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+    for (name, b), c in zip(m.named_buffers(), plain.buffers()):
+        assert torch.equal(b, c), name
+    return planned, plain

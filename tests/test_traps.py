@@ -14,9 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from _models import ListOut, TiedLM, channel_mix_with_relu_mask, plain_and_planned
+from _models import (
+    ListOut,
+    TiedLM,
+    channel_mix_with_relu_mask,
+    plain_and_planned,
+    trains_as_pytorch_for_its_shapes,
+)
 from memfit import zoo
 from memfit.bench.harness import compare, fresh_copy, measure_training
+from memfit.graph import capture
 from memfit.profile.tracker import MemoryTracker
 from memfit.variants import BatchNorm2dFromOutput, Conv2dSplitBackward, MaxPool2dCompact, ReLUMask
 from memfit.variants.tiled import TiledChain
@@ -585,9 +592,9 @@ def test_trace_errors_give_advice_that_fits():
         def forward(self, x):
             return super().forward(x) * 1.5
 
-    with pytest.raises(memfit.TraceError, match=r"PyTorch's own \(batchnorm.py:\d+ in _check_input_dim.*super\(\)"
-                                                r".*Hold the torch.nn module as a child"):
-        memfit.optimize(nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4)).train(), torch.randn(2, 3, 4, 4))
+    # traced into torch's BatchNorm code (its size checks read the example's shapes): it trains as PyTorch, its
+    # running statistics and num_batches_tracked included (it was refused, "hold the torch.nn module as a child")
+    trains_as_pytorch_for_its_shapes(nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4)).train(), (torch.randn(2, 3, 4, 4),))
 
 
 class _Holder:
@@ -670,14 +677,10 @@ torch.fx.wrap("_maybe_double")
 @pytest.mark.parametrize("how, advice", [
     ("item", r"a tensor's value read as a Python number.*x \* x.abs\(\).amax\(\)"),
     ("float", r"a tensor's value read as a Python number"),
-    ("len", r"a loop or count over a traced size.*whole batch at once"),
-    ("shape", r"a loop or count over a traced size.*whole batch at once"),
-    ("int_shape", r"a traced size converted to a Python number.*drop the int\(\)"),
     ("if", r"torch.where.*torch.fx.wrap\(\"name\"\)"),
     ("if_input", r"torch.where.*torch.fx.wrap\(\"name\"\)"),
     ("if_input_item", r"torch.where.*torch.fx.wrap\(\"name\"\)"),
     ("assert_finite", r"torch.where.*torch.fx.wrap\(\"name\"\)"),
-    ("chunks", r"iterating over a traced value.*a, b, c, d = h.chunk\(4, 1\)"),
 ])
 def test_a_value_or_a_size_read_as_a_number_is_told_what_it_is(how, advice):
     """Found by a fresh user: ``float(x.abs().max().item())`` was told about tensor factories sized by a shape
@@ -691,6 +694,16 @@ def test_a_value_or_a_size_read_as_a_number_is_told_what_it_is(how, advice):
     assert how.startswith(("if", "assert")) or "torch.where" not in message, message
     assert "is an argument of forward" not in message, message
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("how", ["len", "shape", "int_shape", "chunks"])
+def test_a_size_read_as_a_number_or_a_split_iterated_plans_for_the_example_shapes(how):
+    # they were refused with advice (a loop over a traced size, int() of one, iterating torch.chunk's result); the
+    # trace now reads the example's sizes (memfit.graph.sized), and other shapes run the model as PyTorch
+    planned, plain = trains_as_pytorch_for_its_shapes(_ReadsAValue(how).train(), (torch.randn(4, 8),))
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="reads the sizes of its inputs.*unplanned"):
+        assert torch.equal(planned(x), plain(x))
 
 
 def test_data_dependent_control_flow_in_a_function_marked_with_fx_wrap_trains_as_plain_pytorch():
@@ -1651,8 +1664,9 @@ def test_a_failure_inside_an_installed_library_names_it_and_fx_wrap(tmp_path, mo
     assert "raise statement of yours" not in str(err.value)
 
 
-def test_control_flow_on_an_unpacked_shape_gets_the_shape_advice():
-    # a fresh user's `B, C, H, W = x.shape; if H % 2:` was told about data-dependent control flow (torch.where)
+def test_control_flow_on_an_unpacked_shape_plans_for_the_example_shape():
+    # a fresh user's `B, C, H, W = x.shape; if H % 2:` was told about data-dependent control flow (torch.where), then
+    # given the shape advice; the trace now reads the example's sizes (memfit.graph.sized)
     class Pads(nn.Module):
         def __init__(self):
             super().__init__()
@@ -1664,8 +1678,12 @@ def test_control_flow_on_an_unpacked_shape_gets_the_shape_advice():
                 x = F.pad(x, (0, 0, 0, 1))
             return self.c(x)
 
+    planned, plain = trains_as_pytorch_for_its_shapes(Pads().train(), (torch.randn(2, 3, 7, 8),))
+    x = torch.randn(2, 3, 8, 8)  # (the other branch)
+    with pytest.warns(UserWarning, match="unplanned"):
+        assert torch.equal(planned(x), plain(x))
     with pytest.raises(memfit.TraceError, match=r"Python control flow on a tensor's shape") as err:
-        memfit.optimize(Pads().train(), torch.randn(2, 3, 7, 8))
+        capture(Pads().train())  # (the advice, where the example's shapes are not known)
     assert "torch.where" not in str(err.value)
 
 
@@ -1922,9 +1940,9 @@ def test_spectral_norm_is_not_warned_as_a_hook_that_keeps_tensors():
         memfit.optimize(fresh_copy(model), torch.randn(8, 16), budget="100%")
 
 
-def test_control_flow_on_a_shape_gets_advice_about_shapes():
+def test_control_flow_on_a_shape_gets_advice_about_shapes_and_plans_with_the_example():
     """Found by a fresh user: `x = h + x if h.shape[-1] == x.shape[-1] else h` was told to treat the tensor ``x``
-    as a flag argument (a wrapper passing ``x=...``, or ``self.x = ...``)."""
+    as a flag argument (a wrapper passing ``x=...``, or ``self.x = ...``). With the example's shapes, it plans."""
 
     class Widths(nn.Module):
         def __init__(self):
@@ -1938,8 +1956,9 @@ def test_control_flow_on_a_shape_gets_advice_about_shapes():
             return x
 
     with pytest.raises(memfit.TraceError, match=r"control flow on a tensor's shape.*in __init__") as err:
-        memfit.optimize(Widths().train(), torch.randn(4, 16))
+        capture(Widths().train())
     assert "wrapper" not in str(err.value) and "self.x =" not in str(err.value)
+    trains_as_pytorch_for_its_shapes(Widths().train(), (torch.randn(4, 16),))
 
 
 def test_an_error_in_forward_after_a_buffer_sliced_by_a_shape_is_the_one_reported():
@@ -2096,9 +2115,10 @@ def test_a_tensor_factory_sized_by_a_shape_gets_advice_about_factories():
 
     x = torch.randn(2, 3, 8)
     with pytest.raises(memfit.TraceError, match=r"plain number.*tensor factory sized by a traced shape.*x\.new_zeros") as err:
-        memfit.optimize(Loop(False).train(), x)
+        capture(Loop(False).train())  # (the advice, where the example's shapes are not known)
     assert "control flow" not in str(err.value)
     memfit.optimize(Loop(True).train(), x, "100%")
+    trains_as_pytorch_for_its_shapes(Loop(False).train(), (x,))  # (with them, it plans)
 
 
 class _PositionTwice(nn.Module):
@@ -2248,8 +2268,9 @@ def test_a_tensor_factory_sized_on_an_earlier_line_gets_advice_about_factories()
             return self.cell(x[:, 0], h)
 
     with pytest.raises(memfit.TraceError, match=r"tensor factory sized by a traced shape") as err:
-        memfit.optimize(Loop().train(), torch.randn(2, 3, 8))
+        capture(Loop().train())
     assert "control flow" not in str(err.value)
+    trains_as_pytorch_for_its_shapes(Loop().train(), (torch.randn(2, 3, 8),))
 
 
 class _TinyGPT(nn.Module):
@@ -2951,7 +2972,12 @@ def test_trace_errors_name_torchvision_lines_and_advise_on_requires_grad_checks_
             return sum(c(f).mean() for c, f in zip(self.convs, feats))
 
     with pytest.raises(memfit.TraceError, match=r"`feats` is an argument of forward that the line iterates over"):
-        memfit.optimize(FPNHead().train(), ([torch.randn(2, 4, 8, 8), torch.randn(2, 4, 4, 4)],), "min")
+        capture(FPNHead().train())
+    # with the example's list, it plans for that list's length and shapes
+    feats = [torch.randn(2, 4, 8, 8), torch.randn(2, 4, 4, 4)]
+    planned, plain = trains_as_pytorch_for_its_shapes(FPNHead().train(), (feats,))
+    with pytest.warns(UserWarning, match="unplanned"):
+        assert torch.equal(planned(feats[:1]), plain(feats[:1]))
 
 
 class _Scaled(nn.Module):

@@ -314,9 +314,16 @@ def plain_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
     ``inputs``, passed or left out at their default (``def forward(self, ids, mask=None, output_hidden_states: bool =
     False)`` called with ``ids`` alone), by name. :func:`memfit.graph.capture.capture` traces all but numbers as
     these values, and numbers where the forward's Python code needs them (``for _ in range(steps)``)."""
+    return {name: v for name, v in forward_arguments(model, inputs).items() if plain_scalar(v)}
+
+
+def forward_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
+    """``model``'s forward arguments for the positional ``inputs``, by name, those left out at their default (none
+    for an argument without one). :func:`memfit.graph.capture.capture` traces with their shapes where Python code
+    on a size stops the plain trace."""
     named = in_traced_order(forward_params(model))
     values = {p.name: inputs[k] if k < len(inputs) else p.default for k, p in enumerate(named)}
-    return {name: v for name, v in values.items() if v is not inspect.Parameter.empty and plain_scalar(v)}
+    return {name: v for name, v in values.items() if v is not inspect.Parameter.empty}
 
 
 def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_dir: str | None) -> HostStore | None:
@@ -513,7 +520,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _warn_hooks(model)
     if _captured is None:
         _refuse_function_arguments(model, given)
-        captured = capture(model, plain_arguments(model, given))
+        captured = capture(model, plain_arguments(model, given), forward_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(inputs))
     else:
         captured = _captured
@@ -949,7 +956,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
         _refuse_function_arguments(model, given)
-        captured = capture(model, plain_arguments(model, given))
+        captured = capture(model, plain_arguments(model, given), forward_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(given))
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head

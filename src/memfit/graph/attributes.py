@@ -178,6 +178,18 @@ def _current(module: nn.Module, name: str, kind: str) -> Any:
 _ACTIVE: list[AttributeLog] = []
 
 
+@contextlib.contextmanager
+def reads_paused() -> Iterator[None]:
+    """Within :func:`record_reads`, log nothing while the block runs: memfit's own runs of the model's code while
+    tracing (:mod:`memfit.graph.sized` computing shapes on fake tensors), which the traced graph does not hold."""
+    saved = _ACTIVE[:]
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE[:] = saved
+
+
 def _watching(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is not None:

@@ -45,6 +45,7 @@ from memfit.graph.calls import (
     tensors_in,
 )
 from memfit.graph.ir import Graph, Node
+from memfit.graph.sized import ShapeSpecializing, Specialized
 from memfit.warn import in_library, warn_user
 
 
@@ -125,6 +126,7 @@ class Captured:
     fixed_args: dict[str, Any] = field(default_factory=dict)
     unread_args: tuple[str, ...] = ()
     autocast_tests: tuple[str, ...] = ()
+    specialized: Specialized | None = None
 
 
 def _in_torch(filename: str) -> bool:
@@ -697,6 +699,16 @@ class _Tracer(fx.Tracer):
                      if isinstance(a, fx.Proxy) and a.node.op == "placeholder" and str(a.node.target).startswith("*")
                      else a) for a in args]
 
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        """fx's; a module that is not a submodule of the model (made in forward, as Hugging Face's hub-kernel layers
+        wrap ``apply_rotary_pos_emb``) is traced into: fx raised ``NameError: module is not installed as a
+        submodule``."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
         ran once, while tracing: a fresh user's Grad-CAM hooks on ResNet's ``layer4`` captured nothing)."""
@@ -728,6 +740,14 @@ class _BufferTracer(_Tracer):
     records its value as a constant: such an update never ran again, and such a value never changed."""
 
     proxy_buffer_attributes = True
+
+
+class _SizedTracer(ShapeSpecializing, _Tracer):
+    """:class:`_Tracer` with the example's shapes (:mod:`memfit.graph.sized`)."""
+
+
+class _SizedBufferTracer(ShapeSpecializing, _BufferTracer):
+    """:class:`_BufferTracer` with the example's shapes (:mod:`memfit.graph.sized`)."""
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -818,9 +838,11 @@ def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -
     return graph
 
 
-def _trace(model: nn.Module, fixed: dict[str, Any] | None = None) -> fx.GraphModule:
+def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
+           examples: dict[str, Any] | None = None) -> fx.GraphModule:
     """:func:`_trace_graph`, leaving ``model`` as it was; the forward's arguments ``fixed`` are traced as their values
-    (:func:`capture`). ``torch.fx`` stores each tensor constant the forward makes
+    (:func:`capture`); with ``examples`` (the forward's arguments by name), traced with their shapes
+    (:mod:`memfit.graph.sized`). ``torch.fx`` stores each tensor constant the forward makes
     (``torch.arange(16)``, ``torch.ones(16, 16)``) as an attribute ``_tensor_constant<i>`` of the module it traces,
     numbered from the first free name; the ``GraphModule`` holds copies of its own. Left on the model, they
     made a second trace number its constants on, so a plan made in the same process no longer matched the graph's
@@ -828,7 +850,7 @@ def _trace(model: nn.Module, fixed: dict[str, Any] | None = None) -> fx.GraphMod
     names = [p.name for p in in_traced_order(forward_params(model))]
     before = set(vars(model))
     try:
-        return _trace_graph(model, fixed, names)
+        return _trace_graph(model, fixed, names, examples)
     finally:
         for name in set(vars(model)) - before:
             if _TENSOR_CONSTANT.fullmatch(name):
@@ -846,11 +868,13 @@ def _put_back_attempt(attributes: AttributeLog, numbers: list[tuple[str, dict, s
     put_back_updated_state(state, everything=True)
 
 
-def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None) -> fx.GraphModule:
+def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None,
+                 examples: dict[str, Any] | None = None) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter.
-    The arguments ``fixed`` are traced as their values (:func:`_trace`); ``names``: the forward's, in traced order."""
-    tracer = _BufferTracer()
+    The arguments ``fixed`` are traced as their values (:func:`_trace`); ``names``: the forward's, in traced order;
+    ``examples``: the forward's arguments by name, to trace with their shapes (:mod:`memfit.graph.sized`)."""
+    tracer = _BufferTracer() if examples is None else _SizedBufferTracer(examples)
     state_before = state_of(model)
     fixed, names = fixed or {}, names or []
     concrete = dict(fixed) or None
@@ -867,7 +891,7 @@ def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: l
         # write and training would differ from PyTorch's (a fresh user's MoCo queue: gradients 0.85 off)
         state = [(name, t, t.detach().clone()) for name, t in itertools.chain(
             model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))]
-        plain = _Tracer()
+        plain = _Tracer() if examples is None else _SizedTracer(examples)
         put_back_updated_state(state_before, everything=True)  # (what the failed attempt assigned: it traces again)
         try:
             with warnings.catch_warnings():
@@ -1226,7 +1250,21 @@ def _refuse_root_hooks(model: nn.Module) -> None:
             "Your model is as it was.")
 
 
-def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captured:
+def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str]) -> None:
+    """Raise the :class:`TraceError` (or :class:`ForwardRaisedError`) for ``exc``, a failure to trace ``model``;
+    ``draws``: the lines that drew random numbers in that trace."""
+    line = _user_frame(exc)
+    # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
+    drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
+             "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
+    raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
+        f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+        f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
+    ) from exc
+
+
+def capture(model: nn.Module, plain_args: dict[str, Any] | None = None,
+            examples: dict[str, Any] | None = None) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
     Reads of the model's own buffers are graph values (``get_attr`` nodes), so an in-place update of a
@@ -1241,6 +1279,10 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
             ``False`` and ``if mask is None:`` took the other branch (a fresh user's causal attention,
             ``is_causal=mask is None``, ran unmasked, its gradients off by 1.5e-3, silently), and ``if
             output_hidden_states:`` (Hugging Face's flags) could not be traced at all.
+        examples: the forward's arguments by name (the example batch). Where the trace fails (Python code on a
+            traced size: ``if batch_size != position_ids.shape[0]:`` in Hugging Face's mask preparation), it is
+            traced again with these arguments' shapes, dtypes and devices known (:mod:`memfit.graph.sized`), and
+            :attr:`Captured.specialized` says what the graph then holds for.
 
     Returns:
         :class:`Captured`: the fx ``GraphModule`` (its submodules are the model's own objects, so
@@ -1266,6 +1308,8 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     real = [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if t.device.type != "meta" and t.untyped_storage().data_ptr()]
     containers = _containers(model)
+    first_failure: BaseException | None = None  # (the plain trace's, where a shape-specialized one followed)
+    first_draws: list[str] = []
     try:
         while True:
             checkpoints: list[str] = []
@@ -1277,7 +1321,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
                 with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
                       _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
                       _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
-                    gm = _trace(model, fixed)
+                    gm = _trace(model, fixed, examples if first_failure is not None else None)
             except _ReentrantCheckpoint:
                 raise TraceError(
                     f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "
@@ -1322,7 +1366,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
                     "model's own weights under torch.no_grad() (a momentum encoder's, MoCo's @torch.no_grad() "
                     "_momentum_update_key_encoder) belongs in your training loop, before each call of the planned model."
                 ) from None
-            except Exception as exc:  # fx raises many types (TraceError, TypeError, AttributeError, ...)
+            except Exception as exc:  # noqa: BLE001 -- fx raises many types (TraceError, TypeError, ...); refused below
                 needed = {name: v for name, v in plain.items()
                           if name not in fixed and name in _arguments_in_control_flow(exc)}
                 if needed and attributes is not None:  # (a number the line needs as one: traced again, fixed)
@@ -1330,14 +1374,20 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
                     _put_back_containers(containers)
                     fixed.update(needed)
                     continue
-                line = _user_frame(exc)
-                # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
-                drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
-                         "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
-                raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
-                    f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-                    f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
-                ) from exc
+                if (examples is not None and first_failure is None and attributes is not None
+                        and not _raised_by_user(exc)):
+                    # (traced again with the example's shapes: a plan holds for them only anyway)
+                    _put_back_attempt(attributes, numbers, state)
+                    _put_back_containers(containers)
+                    first_failure, first_draws = exc, draws
+                    continue
+                if first_failure is not None and _user_frame(exc) == _user_frame(first_failure):
+                    exc, draws = first_failure, first_draws  # (stopped on the same line: the plain trace's error says why)
+                _refuse_untraced(model, exc, draws)
+            if first_failure is not None and draws:
+                # (traced with the example's shapes, it draws random numbers the plain trace stopped before, as
+                # torch.distributions' rsample does: the plain trace's error has the advice for that line)
+                _refuse_untraced(model, first_failure, first_draws)
             break
     except BaseException:  # (the model as it was: a failed trace may have stored stand-ins)
         _put_back_containers(containers)
@@ -1420,7 +1470,8 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None) -> Captu
     unread = _unread_arguments(model, list(fixed))
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
                     called=list(called.items()), fixed_args={k: v for k, v in fixed.items() if k not in unread},
-                    unread_args=tuple(sorted(unread)), autocast_tests=tuple(dict.fromkeys(autocast_tests)))
+                    unread_args=tuple(sorted(unread)), autocast_tests=tuple(dict.fromkeys(autocast_tests)),
+                    specialized=None if first_failure is None else Specialized.of(examples, _user_frame(first_failure)))
 
 
 def graph_of(gm: fx.GraphModule) -> Graph:

@@ -901,6 +901,7 @@ class PlannedModule(nn.Module):
         self._check_attributes()
         self._check_hooks()
         self._warn_new_hooks()
+        given = (args, kwargs)
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
             env: dict[str, Any] = bind_inputs(self.gm, args, call=True)
@@ -910,6 +911,17 @@ class PlannedModule(nn.Module):
                                      "pass each, by position or by keyword (the forward takes ")
                             .replace("pass a tuple of the forward's positional inputs, in order",
                                      "pass only the forward's arguments")) from None
+        # a graph traced with the example's shapes (Python code read a size: memfit.graph.sized) holds for them only
+        specialized = self.__dict__["_captured"].specialized
+        if specialized is not None and (why := specialized.differs(
+                {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})):
+            self._warn_once("specialized", (
+                f"memfit: {type(model).__name__}'s forward pass reads the sizes of its inputs in Python code "
+                f"({specialized.line}), so memfit traced it for the planned shapes, dtypes and autocast state only; "
+                f"this call differs ({why}), and runs your model as PyTorch does, unplanned (the values are "
+                "PyTorch's; the budget does not hold). Pad batches to the planned shape, or plan for this one too "
+                "(a planned module per shape)."))
+            return model(*given[0], **given[1])
         # an argument given at planning and None now (left out, or passed as None): the traced forward took the
         # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
         # `is_causal=mask is None` ran unmasked attention, gradients 2.2e-3 off, with warnings saying results were

@@ -1,0 +1,229 @@
+"""Shape-specializing tracing: ``torch.fx`` tracing with each traced value's shape, dtype and device known.
+
+``torch.fx`` traces on stand-ins (``Proxy``) that know nothing of the tensors they stand for, so Python code that
+branches on a size (``if batch_size != position_ids.shape[0]:``, Hugging Face's attention-mask preparation) cannot
+be traced. A memfit plan is made for the example batch's shapes anyway, so where such a line stops the trace,
+:func:`memfit.graph.capture.capture` traces again with :class:`ShapeSpecializing`: each node also gets its value on
+a fake tensor (``torch._subclasses.FakeTensorMode``: shapes, dtypes and devices, no data), and ``.shape``,
+``.size()``, ``.dim()``, ``.numel()``, ``.dtype``, ``.device`` and ``len()`` of a traced tensor give the example's
+values, as a Python ``if`` on them does. The graph then holds for those shapes, dtypes and that autocast state only:
+:class:`memfit.runtime.planned.PlannedModule` runs the user's model as PyTorch does for others (:class:`Specialized`).
+
+This is the method of fx's ``MetaTracer`` and of Hugging Face's former ``HFTracer`` (shape propagation on
+meta/fake tensors during symbolic tracing), on PyTorch's ``FakeTensorMode``. Data-dependent control flow
+(``if x.sum() > 0:``, ``.item()``) stays refused: a fake tensor holds no values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from memfit.graph.attributes import has_own_hooks, reads_paused
+from memfit.graph.augmented import InplaceProxy
+
+try:  # (private to fx: the patches of Module.__call__ and wrapped functions, taken off for a block)
+    from torch.fx._symbolic_trace import _maybe_revert_all_patches
+except ImportError:  # pragma: no cover - older or newer torch without it
+    _maybe_revert_all_patches = contextlib.nullcontext
+
+FAKE = "memfit_fake"  # node.meta key: the node's value on fake tensors
+_MISSING = object()
+# what a traced tensor answers with the example's values (the rest stays traced)
+_SIZED = frozenset({"shape", "ndim", "dtype", "device", "layout", "size", "dim", "numel", "nelement",
+                    "is_floating_point", "is_complex", "element_size", "is_cuda", "is_sparse"})
+# grad-mode switches as PyTorch has them (capture replaces them while tracing, to refuse torch.no_grad() in forward;
+# fake tensors use them internally)
+_GRAD_MODE = (torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__)
+
+
+@dataclass(frozen=True)
+class Specialized:
+    """What a shape-specialized trace holds for: the shapes and dtypes of the tensors in the forward's arguments, by
+    argument name (``{"input_ids": [([2, 32], torch.int64)]}``, a list for the tensors in a container), the
+    autocast state it was traced in (``(enabled, dtype)`` on the inputs' device type), and ``line``: the line
+    whose Python code stopped the plain trace (reading a size), which made memfit specialize."""
+
+    inputs: dict[str, list[tuple[list[int], torch.dtype]]]
+    autocast: tuple[bool, torch.dtype | None]
+    line: str
+
+    @staticmethod
+    def of(examples: dict[str, Any], line: str) -> Specialized:
+        """The :class:`Specialized` for a trace of the arguments ``examples`` (name -> value) in the autocast state
+        of now."""
+        return Specialized({name: _tensor_kinds(v) for name, v in examples.items()},
+                           autocast_state(_device_type(examples)), line)
+
+    def differs(self, env: dict[str, Any]) -> str | None:
+        """How the bound arguments ``env`` (name -> value) differ from what the trace holds for (words for a
+        warning), or ``None`` where they match."""
+        for name, kinds in self.inputs.items():
+            now = _tensor_kinds(env.get(name))
+            if now != kinds:
+                def said(k):
+                    return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
+                return f"{name} has tensors {said(now)} (planned: {said(kinds)})"
+        if autocast_state(_device_type(env)) != self.autocast:
+            enabled, dtype = self.autocast
+            return f"another autocast state than at planning ({'autocast to ' + str(dtype) if enabled else 'no autocast'})"
+        return None
+
+
+def _tensor_kinds(value) -> list[tuple[list[int], torch.dtype]]:
+    return [(list(t.shape), t.dtype) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _device_type(values: dict[str, Any]) -> str:
+    return next((t.device.type for t in tree_leaves(list(values.values())) if isinstance(t, torch.Tensor)), "cpu")
+
+
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
+    """``(enabled, dtype)`` of autocast on ``device_type`` now."""
+    enabled = torch.is_autocast_enabled(device_type)
+    return enabled, (torch.get_autocast_dtype(device_type) if enabled else None)
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Run the model's code for real inside a trace: fx's patches (``Module.__call__``, wrapped functions),
+    memfit's attribute log and the trace's Python dispatch modes (random draws, state writes) off, and PyTorch's
+    grad-mode switches back."""
+    patched = (torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__)
+    torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = _GRAD_MODE
+    try:
+        with _maybe_revert_all_patches(), reads_paused(), _disable_current_modes():
+            yield
+    finally:
+        torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = patched
+
+
+class SizedProxy(InplaceProxy):
+    """:class:`InplaceProxy` that answers ``.shape``, ``.size()``, ``.dim()``, ``.dtype``, ... and ``len()`` with its
+    value on fake tensors (where known): plain Python values, so Python code on them runs as in eager PyTorch."""
+
+    def __getattr__(self, k: str):
+        value = self.node.meta.get(FAKE, _MISSING)
+        if k in _SIZED and isinstance(value, torch.Tensor):
+            return getattr(value, k)
+        return _SizedAttribute(self, k)
+
+    def __len__(self) -> int:
+        value = self.node.meta.get(FAKE, _MISSING)
+        if isinstance(value, (torch.Tensor, tuple, list)):
+            return len(value)
+        return super().__len__()
+
+
+class _SizedAttribute(fx.proxy.Attribute, SizedProxy):
+    """fx's lazily recorded attribute (``h.T``, ``h.view``) as a :class:`SizedProxy`."""
+
+
+class ShapeSpecializing:
+    """Mixin for a ``torch.fx.Tracer``: each node it creates gets its value on fake tensors in ``node.meta[FAKE]``
+    (computed from the example arguments ``examples``, by name), and its proxies are :class:`SizedProxy`. A node
+    whose value cannot be computed (data-dependent output, a module with hooks of its own) has none, and its proxy
+    behaves as fx's."""
+
+    def __init__(self, examples: dict[str, Any], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.examples = examples
+
+    def fake(self, value):
+        """``value`` with each tensor in it as a fake tensor of this trace."""
+        return tree_map(lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, value)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return SizedProxy(node, self)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        value = self._value(node)
+        if value is not _MISSING:
+            node.meta[FAKE] = value
+        return node
+
+    def _value(self, node: fx.Node):
+        with _untraced():
+            return self._computed(node)
+
+    def _computed(self, node: fx.Node):
+        if node.op == "placeholder":
+            name = str(node.target).lstrip("*")
+            return self.fake(self.examples[name]) if name in self.examples else _MISSING
+        if node.op == "get_attr":
+            try:
+                return self.fake(operator.attrgetter(str(node.target))(self.root))
+            except AttributeError:
+                return _MISSING
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return _MISSING
+        unknown = []
+
+        def fake_of(n: fx.Node):
+            value = n.meta.get(FAKE, _MISSING)
+            if value is _MISSING:
+                unknown.append(n)
+            return value
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake_of)
+        if unknown:
+            return _MISSING
+        try:
+            with self.fake_mode:
+                if node.op == "call_function":
+                    return node.target(*args, **kwargs)
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                module = self.root.get_submodule(node.target)
+                if has_own_hooks(module):  # (its hooks would run on fake tensors: a user's hook that keeps them)
+                    return _MISSING
+                state = {name: self.fake(t) for name, t in
+                         [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
+                return torch.func.functional_call(module, state, tuple(args), kwargs)
+        except Exception:  # noqa: BLE001 -- (data-dependent, or not computable on fake tensors: traced as fx does)
+            return _MISSING
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """A test of sizes, dtypes or devices (``if torch.numel(x) > 1:``) as its value on the example; any other
+        (``if h.sum() > 0:``, ``if x.requires_grad:``: a fake tensor's answer need not be the real one's) as fx
+        refuses it."""
+        value = obj.node.meta.get(FAKE, _MISSING)
+        if isinstance(value, (bool, int, float)) and _from_sizes(obj.node):
+            return bool(value)
+        return super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy):
+        """A tuple, list or tensor of known length (``torch.chunk(h, 4)``, ``for row in x``) as its items."""
+        value = obj.node.meta.get(FAKE, _MISSING)
+        if isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor) and value.dim() > 0):
+            return iter([obj[k] for k in range(len(value))])
+        return super().iter(obj)
+
+
+# operations on sizes whose result is still a size, dtype or device fact
+_ON_SIZES = frozenset(v for v in vars(operator).values() if callable(v)) | {len, int, float, bool, min, max, abs}
+
+
+def _from_sizes(node: fx.Node) -> bool:
+    """Whether ``node`` computes from sizes, dtypes and devices alone (``x.size(0) == y.numel()``): its value on fake
+    tensors is the real one's."""
+    if node.op == "call_method":
+        return node.target in _SIZED
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        return node.args[1] in _SIZED
+    if node.target is torch.numel:
+        return True
+    return node.target in _ON_SIZES and all(_from_sizes(n) for n in node.all_input_nodes)

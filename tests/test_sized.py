@@ -1,0 +1,136 @@
+"""Shape-specialized tracing (memfit.graph.sized): forward passes whose Python code reads sizes, as Hugging Face's
+attention-mask preparation does, are planned for the example's shapes and run as plain PyTorch for others."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.bench.harness import fresh_copy, measure_training
+from memfit.bench.job import compare
+from memfit.graph import capture
+
+
+class _ShapeChecks(nn.Module):
+    """A decoder in Hugging Face's manner: a batch check on sizes, a causal mask from ``torch.finfo(dtype).min``
+    sized by ``len()`` and ``.size()``, a loop over ``range(x.shape[1] // ...)`` and a helper layer made in forward
+    (not a submodule)."""
+
+    def __init__(self, vocab=40, d=32, heads=4):
+        super().__init__()
+        self.emb, self.heads = nn.Embedding(vocab, d), heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids, positions):
+        batch_size, length = ids.shape
+        if batch_size != positions.shape[0]:
+            raise ValueError("positions and ids disagree")
+        h = self.emb(ids) + positions.unsqueeze(-1).to(self.emb.weight.dtype) / length
+        mask = torch.full((length, length), torch.finfo(h.dtype).min, device=h.device).triu(1)
+        q, k, v = self.qkv(h).view(batch_size, h.size(1), 3, self.heads, -1).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5
+        a = _Softmax()(scores + mask)  # (made in forward: fx used to refuse it, "not installed as a submodule")
+        h = h + self.proj((a @ v).transpose(1, 2).reshape(len(h), length, -1))
+        for _ in range(h.shape[1] // 8):
+            h = h + F.gelu(self.norm(h))
+        return self.head(h)
+
+
+class _Softmax(nn.Module):
+    def forward(self, x):
+        return x.softmax(-1)
+
+
+def _loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _batch(b=8, t=32, vocab=40):
+    ids = torch.randint(0, vocab, (b, t))
+    return ids, torch.arange(t).expand(b, t).contiguous(), torch.randint(0, vocab, (b, t))
+
+
+@pytest.mark.parametrize("budget", ["min", "95%"])
+def test_python_code_on_sizes_plans_for_the_example_shapes_and_trains_as_pytorch(budget):
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    model = _ShapeChecks().train()
+    with pytest.raises(memfit.TraceError):  # (the plain trace stops on the batch check; no example shapes there)
+        capture(fresh_copy(model))
+    base = measure_training(*[fresh_copy(model)] * 2, (ids, pos), y, _loss, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, (ids, pos), budget=budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01,
+                              momentum=0.9), loss_fn=lambda out: _loss(out, y))
+    fig = measure_training(planned, planned, (ids, pos), y, _loss, steps=1)
+    assert planned.__dict__["_captured"].specialized is not None
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    assert abs(fig.peak_bytes - planned.plan.predicted_peak_bytes) <= 0.01 * fig.peak_bytes, (
+        fig.peak_bytes, planned.plan.predicted_peak_bytes)
+
+
+@pytest.mark.parametrize("other", ["shorter", "larger batch", "int32 ids", "autocast"])
+def test_a_call_the_specialized_graph_does_not_hold_for_runs_the_model_as_pytorch_with_a_warning(other):
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    model = _ShapeChecks().train()
+    reference = fresh_copy(model)
+    planned = memfit.optimize(model, (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    if other == "shorter":
+        ids, pos, y = _batch(t=16)
+    elif other == "larger batch":
+        ids, pos, y = _batch(b=6)
+    elif other == "int32 ids":
+        ids = ids.int()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16) if other == "autocast" else torch.autocast("cpu", enabled=False):
+            out, expected = planned(ids, pos), reference(ids, pos)
+    said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
+    assert len(said) == 1 and "reads the sizes of its inputs" in said[0] and "test_sized.py" in said[0], said
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+    _loss(out.float(), y).backward()
+    _loss(expected.float(), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_the_planned_shapes_run_the_plan_after_a_call_of_another_shape():
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    model = _ShapeChecks().train()
+    reference = fresh_copy(model)
+    planned = memfit.optimize(model, (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    short = _batch(t=16)
+    with pytest.warns(UserWarning, match="unplanned"):
+        planned(*short[:2])
+    for net in (planned, reference):
+        net.zero_grad()
+        _loss(net(ids, pos), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_data_dependent_control_flow_is_still_refused_with_the_plain_traces_message():
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if x.shape[0] > 1 and h.sum() > 0:  # (the size is known with the example's shapes, the sum is not)
+                return h * 2
+            return h
+
+    model = Branches().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memfit.TraceError, match=r"failing line: .*if x.shape\[0\] > 1 and h.sum\(\) > 0") as err:
+        memfit.optimize(model, torch.randn(4, 8))
+    assert "control flow" in str(err.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
