@@ -3381,3 +3381,28 @@ def test_attention_whose_weights_the_loss_reads_recomputes_within_its_budget():
     assert planned.plan.counts().get("recompute", 0) > 0
     assert abs(planned.plan.predicted_peak_bytes - fig.peak_bytes) <= 0.002 * fig.peak_bytes, (
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
+
+
+def test_a_child_named_like_an_attribute_of_the_planned_module_is_registered():
+    # a fresh wrapper of a Hugging Face model (`self.model = hf_model`) failed in PlannedModule with KeyError
+    # "attribute 'model' already exists"; children named plan or report likewise
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.plan, self.report = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.report(self.plan(self.model(x).relu()).relu())
+
+    torch.manual_seed(0)
+    model = Wrapper().train()
+    keys = list(model.state_dict())
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, torch.randn(4, 8), "100%")
+    assert list(planned.state_dict()) == keys and planned.model is model
+    assert isinstance(planned.plan, memfit.Plan) and isinstance(planned.report, dict)
+    x = torch.randn(4, 8)
+    planned(x).sum().backward()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad)

@@ -420,19 +420,28 @@ class PlannedModule(nn.Module):
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured
         self.offload_dir = offload_dir
+        self.plan = plan
+        self.report = report
         # the traced GraphModule runs the step but is not registered: the planned module registers the
         # model's own children, parameters and buffers instead, so state_dict() keys are the model's
         self.__dict__["gm"] = captured.gm
         root = captured.model if captured.model is not None else captured.gm
-        for name, child in root.named_children():
-            self.add_module(name, child)
-        for name, p in root.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in root.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+        # (one named as an attribute of the planned module, a wrapper's `self.model = hf_model`, goes into the
+        # tables directly: add_module refused it, "attribute 'model' already exists"; planned.model is the user's
+        # model, whose attribute it is)
+        taken = set(dir(type(self))) | set(self.__dict__)
+        for table, items in (("_modules", root.named_children()), ("_parameters", root.named_parameters(recurse=False)),
+                             ("_buffers", root.named_buffers(recurse=False))):
+            for name, value in items:
+                if name in taken:
+                    getattr(self, table)[name] = value
+                elif table == "_modules":
+                    self.add_module(name, value)
+                elif table == "_parameters":
+                    self.register_parameter(name, value)
+                else:
+                    self.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training
-        self.plan = plan
-        self.report = report
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
         self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
         self._warned: set[str] = set()  # the warnings given, each once (see _warn_once)

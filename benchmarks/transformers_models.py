@@ -1,0 +1,109 @@
+"""Hugging Face transformers models (small configurations, random weights) planned by memfit: budget, predicted
+against measured peak, step time against plain PyTorch's, and gradients against plain PyTorch's.
+
+Their forward passes read sizes in Python code (``masking_utils``: ``if batch_size != position_ids.shape[0]:``),
+so memfit traces them with the example batch's shapes (``memfit.graph.sized``). Each model is wrapped in a module
+whose forward takes ``input_ids`` and ``labels`` and returns the loss (``use_cache=False``), as the README shows.
+Batch 8 x 128 tokens, vocabulary 2000, hidden size 128, 4 layers; SGD with momentum; one thread. Needs
+``pip install transformers`` (not a memfit dependency); written against transformers 5.25.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/transformers_models.py [--models llama,gpt2] [--budgets min,50%]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+import memfit
+from memfit.bench.harness import compare, fresh_copy, measure_training
+
+MODELS = "llama,qwen2,gpt2,bert"
+
+
+class CausalLM(torch.nn.Module):
+    """``input_ids`` and ``labels`` in, the model's loss out."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+class MaskedLM(CausalLM):
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def build(name: str, vocab: int = 2000, hidden: int = 128, layers: int = 4) -> torch.nn.Module:
+    """The wrapped model (train mode)."""
+    import transformers as tf
+
+    common = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 4 * hidden,
+              "num_hidden_layers": layers, "num_attention_heads": 4, "max_position_embeddings": 512}
+    if name == "llama":
+        return CausalLM(tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2))).train()
+    if name == "qwen2":
+        return CausalLM(tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))).train()
+    if name == "gpt2":
+        return CausalLM(tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4,
+                                                         n_positions=512))).train()
+    if name == "bert":
+        return MaskedLM(tf.BertForMaskedLM(tf.BertConfig(**common))).train()
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=MODELS, help="comma-separated: llama, qwen2, gpt2, bert")
+    parser.add_argument("--budgets", default="min,50%", help="comma-separated memfit budgets")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    memfit.retain_freed_memory()
+    warnings.simplefilter("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}; batch {args.batch} x {args.tokens}")
+    print(f"{'model':7s} {'budget':>6s} {'budget B':>12s} {'plain peak':>12s} {'predicted':>12s} {'measured':>12s} "
+          f"{'meas/plain':>10s} {'overhead':>8s} {'plan s':>6s} gradients")
+
+    def loss(out, y):  # (the wrapper returns the model's loss)
+        return out
+
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model = build(name)
+        ids = torch.randint(0, 2000, (args.batch, args.tokens))
+        inputs = (ids, ids.clone())
+        base = measure_training(*[fresh_copy(model)] * 2, inputs, None, loss, steps=3)
+        for budget in args.budgets.split(","):
+            m = fresh_copy(model)
+            start = time.time()
+            try:
+                planned = memfit.optimize(m, inputs, budget, loss_fn=lambda out: out,
+                                          optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+            except memfit.InfeasibleBudgetError as exc:
+                print(f"{name:7s} {budget:>6s} infeasible: smallest {exc.smallest_feasible_bytes:,d} B")
+                continue
+            seconds = time.time() - start
+            fig = measure_training(planned, planned, inputs, None, loss, steps=3)
+            same = compare(base, fig)
+            plan = planned.plan
+            values = "equal (1e-5)" if same["gradients_match"] else f"DIFFER {same['max_abs_grad_diff']:.1e}"
+            print(f"{name:7s} {budget:>6s} {plan.budget_bytes:>12,d} {base.peak_bytes:>12,d} "
+                  f"{plan.predicted_peak_bytes:>12,d} {fig.peak_bytes:>12,d} {fig.peak_bytes / base.peak_bytes:>10.2f} "
+                  f"{fig.step_seconds / base.step_seconds:>7.2f}x {seconds:>6.0f} "
+                  f"{values}; "
+                  f"{'UNDER' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} budget", flush=True)
+
+
+if __name__ == "__main__":
+    main()
