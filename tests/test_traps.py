@@ -3406,3 +3406,29 @@ def test_a_child_named_like_an_attribute_of_the_planned_module_is_registered():
     plain(x).sum().backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad)
+
+
+def test_a_constant_mask_anded_with_a_traced_one_is_not_refused_as_a_write():
+    # Hugging Face's padding masks (`result = result & mask(...)`, `result` made from plain numbers) were refused as
+    # a write into a constant: `__and__` ends with "_" like an in-place method
+    class Masked(nn.Module):
+        def __init__(self, t=6):
+            super().__init__()
+            self.t, self.proj = t, nn.Linear(8, 8)
+
+        def forward(self, x, keep):
+            causal = torch.arange(self.t)[:, None] >= torch.arange(self.t)[None, :]
+            allowed = causal & keep[:, None, :]
+            scores = (x @ x.transpose(1, 2)).masked_fill(~allowed, float("-inf"))
+            return self.proj(scores.softmax(-1) @ x)
+
+    torch.manual_seed(0)
+    x, keep = torch.randn(3, 6, 8), torch.ones(3, 6, dtype=torch.bool)
+    keep[0, 4:] = False
+    model = Masked().train()
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, (x, keep), "min")
+    for net in (planned, plain):
+        net(x, keep).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)

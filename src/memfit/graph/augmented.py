@@ -160,11 +160,16 @@ def keep_in_place(root: nn.Module, graph: fx.Graph) -> list[fx.Node]:
     return made
 
 
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod",
+                                                      "pow", "lshift", "rshift", "and", "xor", "or"))
+
+
 def writes_into(node: fx.Node) -> bool:
     """Whether ``node`` writes into its first operand in place (``h.add_(t)``, ``h += t`` made in place,
     ``h[k] = v``)."""
-    if node.op == "call_method":
-        return node.target.endswith("_") or node.target == "__setitem__"
+    if node.op == "call_method":  # (`__and__`, `__mul__` end with "_" too: `mask & m` read as a write was refused)
+        return ((node.target.endswith("_") and not node.target.startswith("__")) or node.target in _IN_PLACE_DUNDERS
+                or node.target == "__setitem__")
     return node.op == "call_function" and (node.target in _IN_PLACE or node.target in (assign_into, operator.setitem))
 
 
