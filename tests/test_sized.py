@@ -30,7 +30,7 @@ class _ShapeChecks(nn.Module):
         if batch_size != positions.shape[0]:
             raise ValueError("positions and ids disagree")
         h = self.emb(ids) + positions.unsqueeze(-1).to(self.emb.weight.dtype) / length
-        mask = torch.full((length, length), torch.finfo(h.dtype).min, device=h.device).triu(1)
+        mask = torch.full((length, length), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu(1)
         q, k, v = self.qkv(h).view(batch_size, h.size(1), 3, self.heads, -1).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         scores = q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5
@@ -134,3 +134,16 @@ def test_data_dependent_control_flow_is_still_refused_with_the_plain_traces_mess
         memfit.optimize(model, torch.randn(4, 8))
     assert "control flow" in str(err.value)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_model_converted_after_planning_runs_as_pytorch_where_the_trace_read_dtypes():
+    # torch.finfo(h.dtype).min was read as float32's; a bfloat16 model needs bfloat16's
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    model = _ShapeChecks().train()
+    planned = memfit.optimize(model, (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    model.to(torch.bfloat16)
+    reference = fresh_copy(model)
+    with pytest.warns(UserWarning, match=r"unplanned"):
+        out = planned(ids, pos)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, reference(ids, pos))

@@ -923,7 +923,8 @@ class PlannedModule(nn.Module):
         # a graph traced with the example's shapes (Python code read a size: memfit.graph.sized) holds for them only
         specialized = self.__dict__["_captured"].specialized
         if specialized is not None and (why := specialized.differs(
-                {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})):
+                {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
+                or self._converted_sentence()):
             self._warn_once("specialized", (
                 f"memfit: {type(model).__name__}'s forward pass reads the sizes of its inputs in Python code "
                 f"({specialized.line}), so memfit traced it for the planned shapes, dtypes and autocast state only; "
@@ -1249,6 +1250,12 @@ class PlannedModule(nn.Module):
                 converted = (made, str(param.dtype))
         return (shapes if self.plan.input_shapes and shapes != self.plan.input_shapes else None,
                 dtypes if self.plan.input_dtypes and dtypes != self.plan.input_dtypes else None, converted)
+
+    def _converted_sentence(self) -> str | None:
+        """``"the parameters are <dtype> (planned: <dtype>)"`` where the model was converted after planning
+        (``model.half()``), else ``None``."""
+        converted = self._differences(())[2]
+        return None if converted is None else f"the parameters are {converted[1]} (planned: {converted[0]})"
 
     def _as_planned(self, args: tuple) -> bool:
         """Whether the inputs have the plan's shapes and dtypes and the parameters its dtype."""
