@@ -147,3 +147,52 @@ def test_a_model_converted_after_planning_runs_as_pytorch_where_the_trace_read_d
     with pytest.warns(UserWarning, match=r"unplanned"):
         out = planned(ids, pos)
     assert out.dtype == torch.bfloat16 and torch.equal(out, reference(ids, pos))
+
+
+class _PickColumns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, idx):
+        return sum(self.fc(x[:, :, i]) for i in idx)
+
+
+class _Centers(nn.Module):
+    def __init__(self, k=3):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("centers", torch.randn(k, 8))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.stack([(h - self.centers[i]).pow(2).sum(1) for i in range(self.centers.shape[0])], 1).min(1).values
+
+
+def test_a_list_argument_of_another_length_runs_as_pytorch():
+    # a fresh user's `sum(... for i in idx)` planned with [0, 2] kept 2 terms for [0, 1, 2] (loss 1716.86 against
+    # PyTorch's 5396.81), with a warning that results were correct; a shorter list failed with an IndexError
+    torch.manual_seed(0)
+    x, model = torch.randn(4, 8, 5), _PickColumns().train()
+    reference = fresh_copy(model)
+    planned = memfit.optimize(model, (x, [0, 2]), "min")
+    assert torch.equal(planned(x, [1, 3]), reference(x, [1, 3]))  # (the same length: the graph reads the values)
+    for idx in ([0, 1, 2], [3]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = planned(x, idx)
+        assert torch.equal(out, reference(x, idx))
+        assert any("unplanned" in str(w.message) for w in caught) or idx == [3]  # (warned once)
+
+
+def test_a_buffer_replaced_by_one_of_another_shape_runs_as_pytorch_where_the_trace_read_its_size():
+    # `range(self.centers.shape[0])` kept the planned count of 3 after the buffer was replaced by 5 rows (output
+    # 13.2 off, silently): the trace had read the buffer as a constant
+    torch.manual_seed(0)
+    x, model = torch.randn(4, 8), _Centers().train()
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.mean())
+    model.centers = torch.randn(5, 8)
+    reference = fresh_copy(model)
+    with pytest.warns(UserWarning, match="replaced by one of another shape"):
+        out = planned(x)
+    assert torch.equal(out, reference(x))

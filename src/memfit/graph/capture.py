@@ -839,7 +839,7 @@ def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -
 
 
 def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
-           examples: dict[str, Any] | None = None) -> fx.GraphModule:
+           examples: dict[str, Any] | None = None, constants_fallback: bool = True) -> fx.GraphModule:
     """:func:`_trace_graph`, leaving ``model`` as it was; the forward's arguments ``fixed`` are traced as their values
     (:func:`capture`); with ``examples`` (the forward's arguments by name), traced with their shapes
     (:mod:`memfit.graph.sized`). ``torch.fx`` stores each tensor constant the forward makes
@@ -850,7 +850,7 @@ def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
     names = [p.name for p in in_traced_order(forward_params(model))]
     before = set(vars(model))
     try:
-        return _trace_graph(model, fixed, names, examples)
+        return _trace_graph(model, fixed, names, examples, constants_fallback)
     finally:
         for name in set(vars(model)) - before:
             if _TENSOR_CONSTANT.fullmatch(name):
@@ -869,11 +869,14 @@ def _put_back_attempt(attributes: AttributeLog, numbers: list[tuple[str, dict, s
 
 
 def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None,
-                 examples: dict[str, Any] | None = None) -> fx.GraphModule:
+                 examples: dict[str, Any] | None = None, constants_fallback: bool = True) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter.
     The arguments ``fixed`` are traced as their values (:func:`_trace`); ``names``: the forward's, in traced order;
-    ``examples``: the forward's arguments by name, to trace with their shapes (:mod:`memfit.graph.sized`)."""
+    ``examples``: the forward's arguments by name, to trace with their shapes (:mod:`memfit.graph.sized`);
+    ``constants_fallback=False``: raise where :class:`_BufferTracer` fails (:func:`capture` first traces with the
+    example's shapes, with buffers as graph values: read as constants, a loop `range(self.centers.shape[0])` kept
+    the count it had while tracing when the buffer was replaced by a longer one, silently)."""
     tracer = _BufferTracer() if examples is None else _SizedBufferTracer(examples)
     state_before = state_of(model)
     fixed, names = fixed or {}, names or []
@@ -885,6 +888,8 @@ def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: l
     except _GradModeChange:
         raise
     except Exception as exc:
+        if not constants_fallback:
+            raise
         # with buffers as constants, what forward computes on buffers and parameters alone runs for real, once:
         # if that writes one (a queue `self.queue[:, :b] = k.t()`, a counter `self.hist[0] = ...`, a data-dependent
         # initialisation `if self.initialized.item() == 0: self.loc.data.copy_(...)`), the graph has not got the
@@ -1321,7 +1326,8 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None,
                 with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
                       _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
                       _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
-                    gm = _trace(model, fixed, examples if first_failure is not None else None)
+                    gm = _trace(model, fixed, examples if first_failure is not None else None,
+                                constants_fallback=examples is None or first_failure is not None)
             except _ReentrantCheckpoint:
                 raise TraceError(
                     f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "

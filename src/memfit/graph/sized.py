@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from memfit.graph.attributes import has_own_hooks, reads_paused
 from memfit.graph.augmented import InplaceProxy
@@ -48,12 +48,13 @@ _GRAD_MODE = (torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mod
 
 @dataclass(frozen=True)
 class Specialized:
-    """What a shape-specialized trace holds for: the shapes and dtypes of the tensors in the forward's arguments, by
-    argument name (``{"input_ids": [([2, 32], torch.int64)]}``, a list for the tensors in a container), the
-    autocast state it was traced in (``(enabled, dtype)`` on the inputs' device type), and ``line``: the line
-    whose Python code stopped the plain trace (reading a size), which made memfit specialize."""
+    """What a shape-specialized trace holds for: the forward's arguments' structure (a list's length, a dict's
+    keys: ``for i in idx`` ran as often as the example's list is long) and the shapes and dtypes of the tensors in
+    them, by argument name (``{"input_ids": (<leaf>, [([2, 32], torch.int64)])}``), the autocast state it was traced
+    in (``(enabled, dtype)`` on the inputs' device type), and ``line``: the line whose Python code stopped the
+    plain trace (reading a size), which made memfit specialize."""
 
-    inputs: dict[str, list[tuple[list[int], torch.dtype]]]
+    inputs: dict[str, tuple[Any, list[tuple[list[int], torch.dtype]]]]
     autocast: tuple[bool, torch.dtype | None]
     line: str
 
@@ -61,14 +62,17 @@ class Specialized:
     def of(examples: dict[str, Any], line: str) -> Specialized:
         """The :class:`Specialized` for a trace of the arguments ``examples`` (name -> value) in the autocast state
         of now."""
-        return Specialized({name: _tensor_kinds(v) for name, v in examples.items()},
+        return Specialized({name: _signature(v) for name, v in examples.items()},
                            autocast_state(_device_type(examples)), line)
 
     def differs(self, env: dict[str, Any]) -> str | None:
         """How the bound arguments ``env`` (name -> value) differ from what the trace holds for (words for a
         warning), or ``None`` where they match."""
-        for name, kinds in self.inputs.items():
-            now = _tensor_kinds(env.get(name))
+        for name, (structure, kinds) in self.inputs.items():
+            now_structure, now = _signature(env.get(name))
+            if now_structure != structure:
+                return f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} items (planned: " \
+                       f"{structure.num_leaves})"
             if now != kinds:
                 def said(k):
                     return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
@@ -79,8 +83,10 @@ class Specialized:
         return None
 
 
-def _tensor_kinds(value) -> list[tuple[list[int], torch.dtype]]:
-    return [(list(t.shape), t.dtype) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+def _signature(value) -> tuple[Any, list[tuple[list[int], torch.dtype]]]:
+    """``(pytree structure, [(shape, dtype) of each tensor])`` of an argument's value."""
+    leaves, structure = tree_flatten(value)
+    return structure, [(list(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)]
 
 
 def _device_type(values: dict[str, Any]) -> str:

@@ -419,6 +419,7 @@ class PlannedModule(nn.Module):
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured
+        self.__dict__["_state_reshaped"] = False
         self.offload_dir = offload_dir
         self.plan = plan
         self.report = report
@@ -924,7 +925,8 @@ class PlannedModule(nn.Module):
         specialized = self.__dict__["_captured"].specialized
         if specialized is not None and (why := specialized.differs(
                 {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
-                or self._converted_sentence()):
+                or self._converted_sentence()
+                or ("a parameter or buffer was replaced by one of another shape" if self._state_reshaped else None)):
             self._warn_once("specialized", (
                 f"memfit: {type(model).__name__}'s forward pass reads the sizes of its inputs in Python code "
                 f"({specialized.line}), so memfit traced it for the planned shapes, dtypes and autocast state only; "
@@ -1164,6 +1166,8 @@ class PlannedModule(nn.Module):
             self._build()
             shapes = {k: list(v.shape) for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
             more = self._trainable_elements() - self.__dict__["_trainable_elements_at_plan"]
+            # (a graph traced with the example's shapes read the old ones: `for i in range(self.centers.shape[0])`)
+            self.__dict__["_state_reshaped"] = bool(self.plan.state_shapes and shapes != self.plan.state_shapes)
             if self.plan.state_shapes and shapes != self.plan.state_shapes:
                 warnings.warn("memfit: a parameter or buffer of the model was replaced by one of another shape after "
                               "planning; results are correct but the planned memory figures do not hold. Make a "
