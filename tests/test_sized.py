@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
+from _models import trains_as_pytorch_for_its_shapes
 from memfit.bench.harness import fresh_copy, measure_training
 from memfit.bench.job import compare
 from memfit.graph import capture
@@ -196,3 +197,34 @@ def test_a_buffer_replaced_by_one_of_another_shape_runs_as_pytorch_where_the_tra
     with pytest.warns(UserWarning, match="replaced by one of another shape"):
         out = planned(x)
     assert torch.equal(out, reference(x))
+
+
+def test_a_one_line_shape_check_that_raises_plans_and_raises_for_bad_inputs():
+    # `if x.shape[-1] != D: raise ValueError(...)` on one line was taken for the forward raising by itself
+    class Checked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 1)
+
+        def forward(self, x):
+            if x.shape[-1] != 8: raise ValueError("expected 8 features")
+            return self.fc(x)
+
+    planned, _ = trains_as_pytorch_for_its_shapes(Checked().train(), (torch.randn(4, 8),))
+    with pytest.warns(UserWarning, match="unplanned"), pytest.raises(ValueError, match="expected 8 features"):
+        planned(torch.randn(4, 9))
+
+
+def test_each_kind_of_call_the_graph_does_not_hold_for_is_warned_once():
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    planned = memfit.optimize(_ShapeChecks().train(), (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    short = _batch(t=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned(*short[:2])
+        planned(*_batch(t=8)[:2])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            planned(ids, pos)
+    said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
+    assert len(said) == 2 and "Pad batches" in said[0] and "autocast" in said[1] and "Pad" not in said[1], said

@@ -60,9 +60,15 @@ class ForwardRaisedError(TraceError, ValueError):
 
 
 def _raised_by_user(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from a raise statement in the user's code (not torch's, nor an installed package's)."""
+    """Whether ``exc`` comes from a raise statement in the user's code (not torch's, nor an installed package's): the
+    innermost frame is the user's (`if x.shape[-1] != D: raise ValueError(...)` on one line failed in fx's test of
+    the condition, not in the raise)."""
     line = _user_frame(exc)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
     return (not line.startswith("inside torch") and _library_call(exc) is None
+            and (tb is None or _users(tb.tb_frame.f_code.co_filename))
             and re.search(r"(^|: )\s*raise\b", line) is not None)
 
 

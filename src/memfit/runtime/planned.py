@@ -927,12 +927,18 @@ class PlannedModule(nn.Module):
                 {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
                 or self._converted_sentence()
                 or ("a parameter or buffer was replaced by one of another shape" if self._state_reshaped else None)):
-            self._warn_once("specialized", (
+            kind = ("autocast" if "autocast" in why else "dtype" if "parameters are" in why
+                    else "state" if "replaced" in why else "inputs")
+            advice = {"autocast": "Plan inside the autocast context you train in (a planned module per state).",
+                      "dtype": "Plan the model as it is now.",
+                      "state": "Plan the model as it is now.",
+                      "inputs": "Pad batches to the planned shape, or plan for this one too (a planned module per "
+                                "shape)."}[kind]
+            self._warn_once(f"specialized {kind}", (  # (once per kind: a last short batch, then bf16 autocast)
                 f"memfit: {type(model).__name__}'s forward pass reads the sizes of its inputs in Python code "
                 f"({specialized.line}), so memfit traced it for the planned shapes, dtypes and autocast state only; "
                 f"this call differs ({why}), and runs your model as PyTorch does, unplanned (the values are "
-                "PyTorch's; the budget does not hold). Pad batches to the planned shape, or plan for this one too "
-                "(a planned module per shape)."))
+                f"PyTorch's; the budget does not hold). {advice}"))
             return model(*given[0], **given[1])
         # an argument given at planning and None now (left out, or passed as None): the traced forward took the
         # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
