@@ -228,3 +228,17 @@ def test_each_kind_of_call_the_graph_does_not_hold_for_is_warned_once():
             planned(ids, pos)
     said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
     assert len(said) == 2 and "Pad batches" in said[0] and "autocast" in said[1] and "Pad" not in said[1], said
+
+
+def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensors_only():
+    # Hugging Face's gradient checkpointing hooks the input embedding (`output.requires_grad_(True)`): its output's
+    # shape was unknown, and the trace stopped on the size check after it
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    torch.manual_seed(0)
+    ids, pos, _ = _batch()
+    model = _ShapeChecks().train()
+    seen = []
+    model.emb.register_forward_hook(lambda module, args, out: seen.append(type(out)))
+    trains_as_pytorch_for_its_shapes(model, (ids, pos))
+    assert seen and not any(issubclass(t, FakeTensor) for t in seen), seen

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from memfit.graph.attributes import has_own_hooks, reads_paused
+from memfit.graph.attributes import reads_paused
 from memfit.graph.augmented import InplaceProxy
 
 try:  # (private to fx: the patches of Module.__call__ and wrapped functions, taken off for a block)
@@ -113,6 +113,25 @@ def _untraced() -> Iterator[None]:
         torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = patched
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def _hooks_off(module: torch.nn.Module) -> Iterator[None]:
+    """``module``'s own hooks off while the block runs: a module with hooks is one node (memfit runs its hooks in
+    every step), and its value on fake tensors is its forward's (a user's hook would keep fake tensors;
+    Hugging Face's gradient checkpointing hooks the input embedding's output)."""
+    saved = {name: getattr(module, name) for name in _HOOKS if getattr(module, name, None)}
+    for name, hooks in saved.items():
+        object.__setattr__(module, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            object.__setattr__(module, name, hooks)
+
+
 class SizedProxy(InplaceProxy):
     """:class:`InplaceProxy` that answers ``.shape``, ``.size()``, ``.dim()``, ``.dtype``, ... and ``len()`` with its
     value on fake tensors (where known): plain Python values, so Python code on them runs as in eager PyTorch."""
@@ -137,8 +156,7 @@ class _SizedAttribute(fx.proxy.Attribute, SizedProxy):
 class ShapeSpecializing:
     """Mixin for a ``torch.fx.Tracer``: each node it creates gets its value on fake tensors in ``node.meta[FAKE]``
     (computed from the example arguments ``examples``, by name), and its proxies are :class:`SizedProxy`. A node
-    whose value cannot be computed (data-dependent output, a module with hooks of its own) has none, and its proxy
-    behaves as fx's."""
+    whose value cannot be computed (data-dependent output) has none, and its proxy behaves as fx's."""
 
     def __init__(self, examples: dict[str, Any], *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -192,11 +210,10 @@ class ShapeSpecializing:
                 if node.op == "call_method":
                     return getattr(args[0], node.target)(*args[1:], **kwargs)
                 module = self.root.get_submodule(node.target)
-                if has_own_hooks(module):  # (its hooks would run on fake tensors: a user's hook that keeps them)
-                    return _MISSING
                 state = {name: self.fake(t) for name, t in
                          [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
-                return torch.func.functional_call(module, state, tuple(args), kwargs)
+                with _hooks_off(module):
+                    return torch.func.functional_call(module, state, tuple(args), kwargs)
         except Exception:  # noqa: BLE001 -- (data-dependent, or not computable on fake tensors: traced as fx does)
             return _MISSING
 
