@@ -242,3 +242,23 @@ def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensor
     model.emb.register_forward_hook(lambda module, args, out: seen.append(type(out)))
     trains_as_pytorch_for_its_shapes(model, (ids, pos))
     assert seen and not any(issubclass(t, FakeTensor) for t in seen), seen
+
+
+def test_an_expanded_constant_made_from_the_example_sizes_plans():
+    # Mistral's sliding-window mask: with the sizes known, `torch.ones(t, t).tril(-1).expand(b, t, t)` is a constant
+    # of the graph with a stride of 0, and profiling failed to write a copy back into it ("more than one element of
+    # the written-to tensor refers to a single memory location")
+    class Window(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            b, t = x.shape[:2]
+            if b > 1:  # (a test of a size: traced with the example's)
+                x = x * 1.0
+            far = torch.ones(t, t, dtype=torch.bool).tril(-3).expand(b, t, t)
+            h = self.fc(x)
+            return (h @ h.transpose(1, 2)).masked_fill(far, 0.0).softmax(-1) @ h
+
+    trains_as_pytorch_for_its_shapes(Window().train(), (torch.randn(2, 6, 8),))

@@ -422,7 +422,11 @@ class Costs:
 
 
 def _state_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(b, b.detach().clone()) for b in model.buffers()]
+    """The model's buffers and copies of their values, but for expanded ones (a stride of 0: a tensor constant
+    `mask.expand(b, -1, -1)` of a graph traced with the example's shapes, Mistral's sliding window), which no
+    in-place operation can write and no copy can be written back into."""
+    return [(b, b.detach().clone()) for b in model.buffers()
+            if not any(stride == 0 and size > 1 for stride, size in zip(b.stride(), b.shape))]
 
 
 def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]], flags: list[tuple[torch.Tensor, bool]]) -> None:
