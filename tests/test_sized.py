@@ -262,3 +262,23 @@ def test_an_expanded_constant_made_from_the_example_sizes_plans():
             return (h @ h.transpose(1, 2)).masked_fill(far, 0.0).softmax(-1) @ h
 
     trains_as_pytorch_for_its_shapes(Window().train(), (torch.randn(2, 6, 8),))
+
+
+def test_a_tensor_made_from_the_example_sizes_and_written_into_is_made_in_every_step():
+    # `torch.zeros(b, 10, dtype=h.dtype, device=h.device)` had plain values for its arguments with the example's
+    # shapes, so fx made it once, as a constant, and the write into it was refused (the README's own advice)
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            out = torch.zeros(len(h), 10, device=h.device, dtype=h.dtype)
+            out[:, 1:-1] = h
+            return torch.stack([row.pow(2).sum() for row in out])
+
+    planned, plain = trains_as_pytorch_for_its_shapes(Padded().train(), (torch.randn(4, 8),))
+    x = torch.randn(4, 8)
+    for _ in range(2):  # (a constant written in place would carry the first step's values into the second)
+        assert torch.equal(planned(x), plain(x))

@@ -17,6 +17,7 @@ meta/fake tensors during symbolic tracing), on PyTorch's ``FakeTensorMode``. Dat
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,6 +100,36 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
     return enabled, (torch.get_autocast_dtype(device_type) if enabled else None)
 
 
+# tensor factories, recorded as graph nodes while tracing with the example's shapes (their sizes, dtype and device are
+# plain values then, `torch.zeros(b, 10, dtype=h.dtype, device=h.device)`, and fx would make the tensor once, while
+# tracing, as a constant of the graph: a write into it was refused)
+_FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "linspace")
+_RECORDING: list[ShapeSpecializing] = []  # the tracer recording factories (none inside _untraced)
+
+
+@contextlib.contextmanager
+def _recorded_factories(tracer: ShapeSpecializing) -> Iterator[None]:
+    real = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def recorded(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if _RECORDING and _RECORDING[-1] is tracer and kwargs.get("out") is None:
+                return tracer.create_proxy("call_function", fn, args, kwargs)
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in real.items():
+        setattr(torch, name, recorded(fn))
+    _RECORDING.append(tracer)
+    try:
+        yield
+    finally:
+        _RECORDING.remove(tracer)
+        for name, fn in real.items():
+            setattr(torch, name, fn)
+
+
 @contextlib.contextmanager
 def _untraced() -> Iterator[None]:
     """Run the model's code for real inside a trace: fx's patches (``Module.__call__``, wrapped functions),
@@ -106,10 +137,13 @@ def _untraced() -> Iterator[None]:
     grad-mode switches back."""
     patched = (torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__)
     torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = _GRAD_MODE
+    recording = _RECORDING[:]
+    _RECORDING.clear()
     try:
         with _maybe_revert_all_patches(), reads_paused(), _disable_current_modes():
             yield
     finally:
+        _RECORDING[:] = recording
         torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = patched
 
 
@@ -169,6 +203,10 @@ class ShapeSpecializing:
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return SizedProxy(node, self)
+
+    def trace(self, root, concrete_args=None):
+        with _recorded_factories(self):
+            return super().trace(root, concrete_args)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
