@@ -282,3 +282,19 @@ def test_a_tensor_made_from_the_example_sizes_and_written_into_is_made_in_every_
     x = torch.randn(4, 8)
     for _ in range(2):  # (a constant written in place would carry the first step's values into the second)
         assert torch.equal(planned(x), plain(x))
+
+
+def test_a_dict_argument_iterated_plans_for_its_keys_and_runs_as_pytorch_for_others():
+    class Features(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, feats):
+            return sum(self.fc(v).sum(1) * (i + 1) for i, (_, v) in enumerate(sorted(feats.items())))
+
+    feats = {"a": torch.randn(4, 8), "b": torch.randn(4, 8)}
+    planned, plain = trains_as_pytorch_for_its_shapes(Features().train(), (feats,))
+    more = {**feats, "c": torch.randn(4, 8)}
+    with pytest.warns(UserWarning, match="unplanned"):
+        assert torch.equal(planned(more), plain(more))

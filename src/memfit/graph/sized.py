@@ -174,11 +174,14 @@ class SizedProxy(InplaceProxy):
         value = self.node.meta.get(FAKE, _MISSING)
         if k in _SIZED and isinstance(value, torch.Tensor):
             return getattr(value, k)
+        if k in ("keys", "values", "items") and isinstance(value, dict):  # (a dict argument: its keys, as planned)
+            return {"keys": lambda: list(value), "values": lambda: [self[key] for key in value],
+                    "items": lambda: [(key, self[key]) for key in value]}[k]
         return _SizedAttribute(self, k)
 
     def __len__(self) -> int:
         value = self.node.meta.get(FAKE, _MISSING)
-        if isinstance(value, (torch.Tensor, tuple, list)):
+        if isinstance(value, (torch.Tensor, tuple, list, dict)):
             return len(value)
         return super().__len__()
 
@@ -265,10 +268,13 @@ class ShapeSpecializing:
         return super().to_bool(obj)
 
     def iter(self, obj: fx.Proxy):
-        """A tuple, list or tensor of known length (``torch.chunk(h, 4)``, ``for row in x``) as its items."""
+        """A tuple, list or tensor of known length (``torch.chunk(h, 4)``, ``for row in x``) as its items; a dict
+        as its keys."""
         value = obj.node.meta.get(FAKE, _MISSING)
         if isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor) and value.dim() > 0):
             return iter([obj[k] for k in range(len(value))])
+        if isinstance(value, dict):
+            return iter(list(value))
         return super().iter(obj)
 
 
