@@ -109,6 +109,8 @@ _RECORDING: list[ShapeSpecializing] = []  # the tracer recording factories (none
 
 @contextlib.contextmanager
 def _recorded_factories(tracer: ShapeSpecializing) -> Iterator[None]:
+    """While ``tracer`` traces, ``torch.zeros(...)`` and the other :data:`_FACTORIES` called from the traced code
+    (not from :func:`_untraced` code, nor with ``out=``) become graph nodes; ``torch`` is put back on exit."""
     real = {name: getattr(torch, name) for name in _FACTORIES}
 
     def recorded(fn):
