@@ -298,3 +298,35 @@ def test_a_dict_argument_iterated_plans_for_its_keys_and_runs_as_pytorch_for_oth
     more = {**feats, "c": torch.randn(4, 8)}
     with pytest.warns(UserWarning, match="unplanned"):
         assert torch.equal(planned(more), plain(more))
+
+
+def test_drop_path_drawn_with_a_shape_from_sizes_is_drawn_in_every_step_as_pytorch():
+    # transformers' ConvNeXt and Swin with drop_path_rate > 0: `torch.rand(shape, dtype=x.dtype, device=x.device)`
+    # with `shape = (x.shape[0],) + (1,) * (x.ndim - 1)` made a draw outside the graph, refused, and the error named
+    # an earlier shape check
+    class DropPath(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.shape[-1] != 8:
+                raise ValueError("expected 8 features")
+            shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+            keep = (0.7 + torch.rand(shape, dtype=x.dtype, device=x.device)).floor()
+            return x + self.fc(x).relu() * keep / 0.7
+
+    torch.manual_seed(0)
+    model = DropPath().train()
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, torch.randn(16, 8), "min")
+    x = torch.randn(16, 8)
+    for step in range(3):  # (each step draws anew, and the plan's recomputation draws what PyTorch drew)
+        outs = []
+        for net in (planned, plain):
+            torch.manual_seed(step)
+            outs.append(net(x))
+            outs[-1].pow(2).mean().backward()
+        assert torch.equal(*outs)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=0)

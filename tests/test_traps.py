@@ -583,7 +583,15 @@ def test_trace_errors_give_advice_that_fits():
         memfit.optimize(torch.compile(nn.Sequential(nn.Linear(8, 8)), backend="eager").train(), torch.randn(4, 8))
 
     with pytest.raises(memfit.TraceError, match=r"plain number.*rand_like"):
-        memfit.optimize(StochasticDepth().train(), torch.randn(4, 8))
+        capture(StochasticDepth().train())  # (the advice, where the example's shapes are not known)
+    depth = StochasticDepth().train()  # (with them, the draw is made in every step, as PyTorch makes it)
+    plain, x = fresh_copy(depth), torch.randn(4, 8)
+    stochastic = memfit.optimize(depth, x)
+    for step in range(2):
+        torch.manual_seed(step)
+        out = stochastic(x)
+        torch.manual_seed(step)
+        assert torch.equal(out, plain(x))
     planned = memfit.optimize(StochasticDepth().body.train(), torch.randn(4, 8), budget="100%")
     with pytest.raises(TypeError, match=r"already planned.*planned.model"):  # re-planning a planned module
         memfit.optimize(planned, torch.randn(4, 8), budget="100%")

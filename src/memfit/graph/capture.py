@@ -536,11 +536,31 @@ def _in_distributions(exc: BaseException) -> bool:
     return False
 
 
+def _module_level(exc: BaseException, name: str) -> bool:
+    """Whether the installed package's function ``name`` that ``exc`` passed through is a module-level function of
+    its module (``einops.rearrange``), which ``torch.fx.wrap(name)`` can mark, rather than a closure (a decorator's
+    ``wrapper``)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == name and _installed(frame.f_code.co_filename):
+            found = frame.f_globals.get(name)
+            return callable(found) and getattr(inspect.unwrap(found), "__code__", None) is frame.f_code
+        tb = tb.tb_next
+    return False
+
+
 def _trace_advice(model: nn.Module, exc: BaseException) -> str:
     """What to change, for an exception fx raised while tracing ``model``."""
     library = _library_call(exc)
     if library is not None and library[0] != "torchvision" and library[1] != "forward":
         package, name, caller = library  # (a fresh user's einops.rearrange was called "a raise statement of yours")
+        if not _module_level(exc, name):  # (a decorator's `wrapper`: fx.wrap("wrapper") then broke every trace)
+            return (f"  {package}'s {name} (called at {caller}) runs Python code of its own on torch.fx's stand-ins "
+                    "for your tensors, which it cannot handle. Let fx record that call whole: move it into a function "
+                    "of your own at module level, marked with torch.fx.wrap(\"your_function\") (memfit then runs it "
+                    f"as one step; `{name}` is not a module-level function of {package}, so it cannot be marked "
+                    "itself).")
         return (f"  {package}'s {name} (called at {caller}) runs Python code of its own on torch.fx's stand-ins for your "
                 f"tensors, which it cannot handle. Let fx record the call whole: in your file, after importing it, "
                 f"write torch.fx.wrap(\"{name}\") at module level (or call it through a function of yours marked "
@@ -1261,9 +1281,10 @@ def _refuse_root_hooks(model: nn.Module) -> None:
             "Your model is as it was.")
 
 
-def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str]) -> None:
+def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unknown: list[str] = ()) -> None:
     """Raise the :class:`TraceError` (or :class:`ForwardRaisedError`) for ``exc``, a failure to trace ``model``;
-    ``draws``: the lines that drew random numbers in that trace."""
+    ``draws``: the lines that drew random numbers in that trace; ``unknown``: the first operation whose shapes the
+    trace with the example's shapes could not compute (:mod:`memfit.graph.sized`)."""
     line = _user_frame(exc)
     # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
     drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
@@ -1271,6 +1292,9 @@ def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str]) -> 
     raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
         f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
         f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
+        + (f"\n  (Traced again with the example batch's shapes, memfit could not compute those of {unknown[0]} on "
+           "fake tensors, so sizes after it were unknown again; a size set by the data, such as a boolean mask's "
+           "selection, has no value before the step runs.)" if unknown else "")
     ) from exc
 
 
@@ -1393,9 +1417,10 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None,
                     _put_back_containers(containers)
                     first_failure, first_draws = exc, draws
                     continue
+                unknown = getattr(exc, "memfit_unknown", [])
                 if first_failure is not None and _user_frame(exc) == _user_frame(first_failure):
                     exc, draws = first_failure, first_draws  # (stopped on the same line: the plain trace's error says why)
-                _refuse_untraced(model, exc, draws)
+                _refuse_untraced(model, exc, draws, unknown)
             if first_failure is not None and draws:
                 # (traced with the example's shapes, it draws random numbers the plain trace stopped before, as
                 # torch.distributions' rsample does: the plain trace's error has the advice for that line)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,7 +104,8 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
 # tensor factories, recorded as graph nodes while tracing with the example's shapes (their sizes, dtype and device are
 # plain values then, `torch.zeros(b, 10, dtype=h.dtype, device=h.device)`, and fx would make the tensor once, while
 # tracing, as a constant of the graph: a write into it was refused)
-_FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "linspace")
+_FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "linspace",
+              "rand", "randn", "randint", "randperm", "normal")  # (random ones: drawn in every step, as PyTorch draws)
 _RECORDING: list[ShapeSpecializing] = []  # the tracer recording factories (none inside _untraced)
 
 
@@ -201,6 +203,7 @@ class ShapeSpecializing:
         super().__init__(*args, **kwargs)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.examples = examples
+        self.unknown: list[str] = []  # the first operation whose value could not be computed on fake tensors
 
     def fake(self, value):
         """``value`` with each tensor in it as a fake tensor of this trace."""
@@ -210,8 +213,14 @@ class ShapeSpecializing:
         return SizedProxy(node, self)
 
     def trace(self, root, concrete_args=None):
-        with _recorded_factories(self):
-            return super().trace(root, concrete_args)
+        """fx's; an exception raised gets ``memfit_unknown``: the first operation whose shapes memfit could not
+        compute (``[]`` where none), for the error message."""
+        try:
+            with _recorded_factories(self):
+                return super().trace(root, concrete_args)
+        except Exception as exc:
+            exc.memfit_unknown = self.unknown
+            raise
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -221,8 +230,13 @@ class ShapeSpecializing:
         return node
 
     def _value(self, node: fx.Node):
-        with _untraced():
-            return self._computed(node)
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")  # (its "failed while attempting to run meta"
+        was, quiet.disabled = quiet.disabled, True                    # tracebacks: the failure is reported once)
+        try:
+            with _untraced():
+                return self._computed(node)
+        finally:
+            quiet.disabled = was
 
     def _computed(self, node: fx.Node):
         if node.op == "placeholder":
@@ -257,7 +271,10 @@ class ShapeSpecializing:
                          [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
                 with _hooks_off(module):
                     return torch.func.functional_call(module, state, tuple(args), kwargs)
-        except Exception:  # noqa: BLE001 -- (data-dependent, or not computable on fake tensors: traced as fx does)
+        except Exception as exc:  # noqa: BLE001 -- (data-dependent, or not computable on fake tensors: traced as fx does)
+            if not self.unknown:  # (the first: where the example's shapes stopped being known)
+                self.unknown.append(f"{node.op} {getattr(node.target, '__name__', node.target)} "
+                                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
             return _MISSING
 
     def to_bool(self, obj: fx.Proxy) -> bool:
