@@ -47,6 +47,14 @@ class _Softmax(nn.Module):
         return x.softmax(-1)
 
 
+class _WithLinear(nn.Module):
+    """A linear layer (8 -> 8) as ``self.fc``, for a test's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+
 def _loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
@@ -118,11 +126,7 @@ def test_the_planned_shapes_run_the_plan_after_a_call_of_another_shape():
 
 
 def test_data_dependent_control_flow_is_still_refused_with_the_plain_traces_message():
-    class Branches(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
+    class Branches(_WithLinear):
         def forward(self, x):
             h = self.fc(x)
             if x.shape[0] > 1 and h.sum() > 0:  # (the size is known with the example's shapes, the sum is not)
@@ -150,11 +154,7 @@ def test_a_model_converted_after_planning_runs_as_pytorch_where_the_trace_read_d
     assert out.dtype == torch.bfloat16 and torch.equal(out, reference(ids, pos))
 
 
-class _PickColumns(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
+class _PickColumns(_WithLinear):
     def forward(self, x, idx):
         return sum(self.fc(x[:, :, i]) for i in idx)
 
@@ -248,11 +248,7 @@ def test_an_expanded_constant_made_from_the_example_sizes_plans():
     # Mistral's sliding-window mask: with the sizes known, `torch.ones(t, t).tril(-1).expand(b, t, t)` is a constant
     # of the graph with a stride of 0, and profiling failed to write a copy back into it ("more than one element of
     # the written-to tensor refers to a single memory location")
-    class Window(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
+    class Window(_WithLinear):
         def forward(self, x):
             b, t = x.shape[:2]
             if b > 1:  # (a test of a size: traced with the example's)
@@ -267,11 +263,7 @@ def test_an_expanded_constant_made_from_the_example_sizes_plans():
 def test_a_tensor_made_from_the_example_sizes_and_written_into_is_made_in_every_step():
     # `torch.zeros(b, 10, dtype=h.dtype, device=h.device)` had plain values for its arguments with the example's
     # shapes, so fx made it once, as a constant, and the write into it was refused (the README's own advice)
-    class Padded(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
+    class Padded(_WithLinear):
         def forward(self, x):
             h = self.fc(x)
             out = torch.zeros(len(h), 10, device=h.device, dtype=h.dtype)
@@ -285,11 +277,7 @@ def test_a_tensor_made_from_the_example_sizes_and_written_into_is_made_in_every_
 
 
 def test_a_dict_argument_iterated_plans_for_its_keys_and_runs_as_pytorch_for_others():
-    class Features(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
+    class Features(_WithLinear):
         def forward(self, feats):
             return sum(self.fc(v).sum(1) * (i + 1) for i, (_, v) in enumerate(sorted(feats.items())))
 
@@ -304,11 +292,7 @@ def test_drop_path_drawn_with_a_shape_from_sizes_is_drawn_in_every_step_as_pytor
     # transformers' ConvNeXt and Swin with drop_path_rate > 0: `torch.rand(shape, dtype=x.dtype, device=x.device)`
     # with `shape = (x.shape[0],) + (1,) * (x.ndim - 1)` made a draw outside the graph, refused, and the error named
     # an earlier shape check
-    class DropPath(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
+    class DropPath(_WithLinear):
         def forward(self, x):
             if x.shape[-1] != 8:
                 raise ValueError("expected 8 features")
