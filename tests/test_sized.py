@@ -314,3 +314,15 @@ def test_drop_path_drawn_with_a_shape_from_sizes_is_drawn_in_every_step_as_pytor
         assert torch.equal(*outs)
         for p, q in zip(model.parameters(), plain.parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+def test_a_buffer_whose_data_is_replaced_by_another_shape_runs_as_pytorch():
+    # `model.centers.data = torch.randn(5, 8)` keeps the buffer object: only its shape says the loop count changed
+    torch.manual_seed(0)
+    x, model = torch.randn(4, 8), _Centers().train()
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.mean())
+    model.centers.data = torch.randn(5, 8)
+    reference = fresh_copy(model)
+    with pytest.warns(UserWarning, match="replaced by one of another shape.*unplanned"):
+        out = planned(x)
+    assert torch.equal(out, reference(x))

@@ -419,7 +419,6 @@ class PlannedModule(nn.Module):
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
         self.__dict__["_captured"] = captured
-        self.__dict__["_state_reshaped"] = False
         self.offload_dir = offload_dir
         self.plan = plan
         self.report = report
@@ -443,6 +442,9 @@ class PlannedModule(nn.Module):
                 else:
                     self.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training
+        # (a graph traced with the example's shapes read the state's too, `for i in range(self.centers.shape[0])`:
+        # checked at each call, `.data` replaced by another shape included)
+        self.__dict__["_state_shapes_at_build"] = self._state_shapes() if captured.specialized else None
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
         self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
         self._warned: set[str] = set()  # the warnings given, each once (see _warn_once)
@@ -926,7 +928,8 @@ class PlannedModule(nn.Module):
         if specialized is not None and (why := specialized.differs(
                 {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
                 or self._converted_sentence()
-                or ("a parameter or buffer was replaced by one of another shape" if self._state_reshaped else None)):
+                or ("a parameter or buffer was replaced by one of another shape"
+                    if self._state_shapes() != self.__dict__["_state_shapes_at_build"] else None)):
             kind = ("autocast" if "autocast" in why else "dtype" if "parameters are" in why
                     else "state" if "replaced" in why else "inputs")
             advice = {"autocast": "Plan inside the autocast context you train in (a planned module per state).",
@@ -1130,6 +1133,11 @@ class PlannedModule(nn.Module):
                 "recorded the path the example inputs took. Pass the same arguments as at planning time, or plan for "
                 "the call you make") from exc
 
+    def _state_shapes(self) -> list[torch.Size]:
+        """The shapes of the model's parameters and buffers, in order."""
+        root = self.model
+        return [t.shape for t in itertools.chain(root.parameters(), root.buffers())]
+
     def _state_now(self) -> list[tuple[str, int]]:
         """``(name, id)`` of the model's parameters and buffers, as the planned module's operator variants hold them."""
         model = self.model
@@ -1172,8 +1180,6 @@ class PlannedModule(nn.Module):
             self._build()
             shapes = {k: list(v.shape) for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
             more = self._trainable_elements() - self.__dict__["_trainable_elements_at_plan"]
-            # (a graph traced with the example's shapes read the old ones: `for i in range(self.centers.shape[0])`)
-            self.__dict__["_state_reshaped"] = bool(self.plan.state_shapes and shapes != self.plan.state_shapes)
             if self.plan.state_shapes and shapes != self.plan.state_shapes:
                 warnings.warn("memfit: a parameter or buffer of the model was replaced by one of another shape after "
                               "planning; results are correct but the planned memory figures do not hold. Make a "
