@@ -73,8 +73,10 @@ class Specialized:
         for name, (structure, kinds) in self.inputs.items():
             now_structure, now = _signature(env.get(name))
             if now_structure != structure:
-                return f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} items (planned: " \
-                       f"{structure.num_leaves})"
+                if now_structure.num_leaves != structure.num_leaves:
+                    return (f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} items "
+                            f"(planned: {structure.num_leaves})")
+                return f"{name} has other keys or container types than planned"
             if now != kinds:
                 def said(k):
                     return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
