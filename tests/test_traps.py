@@ -18,6 +18,7 @@ from _models import (
     ListOut,
     TiedLM,
     channel_mix_with_relu_mask,
+    draws_as_pytorch,
     plain_and_planned,
     trains_as_pytorch_for_its_shapes,
 )
@@ -2493,16 +2494,7 @@ def test_torch_distributions_without_validation_sample_in_every_step_as_pytorch(
     plain = fresh_copy(model)
     planned = memfit.optimize(model, torch.randn(4, 8), "min")
     assert planned.__dict__["_captured"].specialized is not None
-    x = torch.randn(4, 8)
-    for step in range(2):
-        outs = []
-        for net in (planned, plain):
-            torch.manual_seed(step)
-            outs.append(net(x))
-            outs[-1].pow(2).mean().backward()
-        assert torch.equal(*outs)
-        for p, q in zip(model.parameters(), plain.parameters()):
-            assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=0)
+    draws_as_pytorch(planned, plain, model, torch.randn(4, 8), steps=2)
 
 
 def test_a_numpy_draw_sized_by_a_traced_shape_names_the_users_line_and_the_draw():

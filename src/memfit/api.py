@@ -30,7 +30,6 @@ from memfit.graph.calls import (
     map_tensors,
     node_inputs,
     node_ops,
-    plain_scalar,
     tensors_in,
 )
 from memfit.graph.capture import Captured, TraceError, capture, check_traced_outputs, refuse_decorated_forward
@@ -297,30 +296,20 @@ def _check_switches(**switches) -> None:
 def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:
     """Refuse a forward argument whose value (given, or its default) is a function (``act=F.gelu``): torch.fx
     cannot take one as a graph input (a fresh user was told about output types, inside fx's code)."""
-    named = in_traced_order(forward_params(model))
-    for k, p in enumerate(named):
-        value = inputs[k] if k < len(inputs) else p.default
+    for name, value in forward_arguments(model, inputs).items():
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)):
             raise TraceError(
-                f"the forward's argument {p.name!r} is a function ({getattr(value, '__name__', value)!r}), which "
+                f"the forward's argument {name!r} is a function ({getattr(value, '__name__', value)!r}), which "
                 "torch.fx cannot take as a graph input. Keep it on the module (`self.act = act` in __init__, read "
-                f"in forward), or plan a wrapper module whose forward calls yours with {p.name}=... (fx then traces "
+                f"in forward), or plan a wrapper module whose forward calls yours with {name}=... (fx then traces "
                 "into that function). Your model is as it was.")
-
-
-def plain_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
-    """``model``'s forward arguments that are one plain Python value (:func:`memfit.graph.calls.plain_scalar`: ``None``,
-    a flag, a number, a string, an ``Enum`` member, a ``torch.dtype`` or ``torch.device``) for the positional
-    ``inputs``, passed or left out at their default (``def forward(self, ids, mask=None, output_hidden_states: bool =
-    False)`` called with ``ids`` alone), by name. :func:`memfit.graph.capture.capture` traces all but numbers as
-    these values, and numbers where the forward's Python code needs them (``for _ in range(steps)``)."""
-    return {name: v for name, v in forward_arguments(model, inputs).items() if plain_scalar(v)}
 
 
 def forward_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
     """``model``'s forward arguments for the positional ``inputs``, by name, those left out at their default (none
-    for an argument without one). :func:`memfit.graph.capture.capture` traces with their shapes where Python code
-    on a size stops the plain trace."""
+    for an argument without one; ``def forward(self, ids, mask=None, output_hidden_states: bool = False)`` called
+    with ``ids`` alone). :func:`memfit.graph.capture.capture` traces the plain Python values among them as settings,
+    and with their shapes where Python code on a size stops the plain trace."""
     named = in_traced_order(forward_params(model))
     values = {p.name: inputs[k] if k < len(inputs) else p.default for k, p in enumerate(named)}
     return {name: v for name, v in values.items() if v is not inspect.Parameter.empty}
@@ -520,7 +509,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _warn_hooks(model)
     if _captured is None:
         _refuse_function_arguments(model, given)
-        captured = capture(model, plain_arguments(model, given), forward_arguments(model, given))
+        captured = capture(model, forward_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(inputs))
     else:
         captured = _captured
@@ -956,7 +945,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                 t.requires_grad for t in given if isinstance(t, torch.Tensor)):
             _refuse_nothing_trains(model)
         _refuse_function_arguments(model, given)
-        captured = capture(model, plain_arguments(model, given), forward_arguments(model, given))
+        captured = capture(model, forward_arguments(model, given))
         check_traced_outputs(model, captured.gm, lambda: _private_copy(given))
         _warn_untrained_by_optimizers(model, _optimizers(optimizer), list(captured.gm.parameters()))
         # (with the parameters it trains outside the model, a head kept in the loss: a plan made with that head

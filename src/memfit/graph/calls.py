@@ -346,11 +346,17 @@ def setting_constant(value) -> bool:
                                                torch.memory_format))
 
 
+def numpy_scalar_as_python(value):
+    """A numpy scalar (``np.float64(0.1)``, ``np.int64(3)``) as the Python number it equals; anything else as it is."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
 def same_fixed_value(planned, now) -> bool:
     """``now`` is the value ``planned`` that a forward's argument was traced for (:func:`memfit.graph.capture.capture`
     fixes such arguments): the same type and equal (``1`` is not ``True``: ``flag is True`` tells them apart)."""
-    if type(now).__module__ == "numpy" and getattr(now, "ndim", None) == 0 and hasattr(now, "item"):
-        now = now.item()  # (a numpy scalar from a sweep's config: np.int64(3) runs as 3 does)
+    now = numpy_scalar_as_python(now)  # (a numpy scalar from a sweep's config: np.int64(3) runs as 3 does)
     return now is planned or (type(now) is type(planned) and now == planned)
 
 

@@ -40,6 +40,8 @@ from memfit.graph.calls import (
     dataclass_parts,
     forward_params,
     in_traced_order,
+    numpy_scalar_as_python,
+    plain_scalar,
     rebuilt_of_its_class,
     setting_constant,
     tensors_in,
@@ -751,8 +753,7 @@ class _Tracer(fx.Tracer):
         fresh user's temperature scaling divided the logits twice, gradients 9e-3 off), a ``field(init=False)``
         was refused by ``__init__``, and a dataclass that is a dict (Hugging Face's ``ModelOutput``) came back a
         plain dict."""
-        if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
-            a = a.item()
+        a = numpy_scalar_as_python(a)
         if rebuilt_of_its_class(a):
             attributes, items = dataclass_parts(a)
             return self.create_node("call_function", dataclass_builder(type(a)),
@@ -1298,8 +1299,7 @@ def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unk
     ) from exc
 
 
-def capture(model: nn.Module, plain_args: dict[str, Any] | None = None,
-            examples: dict[str, Any] | None = None) -> Captured:
+def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Captured:
     """Trace ``model`` symbolically with ``torch.fx``.
 
     Reads of the model's own buffers are graph values (``get_attr`` nodes), so an in-place update of a
@@ -1307,17 +1307,16 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None,
 
     Args:
         model: any ``nn.Module`` whose forward has no data-dependent Python control flow.
-        plain_args: the forward's arguments that are one plain Python value in the step (``None``, a flag, a
-            number, a string; passed, or left out at their default), by name. ``None``, flags and strings are
-            traced as their values (fx's ``concrete_args``), numbers where the trace fails on a line reading them
+        examples: the forward's arguments by name (the example batch; those left out at their default too).
+            Those that are one plain Python value (:func:`memfit.graph.calls.plain_scalar`: ``None``, a flag, a
+            number, a string) are settings: ``None``, flags and strings are traced as their values (fx's ``concrete_args``), numbers where the trace fails on a line reading them
             (:func:`_trace`); :attr:`Captured.fixed_args` says which. Traced as graph inputs, ``mask is None`` was
             ``False`` and ``if mask is None:`` took the other branch (a fresh user's causal attention,
             ``is_causal=mask is None``, ran unmasked, its gradients off by 1.5e-3, silently), and ``if
-            output_hidden_states:`` (Hugging Face's flags) could not be traced at all.
-        examples: the forward's arguments by name (the example batch). Where the trace fails (Python code on a
-            traced size: ``if batch_size != position_ids.shape[0]:`` in Hugging Face's mask preparation), it is
-            traced again with these arguments' shapes, dtypes and devices known (:mod:`memfit.graph.sized`), and
-            :attr:`Captured.specialized` says what the graph then holds for.
+            output_hidden_states:`` (Hugging Face's flags) could not be traced at all. Where the trace fails
+            (Python code on a traced size: ``if batch_size != position_ids.shape[0]:`` in Hugging Face's mask
+            preparation), it is traced again with the examples' shapes, dtypes and devices known
+            (:mod:`memfit.graph.sized`), and :attr:`Captured.specialized` says what the graph then holds for.
 
     Returns:
         :class:`Captured`: the fx ``GraphModule`` (its submodules are the model's own objects, so
@@ -1336,7 +1335,7 @@ def capture(model: nn.Module, plain_args: dict[str, Any] | None = None,
     refuse_decorated_forward(model)
     _refuse_root_hooks(model)
     numbers = _python_numbers(model)
-    plain = dict(plain_args or {})
+    plain = {name: v for name, v in (examples or {}).items() if plain_scalar(v)}
     # settings (None, flags, strings, Enum members, dtypes) are traced as their values; a number where the trace
     # fails on a line reading it
     fixed = {name: v for name, v in plain.items() if setting_constant(v)}

@@ -67,23 +67,24 @@ class Specialized:
         return Specialized({name: _signature(v) for name, v in examples.items()},
                            autocast_state(_device_type(examples)), line)
 
-    def differs(self, env: dict[str, Any]) -> str | None:
-        """How the bound arguments ``env`` (name -> value) differ from what the trace holds for (words for a
-        warning), or ``None`` where they match."""
+    def differs(self, env: dict[str, Any]) -> tuple[str, str] | None:
+        """How the bound arguments ``env`` (name -> value) differ from what the trace holds for: ``("inputs" or
+        "autocast", words for a warning)``, or ``None`` where they match."""
         for name, (structure, kinds) in self.inputs.items():
             now_structure, now = _signature(env.get(name))
             if now_structure != structure:
                 if now_structure.num_leaves != structure.num_leaves:
-                    return (f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} items "
-                            f"(planned: {structure.num_leaves})")
-                return f"{name} has other keys or container types than planned"
+                    return "inputs", (f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} "
+                                      f"items (planned: {structure.num_leaves})")
+                return "inputs", f"{name} has other keys or container types than planned"
             if now != kinds:
                 def said(k):
                     return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
-                return f"{name} has tensors {said(now)} (planned: {said(kinds)})"
+                return "inputs", f"{name} has tensors {said(now)} (planned: {said(kinds)})"
         if autocast_state(_device_type(env)) != self.autocast:
             enabled, dtype = self.autocast
-            return f"another autocast state than at planning ({'autocast to ' + str(dtype) if enabled else 'no autocast'})"
+            return "autocast", ("another autocast state than at planning "
+                                f"({'autocast to ' + str(dtype) if enabled else 'no autocast'})")
         return None
 
 

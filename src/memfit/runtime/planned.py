@@ -925,13 +925,8 @@ class PlannedModule(nn.Module):
                                      "pass only the forward's arguments")) from None
         # a graph traced with the example's shapes (Python code read a size: memfit.graph.sized) holds for them only
         specialized = self.__dict__["_captured"].specialized
-        if specialized is not None and (why := specialized.differs(
-                {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
-                or self._converted_sentence()
-                or ("a parameter or buffer was replaced by one of another shape"
-                    if self._state_shapes() != self.__dict__["_state_shapes_at_build"] else None)):
-            kind = ("autocast" if "autocast" in why else "dtype" if "parameters are" in why
-                    else "state" if "replaced" in why else "inputs")
+        if specialized is not None and (outside := self._outside_specialized(env)) is not None:
+            kind, why = outside
             advice = {"autocast": "Plan inside the autocast context you train in (a planned module per state).",
                       "dtype": "Plan the model as it is now.",
                       "state": "Plan the model as it is now.",
@@ -1267,11 +1262,21 @@ class PlannedModule(nn.Module):
         return (shapes if self.plan.input_shapes and shapes != self.plan.input_shapes else None,
                 dtypes if self.plan.input_dtypes and dtypes != self.plan.input_dtypes else None, converted)
 
-    def _converted_sentence(self) -> str | None:
-        """``"the parameters are <dtype> (planned: <dtype>)"`` where the model was converted after planning
-        (``model.half()``), else ``None``."""
+    def _outside_specialized(self, env: dict[str, Any]) -> tuple[str, str] | None:
+        """``(kind, words)`` where this call (its bound arguments ``env``, by node name) is not what a graph traced
+        with the example's shapes holds for: other inputs or autocast state (:meth:`Specialized.differs`), the model
+        converted to another dtype (``"dtype"``) or a parameter or buffer of another shape (``"state"``); else
+        ``None``."""
+        found = self.__dict__["_captured"].specialized.differs(
+            {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
+        if found is not None:
+            return found
         converted = self._differences(())[2]
-        return None if converted is None else f"the parameters are {converted[1]} (planned: {converted[0]})"
+        if converted is not None:
+            return "dtype", f"the parameters are {converted[1]} (planned: {converted[0]})"
+        if self._state_shapes() != self.__dict__["_state_shapes_at_build"]:
+            return "state", "a parameter or buffer was replaced by one of another shape"
+        return None
 
     def _as_planned(self, args: tuple) -> bool:
         """Whether the inputs have the plan's shapes and dtypes and the parameters its dtype."""
