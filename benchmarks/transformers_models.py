@@ -8,6 +8,12 @@ Batch 8 x 128 tokens, vocabulary 2000, hidden size 128, 4 layers; SGD with momen
 ``pip install transformers`` (not a memfit dependency); written against transformers 5.25.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/transformers_models.py [--models llama,gpt2] [--budgets min,50%]
+        [--short 5x128,8x96]
+
+``--short``: after each plan, batches of other (smaller) shapes go through the planned module, as a short last
+batch or a shorter sequence does: memfit traces the forward again for them and runs the plan's decisions on that
+graph (``memfit.runtime.reshaped``). Printed: their measured peak against the plan's budget and plain PyTorch's peak
+for those shapes, the gradients against PyTorch's, and the first step's time (which includes the trace).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="min,50%", help="comma-separated memfit budgets")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--short", default="", help="comma-separated BATCHxTOKENS shapes to run after planning")
     args = parser.parse_args()
     torch.set_num_threads(1)
     memfit.retain_freed_memory()
@@ -103,6 +110,31 @@ def main() -> None:
                   f"{fig.step_seconds / base.step_seconds:>7.2f}x {seconds:>6.0f} "
                   f"{values}; "
                   f"{'UNDER' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} budget", flush=True)
+            for shape in filter(None, args.short.split(",")):
+                short(name, model, planned, plan, shape, loss)
+
+
+def short(name: str, model: torch.nn.Module, planned: memfit.PlannedModule, plan: memfit.Plan, shape: str,
+          loss) -> None:
+    """Print a batch of ``shape`` ("BATCHxTOKENS") through ``planned``: its peak against the budget and plain
+    PyTorch's, its gradients against PyTorch's, its first step's seconds (with the trace for its shapes) and the
+    median step's."""
+    batch, tokens = (int(v) for v in shape.split("x"))
+    torch.manual_seed(1)
+    ids = torch.randint(0, 2000, (batch, tokens))
+    inputs = (ids, ids.clone())
+    start = time.time()
+    planned(*inputs).backward()  # (the first call of these shapes: traced again)
+    first = time.time() - start
+    planned.zero_grad(set_to_none=True)
+    base = measure_training(*[fresh_copy(planned.model)] * 2, inputs, None, loss, steps=3)
+    fig = measure_training(planned, planned, inputs, None, loss, steps=3)
+    same = compare(base, fig)
+    values = "equal (1e-5)" if same["gradients_match"] else f"DIFFER {same['max_abs_grad_diff']:.1e}"
+    print(f"  {name} {shape}: measured {fig.peak_bytes:,d} B ({fig.peak_bytes / plan.budget_bytes:.2f} of the "
+          f"budget, {fig.peak_bytes / base.peak_bytes:.2f} of plain PyTorch's {base.peak_bytes:,d} B), gradients "
+          f"{values}, first step {first:.2f} s, step {fig.step_seconds:.3f} s ({fig.step_seconds / base.step_seconds:.2f}x "
+          f"plain); {'UNDER' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} budget", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import os
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +22,7 @@ from memfit.graph.bn_output import (
 from memfit.graph.calls import (
     bind_inputs,
     check_var_positional,
+    forward_arguments,
     forward_params,
     in_traced_order,
     input_values,
@@ -303,16 +302,6 @@ def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:
                 "torch.fx cannot take as a graph input. Keep it on the module (`self.act = act` in __init__, read "
                 f"in forward), or plan a wrapper module whose forward calls yours with {name}=... (fx then traces "
                 "into that function). Your model is as it was.")
-
-
-def forward_arguments(model: nn.Module, inputs: tuple) -> dict[str, Any]:
-    """``model``'s forward arguments for the positional ``inputs``, by name, those left out at their default (none
-    for an argument without one; ``def forward(self, ids, mask=None, output_hidden_states: bool = False)`` called
-    with ``ids`` alone). :func:`memfit.graph.capture.capture` traces the plain Python values among them as settings,
-    and with their shapes where Python code on a size stops the plain trace."""
-    named = in_traced_order(forward_params(model))
-    values = {p.name: inputs[k] if k < len(inputs) else p.default for k, p in enumerate(named)}
-    return {name: v for name, v in values.items() if v is not inspect.Parameter.empty}
 
 
 def offload_store(inputs: tuple, strategy: str, offload: bool | None, offload_dir: str | None) -> HostStore | None:

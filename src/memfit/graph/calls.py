@@ -153,6 +153,16 @@ def in_traced_order(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
         p for p in params if p.kind == p.KEYWORD_ONLY]
 
 
+def forward_arguments(model, inputs: tuple) -> dict[str, Any]:
+    """``model``'s forward arguments for the positional ``inputs``, by name, those left out at their default (none
+    for an argument without one; ``def forward(self, ids, mask=None, output_hidden_states: bool = False)`` called
+    with ``ids`` alone). :func:`memfit.graph.capture.capture` traces the plain Python values among them as settings,
+    and with their shapes where Python code on a size stops the plain trace."""
+    named = in_traced_order(forward_params(model))
+    values = {p.name: inputs[k] if k < len(inputs) else p.default for k, p in enumerate(named)}
+    return {name: v for name, v in values.items() if v is not inspect.Parameter.empty}
+
+
 def tensors_in(value) -> list:
     """All tensors inside a (possibly nested) value: tuples, lists, dicts, namedtuples and dataclass instances (a
     forward's ``return Output(logits=...)``: their attributes and entries, :func:`dataclass_parts`; PyTorch's pytree

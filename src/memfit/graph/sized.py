@@ -87,6 +87,25 @@ class Specialized:
                                 f"({'autocast to ' + str(dtype) if enabled else 'no autocast'})")
         return None
 
+    def within(self, env: dict[str, Any]) -> bool:
+        """Whether the bound arguments ``env`` have the trace's structure and dtypes, and tensors no larger in any
+        dimension than its own (a short last batch, a shorter sequence): the plan's decisions can then apply to a
+        trace with their shapes (:mod:`memfit.runtime.reshaped`)."""
+        for name, (structure, kinds) in self.inputs.items():
+            now_structure, now = _signature(env.get(name))
+            if now_structure != structure or len(now) != len(kinds):
+                return False
+            for (shape, dtype), (planned, planned_dtype) in zip(now, kinds):
+                if dtype != planned_dtype or len(shape) != len(planned) or any(
+                        a > b for a, b in zip(shape, planned)):
+                    return False
+        return autocast_state(_device_type(env)) == self.autocast
+
+    def shapes(self, env: dict[str, Any]) -> tuple:
+        """The shapes of the tensors in the bound arguments ``env``, by argument: a key for a trace of them."""
+        return tuple((name, tuple(tuple(shape) for shape, _ in _signature(env.get(name))[1]))
+                     for name in self.inputs)
+
 
 def _signature(value) -> tuple[Any, list[tuple[list[int], torch.dtype]]]:
     """``(pytree structure, [(shape, dtype) of each tensor])`` of an argument's value."""

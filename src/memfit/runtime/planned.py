@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -65,11 +67,14 @@ from memfit.profile.buffers import (
 )
 from memfit.runtime.direct_saves import DirectSaves
 from memfit.runtime.offload import OffloadStep
+from memfit.runtime.reshaped import traced_for
 from memfit.runtime.stores import CopyEngine, DiskStore, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.variants.bn_saved_stats import RecordStats, ReplayStats
 from memfit.variants.versions import raise_if_changed, versions
 from memfit.warn import warn_user
+
+RESHAPED_KEPT = 8  # planned modules kept for other input shapes of a shape-specialized graph
 
 
 @dataclass
@@ -418,6 +423,7 @@ class PlannedModule(nn.Module):
                           "again with these weights.", stacklevel=2)
         self.__dict__["offload_store"] = offload_store
         self.__dict__["_engine"] = None
+        self.__dict__["_reshaped"] = {}  # planned modules for smaller inputs, by their shapes (see _for_shapes)
         self.__dict__["_captured"] = captured
         self.offload_dir = offload_dir
         self.plan = plan
@@ -482,10 +488,10 @@ class PlannedModule(nn.Module):
         if plan.node_ops:  # (settings changed since planning, which this module runs with: Dropout's p; the copy
             plan.node_ops = node_ops(gm)  # was refused as "solved for a different graph", a fresh-user finding)
         dropped = _drop_lost_inplace_forms(gm, plan)
-        new = PlannedModule(Captured(gm=gm, graph=copy.deepcopy(captured.graph, memo), model=model,
-                                     attributes=copy.deepcopy(captured.attributes, memo), called=captured.called,
-                                     fixed_args=captured.fixed_args, unread_args=captured.unread_args,
-                    autocast_tests=captured.autocast_tests),
+        # (every other field as it is: the copy of a graph traced with the example's shapes lost `specialized` and
+        # ran its baked shapes for any input, a crash or silently wrong loop counts)
+        new = PlannedModule(dataclasses.replace(captured, gm=gm, graph=copy.deepcopy(captured.graph, memo),
+                                                model=model, attributes=copy.deepcopy(captured.attributes, memo)),
                             plan, copy.deepcopy(self.report, memo),
                             offload_dir=self.offload_dir, offload_store=own_store)
         memo[id(self)] = new
@@ -553,6 +559,7 @@ class PlannedModule(nn.Module):
         buffers as they were), then picked up again here."""
         model = self.model
         model._apply(fn, recurse)
+        self.__dict__["_reshaped"].clear()  # (their traces read the model's tensors as they were)
         for name, p in model.named_parameters(recurse=False):
             self._parameters[name] = p
         for name, b in model.named_buffers(recurse=False):
@@ -927,11 +934,17 @@ class PlannedModule(nn.Module):
         specialized = self.__dict__["_captured"].specialized
         if specialized is not None and (outside := self._outside_specialized(env)) is not None:
             kind, why = outside
+            if kind == "inputs":  # no larger: the plan's decisions on a trace of this call's shapes, where they apply
+                found = self._for_shapes(args, env, why)
+                if isinstance(found, PlannedModule):
+                    return found(*given[0], **given[1])
+                why = f"{why}; {found}"
             advice = {"autocast": "Plan inside the autocast context you train in (a planned module per state).",
                       "dtype": "Plan the model as it is now.",
                       "state": "Plan the model as it is now.",
-                      "inputs": "Pad batches to the planned shape, or plan for this one too (a planned module per "
-                                "shape)."}[kind]
+                      "inputs": "Plan with the largest shapes you train with (smaller ones then run the plan on a "
+                                "trace of their own, where the forward's code takes the same path), pad batches to "
+                                "the planned shape, or plan for this one too (a planned module per shape)."}[kind]
             self._warn_once(f"specialized {kind}", (  # (once per kind: a last short batch, then bf16 autocast)
                 f"memfit: {type(model).__name__}'s forward pass reads the sizes of its inputs in Python code "
                 f"({specialized.line}), so memfit traced it for the planned shapes, dtypes and autocast state only; "
@@ -1262,13 +1275,49 @@ class PlannedModule(nn.Module):
         return (shapes if self.plan.input_shapes and shapes != self.plan.input_shapes else None,
                 dtypes if self.plan.input_dtypes and dtypes != self.plan.input_dtypes else None, converted)
 
+    def _for_shapes(self, args: tuple, env: dict[str, Any], why: str) -> PlannedModule | str:
+        """The planned module for a call of a shape-specialized graph with inputs of other shapes (positional
+        ``args``; ``env`` bound by node name; ``why``: how they differ, for the warning): the plan's decisions on a
+        trace of their shapes (:func:`memfit.runtime.reshaped.traced_for`), kept for the last
+        :data:`RESHAPED_KEPT` shapes; else why they cannot apply (the call then runs unplanned)."""
+        specialized = self.__dict__["_captured"].specialized
+        named = self._named(env)
+        if not specialized.within(named):
+            return "it is larger than planned in some dimension"
+        kept = self.__dict__["_reshaped"]
+        key = specialized.shapes(named)
+        if key in kept:
+            kept[key] = kept.pop(key)  # (the most recent last)
+            return kept[key]
+        started = time.perf_counter()
+        found = traced_for(self.model, self.__dict__["_captured"], self.plan, args)
+        if not isinstance(found, str):
+            captured, plan = found
+            found = PlannedModule(captured, plan, report=self.report, offload_dir=self.offload_dir,
+                                  offload_store=self.offload_store)
+            found._warned = self._warned  # (each warning once, whichever shape gives it)
+            self._warn_once("reshaped", (
+                f"memfit: {type(self.model).__name__}'s forward pass reads the sizes of its inputs in Python code "
+                f"({specialized.line}), so memfit traced it for the planned shapes; this call's are smaller "
+                f"({why}), so memfit traced the forward again for them ({time.perf_counter() - started:.2f} s) and "
+                "runs the plan's decisions on that graph, whose tensors are no larger than the planned ones: the "
+                f"step's peak stays at most the planned one. Each new shape is traced once (the last "
+                f"{RESHAPED_KEPT} are kept)."))
+        kept[key] = found
+        while len(kept) > RESHAPED_KEPT:
+            kept.pop(next(iter(kept)))
+        return found
+
+    def _named(self, env: dict[str, Any]) -> dict[str, Any]:
+        """The bound arguments ``env`` (by node name) by the forward's argument names."""
+        return {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"}
+
     def _outside_specialized(self, env: dict[str, Any]) -> tuple[str, str] | None:
         """``(kind, words)`` where this call (its bound arguments ``env``, by node name) is not what a graph traced
         with the example's shapes holds for: other inputs or autocast state (:meth:`Specialized.differs`), the model
         converted to another dtype (``"dtype"``) or a parameter or buffer of another shape (``"state"``); else
         ``None``."""
-        found = self.__dict__["_captured"].specialized.differs(
-            {str(n.target).lstrip("*"): env.get(n.name) for n in self.gm.graph.nodes if n.op == "placeholder"})
+        found = self.__dict__["_captured"].specialized.differs(self._named(env))
         if found is not None:
             return found
         converted = self._differences(())[2]
