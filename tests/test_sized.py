@@ -287,7 +287,7 @@ def test_each_kind_of_call_the_graph_does_not_hold_for_is_warned_once():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             planned(ids, pos)
     said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
-    assert len(said) == 2 and "Pad batches" in said[0] and "autocast" in said[1] and "Pad" not in said[1], said
+    assert len(said) == 2 and "pad batches" in said[0] and "autocast" in said[1] and "pad" not in said[1], said
 
 
 def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensors_only():
