@@ -142,6 +142,21 @@ def test_a_smaller_batch_runs_the_plans_decisions_on_a_trace_of_its_shapes_under
     assert fig.peak_bytes < base.peak_bytes, (fig.peak_bytes, base.peak_bytes)
 
 
+def test_many_smaller_shapes_are_warned_as_traced_again_and_run_as_pytorch():
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    model = _ShapeChecks(loop=False).train()
+    reference = fresh_copy(model)
+    planned = memfit.optimize(model, (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in [*range(20, 31), 20]:  # (12 shapes: the first is traced again after it fell out)
+            short = _batch(b=2, t=length)
+            assert torch.equal(planned(*short[:2]), reference(*short[:2])), length
+    said = [str(w.message) for w in caught if "memfit" in str(w.message)]
+    assert len(said) == 2 and "traced the forward again" in said[0] and "bucketing" in said[1], said
+
+
 def test_smaller_batches_keep_batchnorm_statistics_and_draws_as_pytorch():
     class Normed(nn.Module):
         def __init__(self):

@@ -1304,8 +1304,13 @@ class PlannedModule(nn.Module):
                 f"step's peak stays at most the planned one. Each new shape is traced once (the last "
                 f"{RESHAPED_KEPT} are kept)."))
         kept[key] = found
-        while len(kept) > RESHAPED_KEPT:
+        if len(kept) > RESHAPED_KEPT:
             kept.pop(next(iter(kept)))
+            self._warn_once("reshaped: many shapes", (
+                f"memfit: {type(self.model).__name__} was called with more than {RESHAPED_KEPT} input shapes since "
+                f"planning, each traced again at its first call ({time.perf_counter() - started:.2f} s this one) and "
+                "again once it is no longer among the last kept: batches of many lengths (dynamic padding) spend "
+                "that time in most steps. Pad batches to a few fixed lengths (bucketing), or to the planned shape."))
         return found
 
     def _named(self, env: dict[str, Any]) -> dict[str, Any]:
