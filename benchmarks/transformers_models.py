@@ -27,7 +27,7 @@ import torch
 import memfit
 from memfit.bench.harness import compare, fresh_copy, measure_training
 
-MODELS = "llama,qwen2,gpt2,bert"
+MODELS = "llama,qwen2,gpt2,bert,mixtral,qwen2_moe"
 
 
 class CausalLM(torch.nn.Module):
@@ -59,6 +59,13 @@ def build(name: str, vocab: int = 2000, hidden: int = 128, layers: int = 4) -> t
     if name == "gpt2":
         return CausalLM(tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4,
                                                          n_positions=512))).train()
+    if name == "mixtral":  # (mixture of experts: 4 experts, 2 per token)
+        return CausalLM(tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
+                                                               num_experts_per_tok=2))).train()
+    if name == "qwen2_moe":
+        return CausalLM(tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            **common, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=2 * hidden,
+            shared_expert_intermediate_size=2 * hidden))).train()
     if name == "bert":
         return MaskedLM(tf.BertForMaskedLM(tf.BertConfig(**common))).train()
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
@@ -66,7 +73,7 @@ def build(name: str, vocab: int = 2000, hidden: int = 128, layers: int = 4) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=MODELS, help="comma-separated: llama, qwen2, gpt2, bert")
+    parser.add_argument("--models", default=MODELS, help="comma-separated: " + MODELS.replace(",", ", "))
     parser.add_argument("--budgets", default="min,50%", help="comma-separated memfit budgets")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)

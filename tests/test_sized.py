@@ -392,3 +392,33 @@ def test_a_buffer_whose_data_is_replaced_by_another_shape_runs_as_pytorch():
     with pytest.warns(UserWarning, match="replaced by one of another shape.*unplanned"):
         out = planned(x)
     assert torch.equal(out, reference(x))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is new in PyTorch 2.8")
+def test_a_mixture_of_experts_layer_with_grouped_matmuls_in_float32_plans_and_trains_as_pytorch():
+    # transformers' Mixtral and Qwen2-MoE: torch._grouped_mm's shape function refuses float32, which its CPU kernel
+    # takes, so every size after it was unknown and the trace stopped at the next one read
+    class Experts(nn.Module):
+        def __init__(self, d=16, experts=4, k=2):
+            super().__init__()
+            self.router, self.k, self.experts = nn.Linear(d, experts), k, experts
+            self.up = nn.Parameter(torch.randn(experts, d, 32) / 4)
+            self.down = nn.Parameter(torch.randn(experts, 32, d) / 6)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            if t > 8192:  # (a test of a size: traced with the example's)
+                raise ValueError("sequence too long")
+            h = x.reshape(b * t, d)
+            weights, chosen = self.router(h).softmax(-1).topk(self.k)
+            order, perm = torch.sort(chosen.reshape(-1))
+            rows = torch.histc(order.float(), bins=self.experts, min=0, max=self.experts - 1)
+            offsets = torch.cumsum(rows, 0, dtype=torch.int32)
+            up = torch._grouped_mm(h[perm // self.k], self.up, offs=offsets).relu()
+            out = torch._grouped_mm(up, self.down, offs=offsets) * weights.reshape(-1)[perm, None]
+            mixed = torch.zeros_like(out).index_copy(0, perm, out).view(b * t, self.k, d).sum(1)
+            y = x + mixed.view(b, t, d)
+            return y.view(*y.shape[:-1], 2, -1).sum(-1)  # (the next layer reads the sizes: unknown after _grouped_mm)
+
+    torch.manual_seed(0)
+    trains_as_pytorch_for_its_shapes(Experts().train(), (torch.randn(4, 8, 16),))

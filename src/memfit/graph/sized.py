@@ -294,6 +294,8 @@ class ShapeSpecializing:
                 with _hooks_off(module):
                     return torch.func.functional_call(module, state, tuple(args), kwargs)
         except Exception as exc:  # noqa: BLE001 -- (data-dependent, or not computable on fake tensors: traced as fx does)
+            if node.op == "call_function" and node.target in _RUN_FOR_SHAPES:
+                return self.fake(_run_on_zeros(node.target, args, kwargs))
             if not self.unknown:  # (the first: where the example's shapes stopped being known)
                 self.unknown.append(f"{node.op} {getattr(node.target, '__name__', node.target)} "
                                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
@@ -317,6 +319,26 @@ class ShapeSpecializing:
         if isinstance(value, dict):
             return iter(list(value))
         return super().iter(obj)
+
+
+# operations whose output shapes do not depend on the values of their inputs, but whose shape function refuses what
+# their kernel takes: `torch._grouped_mm`'s accepts only bfloat16 and float16, its CPU kernel float32 too
+# (transformers' mixture-of-experts layers: Mixtral, Qwen2-MoE); their shapes are those of a run on zeros
+_RUN_FOR_SHAPES = frozenset(fn for fn in (getattr(torch, "_grouped_mm", None),
+                                          getattr(torch.nn.functional, "grouped_mm", None)) if fn is not None)
+
+
+def _run_on_zeros(fn, args, kwargs):
+    """``fn`` run on real zero tensors with the shapes, strides, dtypes and devices of the fake tensors in ``args``
+    and ``kwargs`` (grad mode off), for its output's shapes."""
+    def real(v):
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).zero_()
+        return v
+
+    args, kwargs = tree_map(real, (args, kwargs))
+    with torch.no_grad():
+        return fn(*args, **kwargs)
 
 
 # operations on sizes whose result is still a size, dtype or device fact
