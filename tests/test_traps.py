@@ -229,8 +229,26 @@ def test_shape_warning_once_per_training_shape_and_not_in_evaluation(setup):
         for size in (40, 56, 64):  # shapes that vary (a fresh user's dynamic padding warned 24 times): one more
             planned(torch.randn(2, 3, size, size))
     msgs = [str(w.message) for w in seen if "planned memory figures" in str(w.message) or "third" in str(w.message)]
-    assert len(msgs) == 3 and "[2, 3, 32, 32]" in msgs[0] and "[4, 3, 48, 48]" in msgs[1], msgs
-    assert "[2, 3, 40, 40]" in msgs[2] and "not warned about any more" in msgs[2], msgs
+    # (the short batch is not warned about: smaller tensors under the same decisions stay under the plan's peak)
+    assert len(msgs) == 3 and "[4, 3, 48, 48]" in msgs[0] and "[2, 3, 40, 40]" in msgs[1], msgs
+    assert "[2, 3, 56, 56]" in msgs[2] and "not warned about any more" in msgs[2], msgs
+
+
+@pytest.mark.parametrize("planned_size, batch, size", [(32, 3, 32), (32, 2, 32), (48, 4, 40), (48, 3, 32)])
+def test_a_smaller_batch_or_image_is_not_warned_about_and_stays_under_the_budget(setup, planned_size, batch, size):
+    model, _, _ = setup
+    images, target = zoo.example_batch("resnet18", 4, planned_size)
+    plain, m = fresh_copy(model), fresh_copy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    planned = memfit.optimize(m, images, "min", optimizer=opt, loss_fn=lambda out: F.cross_entropy(out, target))
+    x, y = zoo.example_batch("resnet18", batch, size)
+    base = measure_training(plain, plain, (x,), y, F.cross_entropy, steps=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fig = measure_training(planned, planned, (x,), y, F.cross_entropy, steps=1)
+    assert not [w for w in seen if "memfit" in str(w.message)], [str(w.message) for w in seen]
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
 
 
 def test_a_torch_nn_model_that_fx_cannot_trace_is_told_to_wrap_it():
