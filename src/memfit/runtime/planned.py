@@ -343,13 +343,13 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
-@torch.compiler.disable  # (run as Python: the compiler cannot trace the warning's frame lookup)
 def _within(shapes: list[list[int]], planned: list[list[int]]) -> bool:
     """Whether each shape has the planned one's dimensions, none of them larger."""
     return len(shapes) == len(planned) and all(len(a) == len(b) and all(x <= y for x, y in zip(a, b))
                                                for a, b in zip(shapes, planned))
 
 
+@torch.compiler.disable  # (run as Python: the compiler cannot trace the warning's frame lookup)
 def _warn_compiled(planned: PlannedModule) -> None:
     planned._warn_once("compile", "memfit: torch.compile of a planned module is not supported: the compiler fuses "
                        "and reorders the step, and the plan's peak and budget do not hold for that (a fresh user "
