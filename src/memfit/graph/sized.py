@@ -6,8 +6,9 @@ be traced. A memfit plan is made for the example batch's shapes anyway, so where
 :func:`memfit.graph.capture.capture` traces again with :class:`ShapeSpecializing`: each node also gets its value on
 a fake tensor (``torch._subclasses.FakeTensorMode``: shapes, dtypes and devices, no data), and ``.shape``,
 ``.size()``, ``.dim()``, ``.numel()``, ``.dtype``, ``.device`` and ``len()`` of a traced tensor give the example's
-values, as a Python ``if`` on them does. The graph then holds for those shapes, dtypes and that autocast state only:
-:class:`memfit.runtime.planned.PlannedModule` runs the user's model as PyTorch does for others (:class:`Specialized`).
+values, as a Python ``if`` on them does. The graph then holds for those shapes, dtypes and that autocast state only
+(:class:`Specialized`): :class:`memfit.runtime.planned.PlannedModule` traces smaller inputs again and runs the plan on
+that trace where it applies (:mod:`memfit.runtime.reshaped`), and runs the user's model as PyTorch does for others.
 
 This is the method of fx's ``MetaTracer`` and of Hugging Face's former ``HFTracer`` (shape propagation on
 meta/fake tensors during symbolic tracing), on PyTorch's ``FakeTensorMode``. Data-dependent control flow
