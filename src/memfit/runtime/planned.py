@@ -394,6 +394,11 @@ class PlannedModule(nn.Module):
     them (an older plan file) has them found in the first training step, in which every reachable buffer is
     snapshotted, beyond what the plan counted.
 
+    A graph traced with the example's shapes (a forward whose Python code reads sizes: :mod:`memfit.graph.sized`)
+    holds for them only: a call with smaller inputs runs the plan on a trace of its own shapes where the forward takes
+    the same path there (:mod:`memfit.runtime.reshaped`), and any other call runs the model as PyTorch does, with a
+    warning. Smaller inputs of a graph traced without shapes run the plan as they are, under its budget.
+
     Nodes the plan offloads have their saved tensors copied to a host store (``offload_store``: pinned memory
     on CUDA, memory-mapped files in ``offload_dir`` otherwise) and prefetched back in the backward pass
     (:mod:`memfit.runtime.offload`); ``offload_store.peak_bytes`` is the host side's peak.
