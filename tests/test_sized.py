@@ -305,6 +305,25 @@ def test_each_kind_of_call_the_graph_does_not_hold_for_is_warned_once():
     assert len(said) == 2 and "pad batches" in said[0] and "autocast" in said[1] and "pad" not in said[1], said
 
 
+def test_other_dtypes_then_larger_then_another_path_are_each_warned():
+    # a fresh user's bool attention mask took the one warning for inputs, and a longer sequence then went 2.2x over the
+    # budget unwarned
+    torch.manual_seed(0)
+    ids, pos, y = _batch()
+    planned = memfit.optimize(_ShapeChecks().train(), (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned(ids.int(), pos)
+        planned(*_batch(t=40)[:2])
+        planned(*_batch(t=16)[:2])
+        planned(ids.int(), pos)
+        planned(*_batch(b=10)[:2])
+    said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
+    assert len(said) == 3, said
+    assert "int32" in said[0] and "dtypes you train with" in said[0] and "larger" not in said[0], said
+    assert "larger than planned" in said[1] and "another path" in said[2], said
+
+
 def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensors_only():
     # Hugging Face's gradient checkpointing hooks the input embedding (`output.requires_grad_(True)`): its output's
     # shape was unknown, and the trace stopped on the size check after it

@@ -69,19 +69,21 @@ class Specialized:
                            autocast_state(_device_type(examples)), line)
 
     def differs(self, env: dict[str, Any]) -> tuple[str, str] | None:
-        """How the bound arguments ``env`` (name -> value) differ from what the trace holds for: ``("inputs" or
-        "autocast", words for a warning)``, or ``None`` where they match."""
+        """How the bound arguments ``env`` (name -> value) differ from what the trace holds for: ``(kind, words for a
+        warning)``, the kind ``"structure"`` (a list's length, a dict's keys), ``"dtypes"``, ``"shapes"`` (only they
+        differ) or ``"autocast"``; or ``None`` where they match."""
         for name, (structure, kinds) in self.inputs.items():
             now_structure, now = _signature(env.get(name))
             if now_structure != structure:
                 if now_structure.num_leaves != structure.num_leaves:
-                    return "inputs", (f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} "
-                                      f"items (planned: {structure.num_leaves})")
-                return "inputs", f"{name} has other keys or container types than planned"
+                    return "structure", (f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} "
+                                         f"items (planned: {structure.num_leaves})")
+                return "structure", f"{name} has other keys or container types than planned"
             if now != kinds:
                 def said(k):
                     return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
-                return "inputs", f"{name} has tensors {said(now)} (planned: {said(kinds)})"
+                dtypes = len(now) != len(kinds) or any(a[1] != b[1] for a, b in zip(now, kinds))
+                return "dtypes" if dtypes else "shapes", f"{name} has tensors {said(now)} (planned: {said(kinds)})"
         if autocast_state(_device_type(env)) != self.autocast:
             enabled, dtype = self.autocast
             return "autocast", ("another autocast state than at planning "

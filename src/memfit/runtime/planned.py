@@ -945,18 +945,26 @@ class PlannedModule(nn.Module):
         specialized = self.__dict__["_captured"].specialized
         if specialized is not None and (outside := self._outside_specialized(env)) is not None:
             kind, why = outside
-            if kind == "inputs":  # no larger: the plan's decisions on a trace of this call's shapes, where they apply
+            key = kind
+            if kind == "shapes":  # no larger: the plan's decisions on a trace of this call's shapes, where they apply
                 found = self._for_shapes(args, env, why)
                 if isinstance(found, PlannedModule):
                     return found(*given[0], **given[1])
-                why = f"{why}; {found}"
+                reason, words = found
+                key, why = f"shapes {reason}", f"{why}; {words}"
+            shapes = ("Plan with the largest shapes you train with (smaller ones then run the plan on a trace of their "
+                      "own, where the forward's code takes the same path), pad batches to the planned shape, or plan "
+                      "for this one too (a planned module per shape).")
             advice = {"autocast": "Plan inside the autocast context you train in (a planned module per state).",
                       "dtype": "Plan the model as it is now.",
                       "state": "Plan the model as it is now.",
-                      "inputs": "Plan with the largest shapes you train with (smaller ones then run the plan on a "
-                                "trace of their own, where the forward's code takes the same path), pad batches to "
-                                "the planned shape, or plan for this one too (a planned module per shape)."}[kind]
-            self._warn_once(f"specialized {kind}", (  # (once per kind: a last short batch, then bf16 autocast)
+                      "dtypes": "Plan with the inputs' dtypes you train with (a planned module per dtype).",
+                      "structure": "Plan with the arguments' structure you train with (a planned module per "
+                                   "structure).",
+                      "shapes": shapes}[kind]
+            # (once per kind: a last batch of another path, then bf16 autocast, then a longer sequence; a fresh user's
+            # longer sequence went 2.2x over the budget unwarned, after a bool mask had taken the one warning)
+            self._warn_once(f"specialized {key}", (
                 f"memfit: {type(model).__name__}'s forward pass reads the sizes of its inputs in Python code "
                 f"({specialized.line}), so memfit traced it for the planned shapes, dtypes and autocast state only; "
                 f"this call differs ({why}), and runs your model as PyTorch does, unplanned (the values are "
@@ -1286,15 +1294,16 @@ class PlannedModule(nn.Module):
         return (shapes if self.plan.input_shapes and shapes != self.plan.input_shapes else None,
                 dtypes if self.plan.input_dtypes and dtypes != self.plan.input_dtypes else None, converted)
 
-    def _for_shapes(self, args: tuple, env: dict[str, Any], why: str) -> PlannedModule | str:
+    def _for_shapes(self, args: tuple, env: dict[str, Any], why: str) -> PlannedModule | tuple[str, str]:
         """The planned module for a call of a shape-specialized graph with inputs of other shapes (positional
         ``args``; ``env`` bound by node name; ``why``: how they differ, for the warning): the plan's decisions on a
         trace of their shapes (:func:`memfit.runtime.reshaped.traced_for`), kept for the last
-        :data:`RESHAPED_KEPT` shapes; else why they cannot apply (the call then runs unplanned)."""
+        :data:`RESHAPED_KEPT` shapes; else why they cannot apply, ``("larger" or "trace", words)`` (the call then
+        runs unplanned)."""
         specialized = self.__dict__["_captured"].specialized
         named = self._named(env)
         if not specialized.within(named):
-            return "it is larger than planned in some dimension"
+            return "larger", "it is larger than planned in some dimension"
         kept = self.__dict__["_reshaped"]
         key = specialized.shapes(named)
         if key in kept:
@@ -1302,7 +1311,9 @@ class PlannedModule(nn.Module):
             return kept[key]
         started = time.perf_counter()
         found = traced_for(self.model, self.__dict__["_captured"], self.plan, args)
-        if not isinstance(found, str):
+        if isinstance(found, str):
+            found = ("trace", found)
+        else:
             captured, plan = found
             found = PlannedModule(captured, plan, report=self.report, offload_dir=self.offload_dir,
                                   offload_store=self.offload_store)
