@@ -414,7 +414,8 @@ def test_a_buffer_whose_data_is_replaced_by_another_shape_runs_as_pytorch():
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is new in PyTorch 2.8")
-def test_a_mixture_of_experts_layer_with_grouped_matmuls_in_float32_plans_and_trains_as_pytorch():
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_mixture_of_experts_layer_with_grouped_matmuls_in_float32_plans_and_trains_as_pytorch(hooked):
     # transformers' Mixtral and Qwen2-MoE: torch._grouped_mm's shape function refuses float32, which its CPU kernel
     # takes, so every size after it was unknown and the trace stopped at the next one read
     class Experts(nn.Module):
@@ -439,5 +440,15 @@ def test_a_mixture_of_experts_layer_with_grouped_matmuls_in_float32_plans_and_tr
             y = x + mixed.view(b, t, d)
             return y.view(*y.shape[:-1], 2, -1).sum(-1)  # (the next layer reads the sizes: unknown after _grouped_mm)
 
+    class Hooked(nn.Module):  # (a module with a hook is one node, its shapes from its forward on fake tensors)
+        def __init__(self):
+            super().__init__()
+            self.moe = Experts()
+            self.moe.register_forward_hook(lambda module, args, out: None)
+
+        def forward(self, x):
+            y = self.moe(x)
+            return y.view(*y.shape[:-1], 2, -1).sum(-1)
+
     torch.manual_seed(0)
-    trains_as_pytorch_for_its_shapes(Experts().train(), (torch.randn(4, 8, 16),))
+    trains_as_pytorch_for_its_shapes((Hooked() if hooked else Experts()).train(), (torch.randn(4, 8, 16),))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
@@ -240,12 +241,18 @@ class ShapeSpecializing:
     def trace(self, root, concrete_args=None):
         """fx's; an exception raised gets ``memfit_unknown``: the first operation whose shapes memfit could not
         compute (``[]`` where none), for the error message."""
+        # (fake tensors' logged tracebacks: "failed while attempting to run meta", reported once in memfit's error;
+        # and where a fake tensor reached the user's code, a fresh user saw 128 lines)
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+        was, quiet.disabled = quiet.disabled, True
         try:
             with _recorded_factories(self):
                 return super().trace(root, concrete_args)
         except Exception as exc:
             exc.memfit_unknown = self.unknown
             raise
+        finally:
+            quiet.disabled = was
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -255,13 +262,8 @@ class ShapeSpecializing:
         return node
 
     def _value(self, node: fx.Node):
-        quiet = logging.getLogger("torch._subclasses.fake_tensor")  # (its "failed while attempting to run meta"
-        was, quiet.disabled = quiet.disabled, True                    # tracebacks: the failure is reported once)
-        try:
-            with _untraced():
-                return self._computed(node)
-        finally:
-            quiet.disabled = was
+        with _untraced():  # (fake tensors' "failed while attempting to run meta" logs are off: see trace)
+            return self._computed(node)
 
     def _computed(self, node: fx.Node):
         if node.op == "placeholder":
@@ -286,7 +288,7 @@ class ShapeSpecializing:
         if unknown:
             return _MISSING
         try:
-            with self.fake_mode:
+            with self.fake_mode, _ZerosForShapes(self):
                 if node.op == "call_function":
                     return node.target(*args, **kwargs)
                 if node.op == "call_method":
@@ -297,8 +299,6 @@ class ShapeSpecializing:
                 with _hooks_off(module):
                     return torch.func.functional_call(module, state, tuple(args), kwargs)
         except Exception as exc:  # noqa: BLE001 -- (data-dependent, or not computable on fake tensors: traced as fx does)
-            if node.op == "call_function" and node.target in _RUN_FOR_SHAPES:
-                return self.fake(_run_on_zeros(node.target, args, kwargs))
             if not self.unknown:  # (the first: where the example's shapes stopped being known)
                 self.unknown.append(f"{node.op} {getattr(node.target, '__name__', node.target)} "
                                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
@@ -331,17 +331,30 @@ _RUN_FOR_SHAPES = frozenset(fn for fn in (getattr(torch, "_grouped_mm", None),
                                           getattr(torch.nn.functional, "grouped_mm", None)) if fn is not None)
 
 
-def _run_on_zeros(fn, args, kwargs):
-    """``fn`` run on real zero tensors with the shapes, strides, dtypes and devices of the fake tensors in ``args``
-    and ``kwargs`` (grad mode off), for its output's shapes."""
-    def real(v):
-        if isinstance(v, torch.Tensor):
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).zero_()
-        return v
+class _ZerosForShapes(TorchFunctionMode):
+    """While a node's value is computed on fake tensors (a module's forward included), each of
+    :data:`_RUN_FOR_SHAPES` whose shape function fails runs on real zero tensors of its inputs' shapes, strides,
+    dtypes and devices (grad mode off), and its output becomes a fake tensor of ``tracer``'s."""
 
-    args, kwargs = tree_map(real, (args, kwargs))
-    with torch.no_grad():
-        return fn(*args, **kwargs)
+    def __init__(self, tracer: ShapeSpecializing):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _RUN_FOR_SHAPES:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            def real(v):
+                if isinstance(v, torch.Tensor):
+                    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).zero_()
+                return v
+
+            with _disable_current_modes(), torch.no_grad():
+                out = func(*tree_map(real, args), **tree_map(real, kwargs))
+            return self.tracer.fake(out)
 
 
 # operations on sizes whose result is still a size, dtype or device fact
