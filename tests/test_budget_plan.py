@@ -630,6 +630,22 @@ def test_min_above_keeping_everything_and_much_slower_is_warned():
     assert fig_kept.peak_bytes == base.peak_bytes  # plain PyTorch's own step
 
 
+@pytest.mark.parametrize("stopped", [False, True])
+def test_min_whose_search_stopped_at_its_time_limit_is_warned_and_recorded(monkeypatch, stopped):
+    # a fresh user's Qwen2-MoE at `min` with time_limit=5 planned 1.21x the peak of time_limit=20, without a word
+    strategies = __import__("memfit.solve.strategies", fromlist=["_stopped_at_limit"])
+    monkeypatch.setattr(strategies, "_stopped_at_limit", lambda res: stopped)
+    monkeypatch.setattr(strategies, "_LOWS", {})  # (the lowest-memory plans are cached per profile)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).train()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        planned = memfit.optimize(model, torch.randn(16, 32), "min", time_limit=3)
+    said = [str(w.message) for w in seen if "stopped at its time limit" in str(w.message)]
+    assert planned.plan.floor_stopped is stopped
+    assert len(said) == int(stopped) and (not stopped or "time_limit=12" in said[0]), said
+
+
 class _UnreadHead(nn.Module):
     def __init__(self):
         super().__init__()

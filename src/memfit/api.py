@@ -554,6 +554,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.plain_step_seconds = plain.predicted_step_seconds
     if floor:
         _warn_min_above_plain(result, plain)
+        if result.floor_stopped:  # (a fresh user's Qwen2-MoE at time_limit=5 got 1.21x the floor of time_limit=20)
+            warn_user(f"memfit: budget='min': a search for the least memory stopped at its time limit "
+                      f"(time_limit={time_limit:g} s per program), so the plan may not be the least memory memfit "
+                      f"can reach: a longer time_limit may find a lower peak (e.g. time_limit={4 * time_limit:g}).")
     result.grads_exist = grads_exist  # (the loop's, also where the profile took an L2 penalty's gradients as preallocated)
     result.input_shapes = _shapes(inputs)
     nbytes = {st.id: st.nbytes for st in costs.storages}

@@ -1467,8 +1467,8 @@ class PlannedModule(nn.Module):
             if layouts != self.plan.input_layouts and f"weights {now}" not in self._warned:
                 self._warn_once(f"layout {layouts}", f"memfit: the plan was made for inputs of memory layout "
                                 f"{self.plan.input_layouts}, called with {layouts}; results are correct but "
-                                "activations and the convolutions' copies follow the input's layout, so the planned "
-                                "memory figures do not hold. Make a plan for these inputs (or convert them as the "
+                                "activations (and convolutions' copies) follow the input's layout, so the planned "
+                                "memory figures may not hold. Make a plan for these inputs (or convert them as the "
                                 "example was: x.contiguous(memory_format=...)).")
         if self.plan.input_grads and "input grad" not in self._warned:
             grads = [a.requires_grad for a in args if isinstance(a, torch.Tensor)]

@@ -52,6 +52,8 @@ class Plan:
         predicted_host_bytes: bytes the host store holds at once (every offloaded storage).
         solve_seconds: wall time the solver took.
         mip_gap: relative optimality gap of the integer program, ``None`` for heuristics.
+        floor_stopped: (``budget="min"``) a program searching for the least memory stopped at its time limit, so a
+            longer ``time_limit`` may find a lower peak.
         input_shapes: shapes of the example inputs the plan was made for (its figures hold for those).
         output_bytes: node name -> bytes of the storages its outputs live in, as profiled (bytes); a training step
             that makes one larger (a size set by the data, ``h[mask]``, or by a layer setting changed since
@@ -143,6 +145,7 @@ class Plan:
     predicted_host_bytes: int = 0
     solve_seconds: float = 0.0
     mip_gap: float | None = None
+    floor_stopped: bool = False
     input_shapes: list[list[int]] = field(default_factory=list)
     state_shapes: dict[str, list[int]] = field(default_factory=dict)
     grads_exist: bool = False

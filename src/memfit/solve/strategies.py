@@ -384,6 +384,7 @@ def plan_at_floor(strategy: str, graph: Graph, costs: Costs, fixed_bytes: int, t
     prob.budget = floor
     plan = _solve(prob, floor, time_limit, keep_everything=not below)
     plan.budget_bytes = floor  # (a lowest-memory plan was made before the budget was known)
+    plan.floor_stopped = any(known.stopped for key, known in prob._lows.items() if key[0] is False)
     return floor, plan
 
 
