@@ -338,6 +338,33 @@ def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensor
     assert seen and not any(issubclass(t, FakeTensor) for t in seen), seen
 
 
+def test_the_hook_of_a_submodule_inside_a_hooked_module_sees_real_tensors_only():
+    # transformers' output recorder hooks a mixture-of-experts router inside a hooked decoder layer: the router
+    # logits it kept while memfit computed the layer's shapes were fake tensors, which reached the user's code
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    torch.manual_seed(0)
+    ids, pos, _ = _batch()
+    model = _ShapeChecks().train()
+    seen = []
+    model.norm.register_forward_hook(lambda module, args, out: seen.append(type(out)))
+    model.register_forward_hook(lambda module, args, out: None)  # (the model is one node: its shapes computed whole)
+    trains_as_pytorch_for_its_shapes(_Wrap(model), (ids, pos))
+    assert seen and not any(issubclass(t, FakeTensor) for t in seen), seen
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids, positions):
+        h = self.inner(ids, positions)
+        if h.shape[0] != ids.shape[0]:  # (a test of sizes: traced with the example's)
+            raise ValueError("batch changed")
+        return h
+
+
 def test_an_expanded_constant_made_from_the_example_sizes_plans():
     # Mistral's sliding-window mask: with the sizes known, `torch.ones(t, t).tril(-1).expand(b, t, t)` is a constant
     # of the graph with a stride of 0, and profiling failed to write a copy back into it ("more than one element of

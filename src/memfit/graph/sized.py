@@ -183,17 +183,19 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", 
 
 @contextlib.contextmanager
 def _hooks_off(module: torch.nn.Module) -> Iterator[None]:
-    """``module``'s own hooks off while the block runs: a module with hooks is one node (memfit runs its hooks in
-    every step), and its value on fake tensors is its forward's (a user's hook would keep fake tensors;
-    Hugging Face's gradient checkpointing hooks the input embedding's output)."""
-    saved = {name: getattr(module, name) for name in _HOOKS if getattr(module, name, None)}
-    for name, hooks in saved.items():
-        object.__setattr__(module, name, type(hooks)())
+    """The hooks of ``module`` and of its submodules off while the block runs: a module with hooks is one node (memfit
+    runs its hooks in every step), and its value on fake tensors is its forward's (a user's hook would keep fake
+    tensors; Hugging Face's gradient checkpointing hooks the input embedding's output, and its output recorder a
+    mixture-of-experts router inside a hooked layer: the router logits it kept were fake tensors, which reached the
+    load-balancing loss)."""
+    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in _HOOKS if getattr(m, name, None)]
+    for m, name, hooks in saved:
+        object.__setattr__(m, name, type(hooks)())
     try:
         yield
     finally:
-        for name, hooks in saved.items():
-            object.__setattr__(module, name, hooks)
+        for m, name, hooks in saved:
+            object.__setattr__(m, name, hooks)
 
 
 class SizedProxy(InplaceProxy):
