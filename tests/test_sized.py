@@ -311,17 +311,20 @@ def test_other_dtypes_then_larger_then_another_path_are_each_warned():
     torch.manual_seed(0)
     ids, pos, y = _batch()
     planned = memfit.optimize(_ShapeChecks().train(), (ids, pos), "min", loss_fn=lambda out: _loss(out, y))
+    short_ids, short_pos, _ = _batch(b=5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        planned(ids.int(), pos)
+        planned(short_ids, short_pos.int())  # (smaller ids and int32 positions: told of the positions' dtype)
         planned(*_batch(t=40)[:2])
         planned(*_batch(t=16)[:2])
         planned(ids.int(), pos)
-        planned(*_batch(b=10)[:2])
+        planned(*_batch(b=10)[:2])  # (a larger batch after a longer sequence: another change)
+        planned(*_batch(b=12, t=36)[:2])
     said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
-    assert len(said) == 3, said
-    assert "int32" in said[0] and "dtypes you train with" in said[0] and "larger" not in said[0], said
-    assert "larger than planned" in said[1] and "another path" in said[2], said
+    assert len(said) == 5, said
+    assert "positions has tensors [5, 32] int32" in said[0] and "dtypes you train with" in said[0], said
+    assert "larger" not in said[0] and "[8, 40]" in said[1] and "larger than planned" in said[1], said
+    assert "another path" in said[2] and "[10, 32]" in said[3] and "[12, 36]" in said[4], said
 
 
 def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensors_only():

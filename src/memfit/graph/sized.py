@@ -73,18 +73,25 @@ class Specialized:
         """How the bound arguments ``env`` (name -> value) differ from what the trace holds for: ``(kind, words for a
         warning)``, the kind ``"structure"`` (a list's length, a dict's keys), ``"dtypes"``, ``"shapes"`` (only they
         differ) or ``"autocast"``; or ``None`` where they match."""
+        def said(k):
+            return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
+
+        found = {}  # kind -> words for the first argument that differs so (structure, then dtypes, then shapes: a
+        # smaller batch with a bool mask was told of its smaller ids only, and that they were larger than planned)
         for name, (structure, kinds) in self.inputs.items():
             now_structure, now = _signature(env.get(name))
             if now_structure != structure:
-                if now_structure.num_leaves != structure.num_leaves:
-                    return "structure", (f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} "
-                                         f"items (planned: {structure.num_leaves})")
-                return "structure", f"{name} has other keys or container types than planned"
-            if now != kinds:
-                def said(k):
-                    return ", ".join(f"{shape} {str(dtype).removeprefix('torch.')}" for shape, dtype in k) or "none"
+                found.setdefault("structure", (
+                    f"{name} is a {type(env.get(name)).__name__} of {now_structure.num_leaves} items (planned: "
+                    f"{structure.num_leaves})" if now_structure.num_leaves != structure.num_leaves else
+                    f"{name} has other keys or container types than planned"))
+            elif now != kinds:
                 dtypes = len(now) != len(kinds) or any(a[1] != b[1] for a, b in zip(now, kinds))
-                return "dtypes" if dtypes else "shapes", f"{name} has tensors {said(now)} (planned: {said(kinds)})"
+                found.setdefault("dtypes" if dtypes else "shapes",
+                                 f"{name} has tensors {said(now)} (planned: {said(kinds)})")
+        for kind in ("structure", "dtypes", "shapes"):
+            if kind in found:
+                return kind, found[kind]
         if autocast_state(_device_type(env)) != self.autocast:
             enabled, dtype = self.autocast
             return "autocast", ("another autocast state than at planning "
@@ -104,6 +111,13 @@ class Specialized:
                         a > b for a, b in zip(shape, planned)):
                     return False
         return autocast_state(_device_type(env)) == self.autocast
+
+    def larger(self, env: dict[str, Any]) -> tuple:
+        """``(argument, tensor, dimension)`` of each size in ``env`` larger than the trace's (of the same structure
+        and dtypes): a longer sequence and a larger batch are different changes."""
+        return tuple((name, k, d) for name, (_, kinds) in self.inputs.items()
+                     for k, ((shape, _), (planned, _)) in enumerate(zip(_signature(env.get(name))[1], kinds))
+                     for d, (a, b) in enumerate(zip(shape, planned)) if a > b)
 
     def shapes(self, env: dict[str, Any]) -> tuple:
         """The shapes of the tensors in the bound arguments ``env``, by argument: a key for a trace of them."""

@@ -1298,12 +1298,12 @@ class PlannedModule(nn.Module):
         """The planned module for a call of a shape-specialized graph with inputs of other shapes (positional
         ``args``; ``env`` bound by node name; ``why``: how they differ, for the warning): the plan's decisions on a
         trace of their shapes (:func:`memfit.runtime.reshaped.traced_for`), kept for the last
-        :data:`RESHAPED_KEPT` shapes; else why they cannot apply, ``("larger" or "trace", words)`` (the call then
-        runs unplanned)."""
+        :data:`RESHAPED_KEPT` shapes; else why they cannot apply, ``(kind, words)``, the kind ``"larger ..."`` (with the
+        dimensions that grew) or ``"trace"`` (the call then runs unplanned)."""
         specialized = self.__dict__["_captured"].specialized
         named = self._named(env)
-        if not specialized.within(named):
-            return "larger", "it is larger than planned in some dimension"
+        if not specialized.within(named):  # (each set of dimensions that grew warned once: a batch, a sequence)
+            return f"larger {specialized.larger(named)}", "it is larger than planned in some dimension"
         kept = self.__dict__["_reshaped"]
         key = specialized.shapes(named)
         if key in kept:
