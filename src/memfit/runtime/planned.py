@@ -1425,7 +1425,7 @@ class PlannedModule(nn.Module):
         shapes, dtypes, converted = self._differences(args)
         # (no larger in any dimension, a last short batch: the plan's decisions on smaller tensors, whose peak is no
         # higher than the planned one; ResNet-18, MobileNet-V2, VGG-16 and UNet at smaller batches and images measured
-        # 0.74-0.999 of the budget. Only larger shapes are warned about)
+        # 0.74-0.9996 of the budget. Only larger shapes are warned about)
         if shapes is not None and not _within(shapes, self.plan.input_shapes):
             # once per shape: dynamic padding warns once per length, then once that shapes vary
             others = sum(key.startswith("shape ") for key in self._warned)
