@@ -85,7 +85,7 @@ def test_python_code_on_sizes_plans_for_the_example_shapes_and_trains_as_pytorch
 
 
 @pytest.mark.parametrize("other", ["shorter: the loop runs fewer times", "larger batch", "longer", "int32 ids",
-                                   "autocast", "deep copy, shorter"])
+                                   "autocast", "autocast, smaller batch", "deep copy, shorter"])
 def test_a_call_the_specialized_graph_does_not_hold_for_runs_the_model_as_pytorch_with_a_warning(other):
     torch.manual_seed(0)
     ids, pos, y = _batch()
@@ -103,14 +103,18 @@ def test_a_call_the_specialized_graph_does_not_hold_for_runs_the_model_as_pytorc
         ids, pos, y = _batch(b=4, t=40)
     elif other == "int32 ids":
         ids = ids.int()
+    elif other == "autocast, smaller batch":  # (told of autocast: a smaller batch was told it was larger)
+        ids, pos, y = _batch(b=5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.autocast("cpu", dtype=torch.bfloat16) if other == "autocast" else torch.autocast("cpu", enabled=False):
+        with (torch.autocast("cpu", dtype=torch.bfloat16) if other.startswith("autocast")
+              else torch.autocast("cpu", enabled=False)):
             out, expected = planned(ids, pos), reference(ids, pos)
     said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
     assert len(said) == 1 and "reads the sizes of its inputs" in said[0] and "test_sized.py" in said[0], said
     assert "shorter" not in other or "another path" in said[0], said
     assert other not in ("larger batch", "longer") or "larger than planned" in said[0], said
+    assert not other.startswith("autocast") or ("autocast" in said[0] and "larger" not in said[0]), said
     assert out.dtype == expected.dtype and torch.equal(out, expected)
     _loss(out.float(), y).backward()
     _loss(expected.float(), y).backward()

@@ -89,14 +89,14 @@ class Specialized:
                 dtypes = len(now) != len(kinds) or any(a[1] != b[1] for a, b in zip(now, kinds))
                 found.setdefault("dtypes" if dtypes else "shapes",
                                  f"{name} has tensors {said(now)} (planned: {said(kinds)})")
-        for kind in ("structure", "dtypes", "shapes"):
+        for kind in ("structure", "dtypes"):
             if kind in found:
                 return kind, found[kind]
-        if autocast_state(_device_type(env)) != self.autocast:
-            enabled, dtype = self.autocast
+        if autocast_state(_device_type(env)) != self.autocast:  # (before shapes: a smaller batch under autocast
+            enabled, dtype = self.autocast                       # is not a smaller batch the plan applies to)
             return "autocast", ("another autocast state than at planning "
                                 f"({'autocast to ' + str(dtype) if enabled else 'no autocast'})")
-        return None
+        return ("shapes", found["shapes"]) if "shapes" in found else None
 
     def within(self, env: dict[str, Any]) -> bool:
         """Whether the bound arguments ``env`` have the trace's structure and dtypes, and tensors no larger in any
