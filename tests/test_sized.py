@@ -331,32 +331,23 @@ def test_other_dtypes_then_larger_then_another_path_are_each_warned():
     assert "another path" in said[2] and "[10, 32]" in said[3] and "[12, 36]" in said[4], said
 
 
-def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensors_only():
+@pytest.mark.parametrize("where", ["the module's own", "a submodule's, inside a hooked module"])
+def test_a_module_with_a_hook_has_its_shapes_known_and_its_hook_sees_real_tensors_only(where):
     # Hugging Face's gradient checkpointing hooks the input embedding (`output.requires_grad_(True)`): its output's
-    # shape was unknown, and the trace stopped on the size check after it
+    # shape was unknown, and the trace stopped on the size check after it. And transformers' output recorder hooks a
+    # mixture-of-experts router inside a hooked decoder layer: the router logits it kept while memfit computed the
+    # layer's shapes were fake tensors, which reached the user's code
     from torch._subclasses.fake_tensor import FakeTensor
 
     torch.manual_seed(0)
     ids, pos, _ = _batch()
     model = _ShapeChecks().train()
     seen = []
-    model.emb.register_forward_hook(lambda module, args, out: seen.append(type(out)))
-    trains_as_pytorch_for_its_shapes(model, (ids, pos))
-    assert seen and not any(issubclass(t, FakeTensor) for t in seen), seen
-
-
-def test_the_hook_of_a_submodule_inside_a_hooked_module_sees_real_tensors_only():
-    # transformers' output recorder hooks a mixture-of-experts router inside a hooked decoder layer: the router
-    # logits it kept while memfit computed the layer's shapes were fake tensors, which reached the user's code
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    torch.manual_seed(0)
-    ids, pos, _ = _batch()
-    model = _ShapeChecks().train()
-    seen = []
-    model.norm.register_forward_hook(lambda module, args, out: seen.append(type(out)))
-    model.register_forward_hook(lambda module, args, out: None)  # (the model is one node: its shapes computed whole)
-    trains_as_pytorch_for_its_shapes(_Wrap(model), (ids, pos))
+    hooked = model.emb if where == "the module's own" else model.norm
+    hooked.register_forward_hook(lambda module, args, out: seen.append(type(out)))
+    if where != "the module's own":
+        model.register_forward_hook(lambda module, args, out: None)  # (the model is one node: computed whole)
+    trains_as_pytorch_for_its_shapes(model if where == "the module's own" else _Wrap(model), (ids, pos))
     assert seen and not any(issubclass(t, FakeTensor) for t in seen), seen
 
 
