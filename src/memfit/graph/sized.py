@@ -98,23 +98,11 @@ class Specialized:
                                 f"({'autocast to ' + str(dtype) if enabled else 'no autocast'})")
         return ("shapes", found["shapes"]) if "shapes" in found else None
 
-    def within(self, env: dict[str, Any]) -> bool:
-        """Whether the bound arguments ``env`` have the trace's structure and dtypes, and tensors no larger in any
-        dimension than its own (a short last batch, a shorter sequence): the plan's decisions can then apply to a
-        trace with their shapes (:mod:`memfit.runtime.reshaped`)."""
-        for name, (structure, kinds) in self.inputs.items():
-            now_structure, now = _signature(env.get(name))
-            if now_structure != structure or len(now) != len(kinds):
-                return False
-            for (shape, dtype), (planned, planned_dtype) in zip(now, kinds):
-                if dtype != planned_dtype or len(shape) != len(planned) or any(
-                        a > b for a, b in zip(shape, planned)):
-                    return False
-        return autocast_state(_device_type(env)) == self.autocast
-
     def larger(self, env: dict[str, Any]) -> tuple:
-        """``(argument, tensor, dimension)`` of each size in ``env`` larger than the trace's (of the same structure
-        and dtypes): a longer sequence and a larger batch are different changes."""
+        """``(argument, tensor, dimension)`` of each size in ``env`` larger than the trace's, for arguments of the
+        trace's structure, dtypes and autocast state (:meth:`differs` says ``"shapes"``): none, and the plan's
+        decisions can apply to a trace of their shapes (:mod:`memfit.runtime.reshaped`); a longer sequence and a
+        larger batch are different changes."""
         return tuple((name, k, d) for name, (_, kinds) in self.inputs.items()
                      for k, ((shape, _), (planned, _)) in enumerate(zip(_signature(env.get(name))[1], kinds))
                      for d, (a, b) in enumerate(zip(shape, planned)) if a > b)

@@ -1302,8 +1302,9 @@ class PlannedModule(nn.Module):
         dimensions that grew) or ``"trace"`` (the call then runs unplanned)."""
         specialized = self.__dict__["_captured"].specialized
         named = self._named(env)
-        if not specialized.within(named):  # (each set of dimensions that grew warned once: a batch, a sequence)
-            return f"larger {specialized.larger(named)}", "it is larger than planned in some dimension"
+        grown = specialized.larger(named)
+        if grown:  # (each set of dimensions that grew warned once: a batch, a sequence)
+            return f"larger {grown}", "it is larger than planned in some dimension"
         kept = self.__dict__["_reshaped"]
         key = specialized.shapes(named)
         if key in kept:
