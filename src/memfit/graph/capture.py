@@ -46,6 +46,7 @@ from memfit.graph.calls import (
     setting_constant,
     tensors_in,
 )
+from memfit.graph.folded import FoldingAborted
 from memfit.graph.ir import Graph, Node
 from memfit.graph.sized import ShapeSpecializing, Specialized
 from memfit.warn import in_library, warn_user
@@ -866,7 +867,7 @@ def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -
 
 
 def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
-           examples: dict[str, Any] | None = None, constants_fallback: bool = True) -> fx.GraphModule:
+           examples: dict[str, Any] | None = None, constants_fallback: bool = True, fold: bool = True) -> fx.GraphModule:
     """:func:`_trace_graph`, leaving ``model`` as it was; the forward's arguments ``fixed`` are traced as their values
     (:func:`capture`); with ``examples`` (the forward's arguments by name), traced with their shapes
     (:mod:`memfit.graph.sized`). ``torch.fx`` stores each tensor constant the forward makes
@@ -877,7 +878,7 @@ def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
     names = [p.name for p in in_traced_order(forward_params(model))]
     before = set(vars(model))
     try:
-        return _trace_graph(model, fixed, names, examples, constants_fallback)
+        return _trace_graph(model, fixed, names, examples, constants_fallback, fold)
     finally:
         for name in set(vars(model)) - before:
             if _TENSOR_CONSTANT.fullmatch(name):
@@ -896,15 +897,18 @@ def _put_back_attempt(attributes: AttributeLog, numbers: list[tuple[str, dict, s
 
 
 def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None,
-                 examples: dict[str, Any] | None = None, constants_fallback: bool = True) -> fx.GraphModule:
+                 examples: dict[str, Any] | None = None, constants_fallback: bool = True,
+                 fold: bool = True) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter.
     The arguments ``fixed`` are traced as their values (:func:`_trace`); ``names``: the forward's, in traced order;
     ``examples``: the forward's arguments by name, to trace with their shapes (:mod:`memfit.graph.sized`);
+    ``fold``: with ``examples``, compute tensors made from plain numbers for real (:mod:`memfit.graph.folded`;
+    :class:`memfit.graph.folded.FoldingAborted` where the forward writes into one);
     ``constants_fallback=False``: raise where :class:`_BufferTracer` fails (:func:`capture` first traces with the
     example's shapes, with buffers as graph values: read as constants, a loop `range(self.centers.shape[0])` kept
     the count it had while tracing when the buffer was replaced by a longer one, silently)."""
-    tracer = _BufferTracer() if examples is None else _SizedBufferTracer(examples)
+    tracer = _BufferTracer() if examples is None else _SizedBufferTracer(examples, fold=fold)
     state_before = state_of(model)
     fixed, names = fixed or {}, names or []
     concrete = dict(fixed) or None
@@ -912,7 +916,7 @@ def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: l
         with warnings.catch_warnings():  # (an Enum, a dtype: fx cannot assert it, and says so; the module refuses)
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = _as_traced_fixed(tracer.trace(model, concrete_args=concrete), fixed, names)
-    except _GradModeChange:
+    except (_GradModeChange, FoldingAborted):
         raise
     except Exception as exc:
         if not constants_fallback:
@@ -923,13 +927,15 @@ def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: l
         # write and training would differ from PyTorch's (a fresh user's MoCo queue: gradients 0.85 off)
         state = [(name, t, t.detach().clone()) for name, t in itertools.chain(
             model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))]
-        plain = _Tracer() if examples is None else _SizedTracer(examples)
+        plain = _Tracer() if examples is None else _SizedTracer(examples, fold=fold)
         put_back_updated_state(state_before, everything=True)  # (what the failed attempt assigned: it traces again)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Was not able to add assertion")
                 graph = _as_traced_fixed(plain.trace(model, concrete_args=concrete), fixed, names)  # (raises when the
             # model does not trace at all)
+        except FoldingAborted:
+            raise
         except Exception as again:
             # report the attempt that got further into forward: a plain Python error after a line that traces
             # only with buffers as graph values (`import math` forgotten after `self.cos[:T]`) was reported as the
@@ -1344,6 +1350,7 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
     containers = _containers(model)
     first_failure: BaseException | None = None  # (the plain trace's, where a shape-specialized one followed)
     first_draws: list[str] = []
+    fold = True  # (off once the forward wrote into a tensor folded while tracing: memfit.graph.folded)
     try:
         while True:
             checkpoints: list[str] = []
@@ -1356,7 +1363,12 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                       _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
                       _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
                     gm = _trace(model, fixed, examples if first_failure is not None else None,
-                                constants_fallback=examples is None or first_failure is not None)
+                                constants_fallback=examples is None or first_failure is not None, fold=fold)
+            except FoldingAborted:  # (traced again with those tensors as graph values, as they were before folding)
+                _put_back_attempt(attributes, numbers, state)
+                _put_back_containers(containers)
+                fold = False
+                continue
             except _ReentrantCheckpoint:
                 raise TraceError(
                     f"the forward pass of {type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True, "

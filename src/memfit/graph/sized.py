@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import operator
 from collections.abc import Iterator
@@ -33,7 +34,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from memfit.graph.attributes import reads_paused
-from memfit.graph.augmented import InplaceProxy
+from memfit.graph.augmented import InplaceProxy, user_line
+from memfit.graph.folded import FOLDED_FACTORIES, Folding, FoldingAborted
 
 try:  # (private to fx: the patches of Module.__call__ and wrapped functions, taken off for a block)
     from torch.fx._symbolic_trace import _maybe_revert_all_patches
@@ -143,16 +145,19 @@ def _recorded_factories(tracer: ShapeSpecializing) -> Iterator[None]:
     (not from :func:`_untraced` code, nor with ``out=``) become graph nodes; ``torch`` is put back on exit."""
     real = {name: getattr(torch, name) for name in _FACTORIES}
 
-    def recorded(fn):
+    def recorded(name, fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if _RECORDING and _RECORDING[-1] is tracer and kwargs.get("out") is None:
+                if (tracer.folding is not None and name in FOLDED_FACTORIES
+                        and not any(isinstance(v, fx.Proxy) for v in tree_leaves((args, kwargs)))):
+                    return tracer.folding.factory(fn, args, kwargs)
                 return tracer.create_proxy("call_function", fn, args, kwargs)
             return fn(*args, **kwargs)
         return call
 
     for name, fn in real.items():
-        setattr(torch, name, recorded(fn))
+        setattr(torch, name, recorded(name, fn))
     _RECORDING.append(tracer)
     try:
         yield
@@ -229,11 +234,13 @@ class ShapeSpecializing:
     (computed from the example arguments ``examples``, by name), and its proxies are :class:`SizedProxy`. A node
     whose value cannot be computed (data-dependent output) has none, and its proxy behaves as fx's."""
 
-    def __init__(self, examples: dict[str, Any], *args, **kwargs):
+    def __init__(self, examples: dict[str, Any], *args, fold: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.examples = examples
         self.unknown: list[str] = []  # the first operation whose value could not be computed on fake tensors
+        self.fold = fold  # compute tensors made from plain numbers for real (memfit.graph.folded)
+        self.folding: Folding | None = None
 
     def fake(self, value):
         """``value`` with each tensor in it as a fake tensor of this trace."""
@@ -249,14 +256,26 @@ class ShapeSpecializing:
         # and where a fake tensor reached the user's code, a fresh user saw 128 lines)
         quiet = logging.getLogger("torch._subclasses.fake_tensor")
         was, quiet.disabled = quiet.disabled, True
+        if self.fold:
+            state = {id(t) for t in itertools.chain(root.parameters(), root.buffers())}
+            self.folding = Folding(self, state, user_line)
         try:
-            with _recorded_factories(self):
+            with _recorded_factories(self), self.folding or contextlib.nullcontext():
                 return super().trace(root, concrete_args)
+        except FoldingAborted:
+            raise
         except Exception as exc:
             exc.memfit_unknown = self.unknown
             raise
         finally:
             quiet.disabled = was
+            self.folding = None
+
+    def create_arg(self, a):
+        """fx's; a folded tensor (:mod:`memfit.graph.folded`) as the operations that made it."""
+        if self.folding is not None and isinstance(a, torch.Tensor) and self.folding.folded(a):
+            return self.folding.emit(a).node
+        return super().create_arg(a)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
