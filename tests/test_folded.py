@@ -193,3 +193,29 @@ def test_a_tensor_made_from_sizes_indexed_by_a_traced_value_is_a_graph_value():
     assert any(n.target is operator.getitem and n.args[1].op == "placeholder" for n in graph.nodes)
     other = torch.tensor([0, 2, 4, 9])
     assert torch.equal(planned(x, other), plain(x, other))
+
+
+def test_a_mask_made_from_sizes_and_a_traced_padding_mask_trains_as_pytorch():
+    # transformers' `and_mask` with an attention_mask given: `q_idx.new_ones((), dtype=torch.bool)` (a method
+    # torch.overrides lists as ignored) and `.to(result.device)` returning its own folded input (its recipe was
+    # overwritten by the no-op: endless recursion)
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x, padding):
+            b, t = x.shape[:2]
+            if b != padding.shape[0]:  # (a test of sizes: traced with the example's)
+                raise ValueError("padding and batch disagree")
+            q_idx, kv_idx = torch.arange(t)[:, None], torch.arange(t)[None, :]
+            keep = q_idx.new_ones((), dtype=torch.bool)
+            keep = keep & (kv_idx <= q_idx).to(keep.device)
+            keep = keep & padding[:, None, None, :].bool()
+            q, k, v = self.qkv(x)[:, None].chunk(3, dim=-1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    x, padding = torch.randn(3, 6, 8), torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 5 + [0]])
+    planned, plain = trains_as_pytorch_for_its_shapes(Padded().train(), (x, padding))
+    other = torch.ones_like(padding)
+    assert torch.equal(planned(x, other), plain(x, other))

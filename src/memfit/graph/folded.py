@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.overrides import TorchFunctionMode, is_tensor_method_or_property
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -77,11 +77,18 @@ def _operator_form(name: str):
     return None
 
 
+def _tensor_method(func) -> bool:
+    """Whether ``func`` is a method of ``torch.Tensor`` (``new_ones`` too, which ``torch.overrides`` lists as
+    ignored but passes to ``__torch_function__``)."""
+    name = getattr(func, "__name__", None)
+    return name is not None and any(getattr(cls, name, None) is func for cls in (torch.Tensor, torch._C.TensorBase))
+
+
 def _replayable(func) -> bool:
     """Whether :func:`_replay` can record ``func`` as fx records it on its stand-ins."""
     if getattr(func, "__name__", None) == "__get__":  # (a property: `t.T`)
         return getattr(getattr(func, "__self__", None), "__name__", None) is not None
-    if is_tensor_method_or_property(func):
+    if _tensor_method(func):
         name = getattr(func, "__name__", "")
         return not name.startswith("__") or _operator_form(name) is not None
     return callable(func) and getattr(func, "__module__", None) is not None
@@ -93,7 +100,7 @@ def _replay(func, args: tuple, kwargs: dict):
     name = getattr(func, "__name__", "")
     if name == "__get__":
         return getattr(args[0], func.__self__.__name__)
-    if is_tensor_method_or_property(func):
+    if _tensor_method(func):
         form = _operator_form(name)
         if form is not None:
             fn, reflected = form
@@ -154,7 +161,7 @@ class Folding(TorchFunctionMode):
     def _note(self, out, call) -> None:
         leaves, spec = tree_flatten(out)
         for k, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not self.folded(t):  # (`.to()`, `.contiguous()` may return their input)
                 self.recipes[id(t)] = (t, (call, spec, k))
 
     def emit(self, value) -> fx.Proxy:
