@@ -6,13 +6,15 @@ be traced. A memfit plan is made for the example batch's shapes anyway, so where
 :func:`memfit.graph.capture.capture` traces again with :class:`ShapeSpecializing`: each node also gets its value on
 a fake tensor (``torch._subclasses.FakeTensorMode``: shapes, dtypes and devices, no data), and ``.shape``,
 ``.size()``, ``.dim()``, ``.numel()``, ``.dtype``, ``.device`` and ``len()`` of a traced tensor give the example's
-values, as a Python ``if`` on them does. The graph then holds for those shapes, dtypes and that autocast state only
-(:class:`Specialized`): :class:`memfit.runtime.planned.PlannedModule` traces smaller inputs again and runs the plan on
-that trace where it applies (:mod:`memfit.runtime.reshaped`), and runs the user's model as PyTorch does for others.
+values, as a Python ``if`` on them does; tensors made from plain numbers alone (``torch.arange(seq_len)``) are
+computed for real, so Python tests of their values run too (:mod:`memfit.graph.folded`). The graph then holds for
+those shapes, dtypes and that autocast state only (:class:`Specialized`): :class:`memfit.runtime.planned.PlannedModule`
+traces smaller inputs again and runs the plan on that trace where it applies (:mod:`memfit.runtime.reshaped`), and
+runs the user's model as PyTorch does for others.
 
 This is the method of fx's ``MetaTracer`` and of Hugging Face's former ``HFTracer`` (shape propagation on
-meta/fake tensors during symbolic tracing), on PyTorch's ``FakeTensorMode``. Data-dependent control flow
-(``if x.sum() > 0:``, ``.item()``) stays refused: a fake tensor holds no values.
+meta/fake tensors during symbolic tracing), on PyTorch's ``FakeTensorMode``. Data-dependent control flow on the
+inputs, parameters or buffers (``if x.sum() > 0:``, ``.item()``) stays refused: a fake tensor holds no values.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
 
 # tensor factories, recorded as graph nodes while tracing with the example's shapes (their sizes, dtype and device are
 # plain values then, `torch.zeros(b, 10, dtype=h.dtype, device=h.device)`, and fx would make the tensor once, while
-# tracing, as a constant of the graph: a write into it was refused)
+# tracing, as a constant of the graph: a write into it was refused); those of memfit.graph.folded.FOLDED_FACTORIES
+# are computed for real, and recorded where a traced operation reads them
 _FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "linspace",
               "rand", "randn", "randint", "randperm", "normal")  # (random ones: drawn in every step, as PyTorch draws)
 _RECORDING: list[ShapeSpecializing] = []  # the tracer recording factories (none inside _untraced)
