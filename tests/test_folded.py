@@ -219,3 +219,39 @@ def test_a_mask_made_from_sizes_and_a_traced_padding_mask_trains_as_pytorch():
     planned, plain = trains_as_pytorch_for_its_shapes(Padded().train(), (x, padding))
     other = torch.ones_like(padding)
     assert torch.equal(planned(x, other), plain(x, other))
+
+
+class _Packed(nn.Module):
+    """Position ids as transformers makes them (``arange(t).unsqueeze(0)``, broadcast over the batch), expanded to the
+    batch only for the test of packed sequences, whose result decides the branch and is not itself used."""
+
+    def __init__(self, vocab=40, d=16):
+        super().__init__()
+        self.emb, self.pos, self.head = nn.Embedding(vocab, d), nn.Embedding(64, d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        positions = torch.arange(t).unsqueeze(0)
+        expanded = positions.expand(b, -1) if b != positions.shape[0] else positions  # (transformers' batch check)
+        packed = (torch.diff(expanded, prepend=expanded[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        h = self.emb(ids) + self.pos(positions)
+        if not bool((packed[:, -1] == 0).all()):
+            h = h * 0.5
+        return self.head(h.relu())
+
+
+def test_a_batch_of_one_takes_the_planned_path_where_only_python_code_saw_the_batch_check():
+    # transformers' batch of 1 skips an `expand` of the position ids: traced, the graph lost that node and the call ran
+    # unplanned; folded, the expand is Python's business and the graph is the planned one's
+    torch.manual_seed(0)
+    model = _Packed().train()
+    ids, y = torch.randint(0, 40, (4, 32)), torch.randint(0, 40, (4, 32))
+    m, plain = fresh_copy(model), fresh_copy(model)
+    planned = memfit.optimize(m, (ids,), "min", loss_fn=lambda out: _loss(out, y))
+    one, y1 = ids[:1].clone(), y[:1].clone()
+    with pytest.warns(UserWarning, match="traced the forward again") as seen:
+        fig = measure_training(planned, planned, (one,), y1, _loss, steps=1)
+    assert not [w for w in seen if "unplanned" in str(w.message)]
+    base = measure_training(plain, plain, (one,), y1, _loss, steps=1)
+    assert compare(base, fig)["max_abs_grad_diff"] == 0.0
+    assert fig.peak_bytes <= planned.plan.budget_bytes
