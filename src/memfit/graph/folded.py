@@ -110,6 +110,14 @@ def _replay(func, args: tuple, kwargs: dict):
     return func(*args, **kwargs)
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; ``None`` for a tensor without one (sparse, nested)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class _DrawsOrWrites(TorchDispatchMode):
     """While a folded operation runs: raises :class:`_NotFoldable` before an operator that draws a random number and
     :class:`FoldingAborted` before one that writes into the storage of one of ``inputs`` (a write its name did not
@@ -117,7 +125,7 @@ class _DrawsOrWrites(TorchDispatchMode):
 
     def __init__(self, inputs: list[torch.Tensor], line):
         super().__init__()
-        self.storages = {t.untyped_storage().data_ptr() for t in inputs}
+        self.storages = {_storage(t) for t in inputs} - {None}
         self.line = line
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -128,8 +136,7 @@ class _DrawsOrWrites(TorchDispatchMode):
             for k, arg in enumerate(func._schema.arguments):
                 value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
                 if arg.alias_info is not None and arg.alias_info.is_write and any(
-                        isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
-                        for t in tree_leaves(value)):
+                        isinstance(t, torch.Tensor) and _storage(t) in self.storages for t in tree_leaves(value)):
                     raise FoldingAborted(self.line())
         return func(*args, **kwargs)
 
