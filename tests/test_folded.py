@@ -2,6 +2,7 @@
 (memfit.graph.folded): Python code on their values takes PyTorch's branch, and the step computes them as PyTorch
 does; a write into one, a draw or a buffer keeps them graph values."""
 
+import contextvars
 import copy
 import operator
 
@@ -255,3 +256,112 @@ def test_a_batch_of_one_takes_the_planned_path_where_only_python_code_saw_the_ba
     base = measure_training(plain, plain, (one,), y1, _loss, steps=1)
     assert compare(base, fig)["max_abs_grad_diff"] == 0.0
     assert fig.peak_bytes <= planned.plan.budget_bytes
+
+
+# Hugging Face's output recorder, as transformers 5 writes it (utils/output_capturing.py): hooks installed at the first
+# call that asks for outputs, and a mark on the model; each hook collects its module's output into a context variable
+# only while the model's own call has set it
+_COLLECTOR: contextvars.ContextVar = contextvars.ContextVar("collector", default=None)
+
+
+def _output_capturing_hook(module, args, output):
+    collected = _COLLECTOR.get()
+    if collected is not None:
+        collected.append(output)
+
+
+_output_capturing_hook.__module__ = "transformers.utils.output_capturing"  # (what memfit recognizes it by)
+
+
+class _Recorded(nn.Module):
+    """Two experts' routers whose logits a load-balancing term reads, collected by the recorder's hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.routers = nn.ModuleList(nn.Linear(8, 4) for _ in range(2))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[-1] != 8:  # (a test of a size: the first trace fails here after the hooks are installed)
+            raise ValueError("expected 8 features")
+        if not getattr(self, "_hooks_installed", False):
+            for router in self.routers:
+                router.register_forward_hook(_output_capturing_hook)
+            self._hooks_installed = True
+        collected, token = [], _COLLECTOR.set([])
+        try:
+            collected = _COLLECTOR.get()
+            h = x
+            for router in self.routers:
+                h = h + self.fc(h) * router(h).softmax(-1).max(-1, keepdim=True).values
+        finally:
+            _COLLECTOR.reset(token)
+        balance = sum(logits.softmax(-1).mean(0).pow(2).sum() for logits in collected)
+        return h.pow(2).mean() + 0.1 * balance * len(collected)
+
+
+def test_outputs_collected_by_transformers_recorder_hooks_are_graph_values_collected_once():
+    # Mixtral's output_router_logits=True: the routers were kept whole for their hooks, which then collected nothing
+    # while tracing (`gate_logits[0]`: IndexError); an nn.Linear router (Qwen2-MoE's) is kept whole by fx, and its
+    # hook ran on nothing too
+    torch.manual_seed(0)
+    model = _Recorded().train()
+    x = torch.randn(16, 8)
+    plain, m = fresh_copy(model), fresh_copy(model)
+    planned = memfit.optimize(m, (x,), "min", loss_fn=lambda out: out)
+    for net in (planned, plain):
+        net(x).backward()
+    for p, q in zip(m.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert [len(r._forward_hooks) for r in m.routers] == [len(r._forward_hooks) for r in plain.routers] == [1, 1]
+
+
+def test_a_transformers_mixture_of_experts_load_balancing_loss_and_hidden_states_train_as_pytorch():
+    transformers = pytest.importorskip("transformers")  # (not a dependency of memfit; installed by hand)
+
+    class LM(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, labels):
+            out = self.model(input_ids=input_ids, labels=labels, use_cache=False, output_router_logits=True,
+                             output_hidden_states=True)
+            return out.loss + 0.1 * sum(h.pow(2).mean() for h in out.hidden_states)
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, router_aux_loss_coef=0.5)
+    model = LM(transformers.MixtralForCausalLM(cfg)).train()
+    ids = torch.randint(0, 128, (4, 64))
+    base = measure_training(*[fresh_copy(model)] * 2, (ids, ids), None, lambda out, y: out, steps=1)
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, (ids, ids), "70%", loss_fn=lambda loss: loss,
+                              optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+    fig = measure_training(planned, planned, (ids, ids), None, lambda out, y: out, steps=1)
+    assert compare(base, fig)["max_abs_grad_diff"] == 0.0
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+
+
+def test_hooks_a_failed_trace_registered_are_gone_before_the_next_trace():
+    # transformers' output_hidden_states=True: the first trace (stopped by a test of a size) installed the recorder's
+    # hooks and marked the model; the mark was put back, so the second trace installed them again, and each layer's
+    # hidden state was collected twice (the loss 1e-4 off PyTorch's, silently)
+    class Late(_Recorded):
+        def forward(self, x):
+            if not getattr(self, "_hooks_installed", False):
+                for router in self.routers:
+                    router.register_forward_hook(_output_capturing_hook)
+                self._hooks_installed = True
+            if x.shape[-1] != 8:  # (a test of a size, after the hooks are installed)
+                raise ValueError("expected 8 features")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Late().train()
+    x = torch.randn(16, 8)
+    plain, m = fresh_copy(model), fresh_copy(model)
+    planned = memfit.optimize(m, (x,), "min", loss_fn=lambda out: out)
+    assert torch.equal(planned(x), plain(x))
+    assert [len(r._forward_hooks) for r in m.routers] == [len(r._forward_hooks) for r in plain.routers] == [1, 1]

@@ -43,8 +43,8 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["AttributeLog", "changed_attribute", "changed_global", "global_reads", "has_hooks", "has_own_hooks",
-           "is_plain", "record_calls", "record_reads"]
+__all__ = ["HOOK_DICTS", "AttributeLog", "changed_attribute", "changed_global", "collects_in_call", "global_reads",
+           "has_hooks", "has_own_hooks", "hooks_of", "is_plain", "put_back_hooks", "record_calls", "record_reads"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -312,8 +312,40 @@ def has_own_hooks(module: nn.Module) -> bool:
     variant standing in for its class's computation would skip as it would skip a hook (a fresh user's patched
     LeakyReLU ran as its class's: outputs 0.17 off, silently). Not ``torch.compile``'s wrapper, whose instance
     ``forward`` is the compiled one: it is refused with its own advice."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or ("forward" in module.__dict__ and not hasattr(module, "_orig_mod")))
+    return bool(any(not collects_in_call(h) for h in module._forward_hooks.values()) or module._forward_pre_hooks
+                or module._backward_hooks or module._backward_pre_hooks
+                or ("forward" in module.__dict__ and not hasattr(module, "_orig_mod")))
+
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+              "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")  # (a module's hook registries)
+
+
+def hooks_of(model: nn.Module) -> list[tuple[dict, dict]]:
+    """``(registry, copy)`` of each hook registry of ``model``'s modules, for :func:`put_back_hooks`."""
+    return [(d, dict(d)) for m in model.modules() for name in HOOK_DICTS if (d := getattr(m, name, None)) is not None]
+
+
+def put_back_hooks(saved: list[tuple[dict, dict]]) -> None:
+    """The hook registries as :func:`hooks_of` saw them, in place (a hook handle refers to its registry): hooks a
+    failed trace registered (Hugging Face's output recorder installs its hooks at the first call that asks for hidden
+    states, and marks the model as hooked; the mark was put back, so a second trace installed them again, and each
+    layer's hidden state was collected twice) are gone."""
+    for registry, before in saved:
+        if registry.keys() != before.keys():
+            registry.clear()
+            registry.update(before)
+
+
+def collects_in_call(hook) -> bool:
+    """Whether ``hook`` is Hugging Face transformers' output recorder (``output_capturing_hook``): it collects its
+    module's output only while the model's own call runs (a context variable its ``capture_outputs`` decorator sets
+    and resets) and does nothing otherwise. So it is not a hook of the user's: traced into, it runs on fx's
+    stand-ins and what it collects (the router logits of a mixture-of-experts load-balancing loss,
+    ``output_router_logits=True``; ``output_hidden_states=True``'s hidden states) is part of the graph. Kept whole
+    for it, the module's hook ran on nothing while tracing, and Mixtral's load-balancing loss failed on an empty
+    tuple (``gate_logits[0]``)."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 def has_hooks(modules: list[nn.Module]) -> bool:

@@ -24,7 +24,15 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.graph.attributes import AttributeLog, has_own_hooks, record_calls, record_reads
+from memfit.graph.attributes import (
+    AttributeLog,
+    collects_in_call,
+    has_own_hooks,
+    hooks_of,
+    put_back_hooks,
+    record_calls,
+    record_reads,
+)
 from memfit.graph.augmented import (
     WRITE_LINE,
     InplaceProxy,
@@ -731,12 +739,18 @@ class _Tracer(fx.Tracer):
     def call_module(self, m: nn.Module, forward, args, kwargs):
         """fx's; a module that is not a submodule of the model (made in forward, as Hugging Face's hub-kernel layers
         wrap ``apply_rotary_pos_emb``) is traced into: fx raised ``NameError: module is not installed as a
-        submodule``."""
+        submodule``. A module kept whole (a ``torch.nn`` layer) runs Hugging Face's output-recorder hooks on its
+        traced output (:func:`memfit.graph.attributes.collects_in_call`), as its call would: fx's leaf calls run no
+        hooks, and Qwen2-MoE's router logits, an ``nn.Linear``'s output, went uncollected."""
         try:
-            self.path_of_module(m)
+            path = self.path_of_module(m)
         except NameError:
             return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
+        out = super().call_module(m, forward, args, kwargs)
+        if self.is_leaf_module(m, path):
+            for hook in [h for h in m._forward_hooks.values() if collects_in_call(h)]:
+                hook(m, args, out)
+        return out
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A module with hooks of its own is kept whole, so that its hooks run in every step (traced into, they
@@ -886,11 +900,13 @@ def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
 
 
 def _put_back_attempt(attributes: AttributeLog, numbers: list[tuple[str, dict, str, Any]],
-                      state: list[tuple[str, nn.Module, str, dict]]) -> None:
+                      state: list[tuple[str, nn.Module, str, dict]], hooks: list[tuple[dict, dict]]) -> None:
     """Put back what a failed trace of the model assigned before it failed, to trace it again: the modules'
     attributes (``self.calls += 1``, logged by :func:`memfit.graph.attributes.record_reads`), the numbers of
-    :func:`_python_numbers` and the buffers and parameters (:func:`memfit.graph.augmented.state_of`)."""
+    :func:`_python_numbers`, the buffers and parameters (:func:`memfit.graph.augmented.state_of`) and the hooks it
+    registered (:func:`memfit.graph.attributes.put_back_hooks`)."""
     attributes.put_back()
+    put_back_hooks(hooks)
     for _, box, key, old in numbers:
         box[key] = old
     put_back_updated_state(state, everything=True)
@@ -1357,7 +1373,7 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
             draws: list[str] = []
             writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
                                           {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
-            state, attributes, autocast_tests = state_of(model), None, []
+            state, attributes, autocast_tests, hooks = state_of(model), None, [], hooks_of(model)
             try:
                 with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
                       _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
@@ -1365,7 +1381,7 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                     gm = _trace(model, fixed, examples if first_failure is not None else None,
                                 constants_fallback=examples is None or first_failure is not None, fold=fold)
             except FoldingAborted:  # (traced again with those tensors as graph values, as they were before folding)
-                _put_back_attempt(attributes, numbers, state)
+                _put_back_attempt(attributes, numbers, state, hooks)
                 _put_back_containers(containers)
                 fold = False
                 continue
@@ -1417,14 +1433,14 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                 needed = {name: v for name, v in plain.items()
                           if name not in fixed and name in _arguments_in_control_flow(exc)}
                 if needed and attributes is not None:  # (a number the line needs as one: traced again, fixed)
-                    _put_back_attempt(attributes, numbers, state)
+                    _put_back_attempt(attributes, numbers, state, hooks)
                     _put_back_containers(containers)
                     fixed.update(needed)
                     continue
                 if (examples is not None and first_failure is None and attributes is not None
                         and not _raised_by_user(exc)):
                     # (traced again with the example's shapes: a plan holds for them only anyway)
-                    _put_back_attempt(attributes, numbers, state)
+                    _put_back_attempt(attributes, numbers, state, hooks)
                     _put_back_containers(containers)
                     first_failure, first_draws = exc, draws
                     continue

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from memfit.graph.attributes import reads_paused
+from memfit.graph.attributes import HOOK_DICTS, reads_paused
 from memfit.graph.augmented import InplaceProxy, user_line
 from memfit.graph.folded import FOLDED_FACTORIES, Folding, FoldingAborted
 
@@ -187,8 +187,6 @@ def _untraced() -> Iterator[None]:
         torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = patched
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-          "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
 @contextlib.contextmanager
@@ -198,7 +196,7 @@ def _hooks_off(module: torch.nn.Module) -> Iterator[None]:
     tensors; Hugging Face's gradient checkpointing hooks the input embedding's output, and its output recorder a
     mixture-of-experts router inside a hooked layer: the router logits it kept were fake tensors, which reached the
     load-balancing loss)."""
-    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in _HOOKS if getattr(m, name, None)]
+    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in HOOK_DICTS if getattr(m, name, None)]
     for m, name, hooks in saved:
         object.__setattr__(m, name, type(hooks)())
     try:
