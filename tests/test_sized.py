@@ -477,3 +477,21 @@ def test_a_mixture_of_experts_layer_with_grouped_matmuls_in_float32_plans_and_tr
 
     torch.manual_seed(0)
     trains_as_pytorch_for_its_shapes((Hooked() if hooked else Experts()).train(), (torch.randn(4, 8, 16),))
+
+
+@pytest.mark.parametrize("planned_with_mask", [True, False])
+def test_an_argument_switched_between_none_and_a_value_is_refused_as_for_any_graph(planned_with_mask):
+    # the README's TypeError: a graph traced with the example's shapes ran such a call unplanned instead (a fresh
+    # user's Llama planned with an attention_mask at 60%, called without one: 1.58x the budget, one warning)
+    class Masked(_WithLinear):
+        def forward(self, x, mask=None):
+            if x.shape[0] < 1:  # (a test of a size: traced with the example's)
+                raise ValueError("empty batch")
+            h = self.fc(x)
+            return h if mask is None else h * mask
+
+    x, mask = torch.randn(4, 8), torch.ones(4, 8)
+    planned = memfit.optimize(Masked().train(), (x, mask) if planned_with_mask else (x,), "min")
+    assert planned.__dict__["_captured"].specialized is not None
+    with pytest.raises(TypeError, match="None" if planned_with_mask else "set"):
+        planned(x) if planned_with_mask else planned(x, mask)

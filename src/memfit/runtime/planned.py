@@ -941,6 +941,36 @@ class PlannedModule(nn.Module):
                                      "pass each, by position or by keyword (the forward takes ")
                             .replace("pass a tuple of the forward's positional inputs, in order",
                                      "pass only the forward's arguments")) from None
+        # an argument given at planning and None now (left out, or passed as None): the traced forward took the
+        # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
+        # `is_causal=mask is None` ran unmasked attention, gradients 2.2e-3 off, with warnings saying results were
+        # correct); refused before it runs, a graph traced with the example's shapes too (it ran unplanned, 1.58x the
+        # budget, where the README says TypeError)
+        fixed, unread = self.__dict__["_captured"].fixed_args, self.__dict__["_captured"].unread_args
+        unset_now = [name for name in self._placeholders if name in env and env[name] is None
+                     and name not in fixed and name not in unread and not str(name).startswith("*")]
+        if unset_now:
+            name = next(str(n.target) for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == unset_now[0])
+            raise TypeError(
+                f"the planned module was called with {name!r} None (left out, or passed as None), but the plan was "
+                f"made with a value for it, and torch.fx recorded the path that value took (a test such as "
+                f"`{name} is None` ran once, while tracing): pass it as at planning time, or plan with {name} left "
+                f"out too and keep a planned module for each case")
+        changed = [name for name, value in fixed.items() if name in env and not same_fixed_value(value, env[name])]
+        if changed:  # (the graph was traced for the planned value: another would go unread, silently)
+            name = changed[0]
+            value, now = fixed[name], env[name]
+            if value is None:
+                raise TypeError(f"the planned module was called with {name!r} set, but it was planned with "
+                                f"{name}=None (left out or None in example_inputs), and its forward was traced "
+                                f"for None (`{name} is None` true): plan with a {name} in example_inputs, or "
+                                f"keep a planned module for each case")
+            raise TypeError(f"the planned module was called with {name}={now!r}, but it was planned with "
+                            f"{name}={value!r} (in example_inputs, or its default), and its forward was traced for "
+                            f"that value (Python code read it once, while tracing: "
+                            f"{'`range(' + name + ')` or `if ' + name + ' > 2:`' if type(value) in (int, float) else '`if ' + name + ':`'}"
+                            f"; the graph does not read it): call it with {name}={value!r}, or plan with {name}={now!r} "
+                            "in example_inputs and keep a planned module for each value")
         # a graph traced with the example's shapes (Python code read a size: memfit.graph.sized) holds for them only
         specialized = self.__dict__["_captured"].specialized
         if specialized is not None and (outside := self._outside_specialized(env)) is not None:
@@ -970,35 +1000,6 @@ class PlannedModule(nn.Module):
                 f"this call differs ({why}), and runs your model as PyTorch does, unplanned (the values are "
                 f"PyTorch's; the budget does not hold). {advice}"))
             return model(*given[0], **given[1])
-        # an argument given at planning and None now (left out, or passed as None): the traced forward took the
-        # branch for a value, silently wrong where it tests `mask is None` as a value (a fresh user's
-        # `is_causal=mask is None` ran unmasked attention, gradients 2.2e-3 off, with warnings saying results were
-        # correct); refused before it runs
-        fixed, unread = self.__dict__["_captured"].fixed_args, self.__dict__["_captured"].unread_args
-        unset_now = [name for name in self._placeholders if name in env and env[name] is None
-                     and name not in fixed and name not in unread and not str(name).startswith("*")]
-        if unset_now:
-            name = next(str(n.target) for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == unset_now[0])
-            raise TypeError(
-                f"the planned module was called with {name!r} None (left out, or passed as None), but the plan was "
-                f"made with a value for it, and torch.fx recorded the path that value took (a test such as "
-                f"`{name} is None` ran once, while tracing): pass it as at planning time, or plan with {name} left "
-                f"out too and keep a planned module for each case")
-        changed = [name for name, value in fixed.items() if name in env and not same_fixed_value(value, env[name])]
-        if changed:  # (the graph was traced for the planned value: another would go unread, silently)
-            name = changed[0]
-            value, now = fixed[name], env[name]
-            if value is None:
-                raise TypeError(f"the planned module was called with {name!r} set, but it was planned with "
-                                f"{name}=None (left out or None in example_inputs), and its forward was traced "
-                                f"for None (`{name} is None` true): plan with a {name} in example_inputs, or "
-                                f"keep a planned module for each case")
-            raise TypeError(f"the planned module was called with {name}={now!r}, but it was planned with "
-                            f"{name}={value!r} (in example_inputs, or its default), and its forward was traced for "
-                            f"that value (Python code read it once, while tracing: "
-                            f"{'`range(' + name + ')` or `if ' + name + ' > 2:`' if type(value) in (int, float) else '`if ' + name + ':`'}"
-                            f"; the graph does not read it): call it with {name}={value!r}, or plan with {name}={now!r} "
-                            "in example_inputs and keep a planned module for each value")
         values = input_values(self._value_args, env)  # (before the run, which frees env's entries)
         # fewer tensors than at planning time: some argument is None now (left out, taking its default, or passed
         # as None), which the traced forward may not run with
