@@ -143,7 +143,7 @@ class _DrawsOrWrites(TorchDispatchMode):
 
 class Folding(TorchFunctionMode):
     """The folded tensors of one trace (see the module's docstring) and the mode that computes them: active around
-    the tracer's ``trace``, off inside memfit's own computations on fake tensors (``_disable_current_modes``).
+    the tracer's ``trace`` (memfit's own computations on fake tensors pass through it: they read no folded tensor).
 
     ``tracer``: the ``fx.Tracer`` (its ``create_proxy``, ``create_arg``); ``state``: ids of the model's parameters
     and buffers (never folded: their values change between steps); ``line``: a function giving the user's line, for
