@@ -365,3 +365,61 @@ def test_hooks_a_failed_trace_registered_are_gone_before_the_next_trace():
     planned = memfit.optimize(m, (x,), "min", loss_fn=lambda out: out)
     assert torch.equal(planned(x), plain(x))
     assert [len(r._forward_hooks) for r in m.routers] == [len(r._forward_hooks) for r in plain.routers] == [1, 1]
+
+
+def test_a_hook_of_yours_on_a_block_whose_submodule_the_recorder_collects_from_is_refused():
+    # a fresh user's no-op hook on a Mixtral layer kept it whole, its router's hook then collected nothing while
+    # tracing, and the load-balancing loss missed that layer: loss 5.9e-5 off, gradients 6.8e-4 off, silently
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(8, 4)
+
+        def forward(self, h):
+            return h * self.router(h).softmax(-1).max(-1, keepdim=True).values
+
+    class Blocks(_Recorded):
+        def __init__(self):
+            super().__init__()
+            self.routers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            if not getattr(self, "_hooks_installed", False):
+                for block in self.routers:
+                    block.router.register_forward_hook(_output_capturing_hook)
+                self._hooks_installed = True
+            collected, token = [], _COLLECTOR.set([])
+            try:
+                collected = _COLLECTOR.get()
+                h = x
+                for block in self.routers:
+                    h = h + self.fc(block(h))
+            finally:
+                _COLLECTOR.reset(token)
+            if x.shape[-1] != 8:  # (a test of a size: traced with the example's)
+                raise ValueError("expected 8 features")
+            return h.pow(2).mean() + 0.1 * sum(logits.softmax(-1).mean(0).pow(2).sum() for logits in collected)
+
+    model = Blocks().train()
+    model.routers[0].register_forward_hook(lambda module, args, out: None)
+    with pytest.raises(memfit.TraceError, match="output recorder cannot collect the outputs of routers.0.router"):
+        memfit.optimize(model, (torch.randn(16, 8),), "min", loss_fn=lambda out: out)
+    assert [len(b.router._forward_hooks) for b in model.routers] == [1, 1]
+
+
+def test_a_number_divided_by_a_tensor_made_from_sizes_is_traced_as_python_writes_it():
+    # `1.0 / (base ** (torch.arange(0, d, 2) / d))` (rotary frequencies, PhiMoE): Tensor.__rtruediv__ is named
+    # __rdiv__, replayed as `operator.div`, which does not exist
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x, y):
+            if x.shape[0] != y.shape[0]:  # (a test of sizes: traced with the example's)
+                raise ValueError("batch mismatch")
+            inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+            f = torch.arange(x.shape[1], dtype=torch.float)[:, None] * inv
+            return self.fc(x * torch.cat((f, f), -1).cos()) * y
+
+    trains_as_pytorch_for_its_shapes(Rotary().train(), (torch.randn(4, 8, 16), torch.randn(4, 8, 16)))

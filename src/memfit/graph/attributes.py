@@ -43,7 +43,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["HOOK_DICTS", "AttributeLog", "changed_attribute", "changed_global", "collects_in_call", "global_reads",
+__all__ = ["HOOK_DICTS", "AttributeLog", "changed_attribute", "changed_global", "collecting_now", "collects_in_call", "global_reads",
            "has_hooks", "has_own_hooks", "hooks_of", "is_plain", "put_back_hooks", "record_calls", "record_reads"]
 
 _MAX_ITEMS = 256
@@ -335,6 +335,18 @@ def put_back_hooks(saved: list[tuple[dict, dict]]) -> None:
         if registry.keys() != before.keys():
             registry.clear()
             registry.update(before)
+
+
+def collecting_now(hook) -> bool:
+    """Whether the recorder ``hook`` (:func:`collects_in_call`) would collect its module's output now, inside the
+    model's call that asked for it: transformers' context variable holds the hook's key. ``True`` where that cannot
+    be read (another transformers version): then memfit assumes it would."""
+    try:
+        collector = hook.__globals__["_active_collector"].get()
+        key = hook.__closure__[hook.__code__.co_freevars.index("key")].cell_contents
+    except (AttributeError, KeyError, ValueError, IndexError, TypeError):
+        return True
+    return collector is not None and key in collector
 
 
 def collects_in_call(hook) -> bool:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.graph.attributes import (
     AttributeLog,
+    collecting_now,
     collects_in_call,
     has_own_hooks,
     hooks_of,
@@ -746,6 +747,18 @@ class _Tracer(fx.Tracer):
             path = self.path_of_module(m)
         except NameError:
             return forward(*args, **kwargs)
+        if self.is_leaf_module(m, path):
+            hidden = [f"{path}.{name}" for name, sub in m.named_modules() if name and any(
+                collects_in_call(h) and collecting_now(h) for h in sub._forward_hooks.values())]
+            if hidden:  # (its output would be missing from what transformers collects: a loss term, silently)
+                raise TraceError(
+                    f"memfit keeps {path} ({type(m).__name__}) whole, as one operation (a hook of yours is registered "
+                    f"on it, or it is a torch.nn container), so Hugging Face's output recorder cannot collect the "
+                    f"outputs of {', '.join(hidden[:3])}{' ...' if len(hidden) > 3 else ''} inside it while tracing: "
+                    "the router logits of the load-balancing loss (output_router_logits=True), hidden states or "
+                    "attention weights would miss them (a fresh user's hook on a Mixtral layer changed the loss "
+                    "silently). Register your hook on the planned module, or on a module with no such submodule, or "
+                    "plan without that output flag. Your model is as it was.")
         out = super().call_module(m, forward, args, kwargs)
         if self.is_leaf_module(m, path):
             for hook in [h for h in m._forward_hooks.values() if collects_in_call(h)]:

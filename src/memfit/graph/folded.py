@@ -67,7 +67,7 @@ def _operator_form(name: str):
     reflected ``__rsub__``; ``None`` where there is none."""
     if not (name.startswith("__") and name.endswith("__")):
         return None
-    bare = name[2:-2]
+    bare = {"div": "truediv", "rdiv": "rtruediv"}.get(name[2:-2], name[2:-2])  # (Tensor.__rtruediv__ is __rdiv__)
     for reflected, base in ((False, bare), (True, bare[1:] if bare.startswith("r") else None)):
         if base is None:
             continue
