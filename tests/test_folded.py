@@ -67,22 +67,29 @@ def test_a_python_test_on_position_ids_takes_pytorchs_branch_and_keeps_pytorchs_
     assert fig.peak_bytes <= base.peak_bytes, (fig.peak_bytes, base.peak_bytes)
 
 
+class _LM(nn.Module):
+    """A transformers causal LM called with the output ``flags``; returns its loss, plus 0.1 x the mean square of
+    each hidden state where ``output_hidden_states`` is among them."""
+
+    def __init__(self, model, **flags):
+        super().__init__()
+        self.model, self.flags = model, flags
+
+    def forward(self, input_ids, labels):
+        out = self.model(input_ids=input_ids, labels=labels, use_cache=False, **self.flags)
+        if self.flags.get("output_hidden_states"):
+            return out.loss + 0.1 * sum(h.pow(2).mean() for h in out.hidden_states)
+        return out.loss
+
+
 def test_a_transformers_causal_lm_traced_with_its_shapes_keeps_eager_pytorchs_peak_and_gradients():
     transformers = pytest.importorskip("transformers")  # (not a dependency of memfit; installed by hand)
     from memfit.profile import MemoryTracker, live_bytes
 
-    class LM(nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, labels):
-            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
-    model = LM(transformers.AutoModelForCausalLM.from_config(cfg)).train()
+    model = _LM(transformers.AutoModelForCausalLM.from_config(cfg)).train()
     ids = torch.randint(0, 128, (4, 64))
 
     def step(net, params):
@@ -318,22 +325,12 @@ def test_outputs_collected_by_transformers_recorder_hooks_are_graph_values_colle
 
 def test_a_transformers_mixture_of_experts_load_balancing_loss_and_hidden_states_train_as_pytorch():
     transformers = pytest.importorskip("transformers")  # (not a dependency of memfit; installed by hand)
-
-    class LM(nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, labels):
-            out = self.model(input_ids=input_ids, labels=labels, use_cache=False, output_router_logits=True,
-                             output_hidden_states=True)
-            return out.loss + 0.1 * sum(h.pow(2).mean() for h in out.hidden_states)
-
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                      num_experts_per_tok=2, router_aux_loss_coef=0.5)
-    model = LM(transformers.MixtralForCausalLM(cfg)).train()
+    model = _LM(transformers.MixtralForCausalLM(cfg), output_router_logits=True,
+                output_hidden_states=True).train()
     ids = torch.randint(0, 128, (4, 64))
     base = measure_training(*[fresh_copy(model)] * 2, (ids, ids), None, lambda out, y: out, steps=1)
     m = fresh_copy(model)
