@@ -43,8 +43,9 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["HOOK_DICTS", "AttributeLog", "changed_attribute", "changed_global", "collecting_now", "collects_in_call", "global_reads",
-           "has_hooks", "has_own_hooks", "hooks_of", "is_plain", "put_back_hooks", "record_calls", "record_reads"]
+__all__ = ["AttributeLog", "changed_attribute", "changed_global", "collecting_now", "collects_in_call",
+           "global_reads", "has_hooks", "has_own_hooks", "hooks_of", "is_plain", "put_back_hooks", "record_calls",
+           "record_reads"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -317,13 +318,13 @@ def has_own_hooks(module: nn.Module) -> bool:
                 or ("forward" in module.__dict__ and not hasattr(module, "_orig_mod")))
 
 
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")  # (a module's hook registries)
 
 
 def hooks_of(model: nn.Module) -> list[tuple[dict, dict]]:
     """``(registry, copy)`` of each hook registry of ``model``'s modules, for :func:`put_back_hooks`."""
-    return [(d, dict(d)) for m in model.modules() for name in HOOK_DICTS if (d := getattr(m, name, None)) is not None]
+    return [(d, dict(d)) for m in model.modules() for name in _HOOK_DICTS if (d := getattr(m, name, None)) is not None]
 
 
 def put_back_hooks(saved: list[tuple[dict, dict]]) -> None:

@@ -27,6 +27,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 from memfit.warn import in_library
 
@@ -164,12 +165,31 @@ _IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matm
                                                       "pow", "lshift", "rshift", "and", "xor", "or"))
 
 
+def in_place_name(name: str) -> bool:
+    """Whether a tensor method of this name writes into its first operand (``add_``, ``__iadd__``, ``__setitem__``;
+    ``__and__`` and ``__mul__`` end with "_" too: `mask & m` read as a write was refused)."""
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS or name == "__setitem__"
+
+
+def written_operands(func, args: tuple, kwargs: dict) -> list:
+    """The tensors the ATen operator ``func`` (an ``OpOverload``, as a ``TorchDispatchMode`` sees it) writes into,
+    by its schema's alias annotations (``Tensor(a!)``)."""
+    if not func._schema.is_mutable:
+        return []
+    written = []
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
+        written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
 def writes_into(node: fx.Node) -> bool:
     """Whether ``node`` writes into its first operand in place (``h.add_(t)``, ``h += t`` made in place,
     ``h[k] = v``)."""
-    if node.op == "call_method":  # (`__and__`, `__mul__` end with "_" too: `mask & m` read as a write was refused)
-        return ((node.target.endswith("_") and not node.target.startswith("__")) or node.target in _IN_PLACE_DUNDERS
-                or node.target == "__setitem__")
+    if node.op == "call_method":
+        return in_place_name(node.target)
     return node.op == "call_function" and (node.target in _IN_PLACE or node.target in (assign_into, operator.setitem))
 
 

@@ -43,6 +43,7 @@ from memfit.graph.augmented import (
     user_line,
     writes_into,
     written_constants,
+    written_operands,
 )
 from memfit.graph.calls import (
     dataclass_builder,
@@ -378,14 +379,9 @@ class _ConcreteStateWrites(TorchDispatchMode):
                 isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.trainable
                 for t in tree_leaves((args, kwargs))):
             self.read_at = _call_site()
-        if func._schema.is_mutable:
-            for k, arg in enumerate(func._schema.arguments):
-                value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
-                if arg.alias_info is None or not arg.alias_info.is_write or value is None:
-                    continue
-                for t in tree_leaves(value):
-                    if isinstance(t, torch.Tensor) and (name := self.state.get(t.untyped_storage().data_ptr())):
-                        raise _StateWrite(name, _call_site())
+        for t in written_operands(func, args, kwargs):
+            if name := self.state.get(t.untyped_storage().data_ptr()):
+                raise _StateWrite(name, _call_site())
         return func(*args, **kwargs)
 
 
@@ -747,7 +743,8 @@ class _Tracer(fx.Tracer):
             path = self.path_of_module(m)
         except NameError:
             return forward(*args, **kwargs)
-        if self.is_leaf_module(m, path):
+        leaf = self.is_leaf_module(m, path)
+        if leaf:
             hidden = [f"{path}.{name}" for name, sub in m.named_modules() if name and any(
                 collects_in_call(h) and collecting_now(h) for h in sub._forward_hooks.values())]
             if hidden:  # (its output would be missing from what transformers collects: a loss term, silently)
@@ -760,7 +757,7 @@ class _Tracer(fx.Tracer):
                     "silently). Register your hook on the planned module, or on a module with no such submodule, or "
                     "plan without that output flag. Your model is as it was.")
         out = super().call_module(m, forward, args, kwargs)
-        if self.is_leaf_module(m, path):
+        if leaf:
             for hook in [h for h in m._forward_hooks.values() if collects_in_call(h)]:
                 hook(m, args, out)
         return out

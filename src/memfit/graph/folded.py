@@ -35,10 +35,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from memfit.graph.augmented import in_place_name, written_operands
+
 # factories whose tensor is fixed by their arguments (random ones draw; `empty` holds whatever the memory held)
 FOLDED_FACTORIES = frozenset({"zeros", "ones", "full", "arange", "eye", "linspace"})
-_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod",
-                                                      "pow", "lshift", "rshift", "and", "xor", "or"))
 
 
 class FoldingAborted(Exception):
@@ -49,15 +49,9 @@ class _NotFoldable(Exception):
     """The operation draws a random number: it is traced as a graph value instead (raised before the draw)."""
 
 
-def _writes_first_operand(func, kwargs: dict) -> bool:
-    name = getattr(func, "__name__", "")
-    return ((name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
-            or name == "__setitem__" or kwargs.get("out") is not None)
-
-
 def _written(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors ``func(*args, **kwargs)`` writes into by its name (``add_``, ``__setitem__``, ``out=``)."""
-    if not _writes_first_operand(func, kwargs):
+    if not (in_place_name(getattr(func, "__name__", "")) or kwargs.get("out") is not None):
         return []
     return [t for t in tree_leaves((args[:1], kwargs.get("out"))) if isinstance(t, torch.Tensor)]
 
@@ -132,12 +126,8 @@ class _DrawsOrWrites(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise _NotFoldable
-        if func._schema.is_mutable:
-            for k, arg in enumerate(func._schema.arguments):
-                value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
-                if arg.alias_info is not None and arg.alias_info.is_write and any(
-                        isinstance(t, torch.Tensor) and _storage(t) in self.storages for t in tree_leaves(value)):
-                    raise FoldingAborted(self.line())
+        if any(_storage(t) in self.storages for t in written_operands(func, args, kwargs)):
+            raise FoldingAborted(self.line())
         return func(*args, **kwargs)
 
 

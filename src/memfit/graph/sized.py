@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from memfit.graph.attributes import HOOK_DICTS, reads_paused
+from memfit.graph.attributes import hooks_of, put_back_hooks, reads_paused
 from memfit.graph.augmented import InplaceProxy, user_line
 from memfit.graph.folded import FOLDED_FACTORIES, Folding, FoldingAborted
 
@@ -187,8 +187,6 @@ def _untraced() -> Iterator[None]:
         torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = patched
 
 
-
-
 @contextlib.contextmanager
 def _hooks_off(module: torch.nn.Module) -> Iterator[None]:
     """The hooks of ``module`` and of its submodules off while the block runs: a module with hooks is one node (memfit
@@ -196,14 +194,13 @@ def _hooks_off(module: torch.nn.Module) -> Iterator[None]:
     tensors; Hugging Face's gradient checkpointing hooks the input embedding's output, and its output recorder a
     mixture-of-experts router inside a hooked layer: the router logits it kept were fake tensors, which reached the
     load-balancing loss)."""
-    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in HOOK_DICTS if getattr(m, name, None)]
-    for m, name, hooks in saved:
-        object.__setattr__(m, name, type(hooks)())
+    saved = hooks_of(module)
+    for registry, _ in saved:
+        registry.clear()
     try:
         yield
     finally:
-        for m, name, hooks in saved:
-            object.__setattr__(m, name, hooks)
+        put_back_hooks(saved)
 
 
 class SizedProxy(InplaceProxy):
