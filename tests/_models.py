@@ -196,8 +196,27 @@ def zeros_added_into(h, conv):
     return conv(g), 0.0
 
 
+def expanded_copied_into_slice(h, conv):
+    # DeepSeek-V3's key assembly: a tensor shared across heads, expanded (stride 0), copied into part of another;
+    # planning failed: the profile wrote the expanded operand's stand-in ("more than one element ... refers to a
+    # single memory location")
+    shared = h[:, :4].amax(1, keepdim=True).expand(-1, 8, -1, -1)
+    out = h.new_empty(h.shape)
+    out[:, :8].copy_(h[:, 8:])
+    out[:, 8:].copy_(shared)
+    return conv(out), 0.0
+
+
+def expanded_assigned_into_slice(h, conv):
+    out = h.new_empty(h.shape)
+    out[:, :8] = h[:, 8:]
+    out[:, 8:] = h[:, :4].amax(1, keepdim=True).expand(-1, 8, -1, -1)
+    return conv(out), 0.0
+
+
 SLICE_ASSIGNMENTS = (into_slice, slice_updated, number_into_columns, by_mask, by_index, traced_bound,
-                     view_read_after_assignment, padded_into_zeros, zeros_added_into)
+                     view_read_after_assignment, padded_into_zeros, zeros_added_into, expanded_copied_into_slice,
+                     expanded_assigned_into_slice)
 
 
 def trains_as_pytorch_for_its_shapes(model, inputs: tuple, budget="min"):

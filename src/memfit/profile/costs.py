@@ -1055,6 +1055,15 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         if _is_rrelu(gm, node) or _generators(gm, [node]):
             cost.recomputable = False
         nodes.append(cost)
+    for node, cost in zip(compute_nodes(gm), nodes):
+        # a value made without a gradient and then written with one through a view of it (`out = h.new_empty(..)`,
+        # `out[:, :8].copy_(h)`: the method does not rebind `out`, so later nodes read it): autograd rewrote its
+        # history (CopySlices), and its readers' backward makes it a gradient (DeepSeek-V3's key assembly: 262,144 B
+        # under the measured peak of a step with two such copies)
+        if cost.grad_bytes == 0 and cost.mutates == [] and node.op != "get_attr":
+            cost.grad_bytes = sum(t.numel() * t.element_size() for t in tensors_in(env[node.name])
+                                  if t.requires_grad and _differentiable(t) and by_ptr.get(
+                                      t.untyped_storage().data_ptr()) in cost.outputs)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = tensors_in(fx.node.map_arg(output_node.args, lambda a: env[a.name]))
     requires[output_node.name] = [t.requires_grad for t in outs]
@@ -1628,8 +1637,12 @@ def _operand_copy(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     ``CopySlices`` as in a real step, which clones the gradient of the view's base (a fresh user's ``masked_fill_``
     on a 3-D ``nn.Linear`` output, itself a view: 1 MiB predicted, 3 MiB measured). A view of part of a larger
     base is copied into a copy of that base: its backward then also runs the copy's, a base-sized gradient more
-    than the real step (on the safe side)."""
+    than the real step (on the safe side). A view whose elements overlap (an ``expand``) cannot be written in place
+    (PyTorch refuses), so the node only reads it: ``leaf`` itself stands for it (DeepSeek-V3 copies an expanded key
+    into a slice of another tensor)."""
     base = value._base
+    if any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.size())):
+        return leaf
     if base is None:
         return leaf.clone()
     if base.numel() == value.numel():
