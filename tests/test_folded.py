@@ -3,6 +3,7 @@
 does; a write into one, a draw or a buffer keeps them graph values."""
 
 import contextvars
+import warnings
 import copy
 import operator
 
@@ -321,6 +322,21 @@ def test_outputs_collected_by_transformers_recorder_hooks_are_graph_values_colle
     for p, q in zip(m.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert [len(r._forward_hooks) for r in m.routers] == [len(r._forward_hooks) for r in plain.routers] == [1, 1]
+
+
+def test_planning_a_model_whose_recorder_hooks_a_first_call_installed_warns_only_of_your_hooks():
+    # planning again (or after an eager call) warned that the routers "have forward hooks" the plan cannot count:
+    # the recorder's, which are traced into and counted
+    torch.manual_seed(0)
+    model = _Recorded().train()
+    x = torch.randn(16, 8)
+    model(x)  # (installs the recorder's hooks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memfit.optimize(fresh_copy(model), (x,), "100%", strategy="none", loss_fn=lambda out: out)
+    model.fc.register_forward_hook(lambda mod, args, out: None)
+    with pytest.warns(UserWarning, match=r"fc has forward hooks"):
+        memfit.optimize(fresh_copy(model), (x,), "100%", strategy="none", loss_fn=lambda out: out)
 
 
 def test_a_transformers_mixture_of_experts_load_balancing_loss_and_hidden_states_train_as_pytorch():

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from memfit.budget import Budget, fmt_bytes
+from memfit.graph.attributes import collects_in_call
 from memfit.graph.bn_output import (
     apply_bn_from_output,
     bn_activation_pairs,
@@ -611,8 +612,10 @@ def _warn_hooks(model: nn.Module) -> None:
     """Warn that the plan cannot count what a forward hook keeps: a hook storing a module's output (a feature
     for a perceptual loss, Grad-CAM) holds it past where the plan frees it (a fresh user's feature loss measured
     1.21x its budget at ``min``)."""
-    def users(hooks) -> bool:  # (spectral_norm's and weight_norm's pre-hooks recompute the weight and keep nothing)
-        return any(not getattr(h, "__module__", type(h).__module__).startswith("torch.") for h in hooks.values())
+    def users(hooks) -> bool:  # (spectral_norm's and weight_norm's pre-hooks recompute the weight and keep nothing;
+        # Hugging Face's output recorder, installed by the model's first call, is traced into and counted)
+        return any(not getattr(h, "__module__", type(h).__module__).startswith("torch.") and not collects_in_call(h)
+                   for h in hooks.values())
 
     hooked = [name or "the model" for name, m in model.named_modules()
               if users(m._forward_hooks) or users(m._forward_pre_hooks)]
