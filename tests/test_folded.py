@@ -3,9 +3,9 @@
 does; a write into one, a draw or a buffer keeps them graph values."""
 
 import contextvars
-import warnings
 import copy
 import operator
+import warnings
 
 import pytest
 import torch
