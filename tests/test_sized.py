@@ -233,6 +233,26 @@ def test_a_model_converted_after_planning_runs_as_pytorch_where_the_trace_read_d
     assert out.dtype == torch.bfloat16 and torch.equal(out, reference(ids, pos))
 
 
+class _WidthBranch(_WithLinear):
+    def forward(self, x):
+        h = self.fc(x)
+        if h.shape[-1] == 16:  # (a size read: traced with the example's shapes)
+            h = h * 2
+        return h
+
+
+def test_a_model_whose_weights_were_replaced_is_traced_again_with_their_shapes():
+    # the fake parameters of a model's first trace are kept for its traces of other shapes; where a parameter's data
+    # was replaced since (`.data =`, as model.half() does) they must not be: a fake mode remembers a tensor by its
+    # identity, and answered with the old shape, silently taking the other branch
+    torch.manual_seed(0)
+    model, x = _WidthBranch(), torch.randn(4, 8)
+    memfit.optimize(model, x, "100%", strategy="none", loss_fn=lambda out: out.square().mean())
+    model.fc.weight.data, model.fc.bias.data = torch.randn(16, 8), torch.randn(16)
+    planned = memfit.optimize(model, x, "100%", strategy="none", loss_fn=lambda out: out.square().mean())
+    assert torch.equal(planned(x), 2 * model.fc(x))
+
+
 class _PickColumns(_WithLinear):
     def forward(self, x, idx):
         return sum(self.fc(x[:, :, i]) for i in idx)

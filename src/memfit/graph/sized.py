@@ -24,6 +24,8 @@ import functools
 import itertools
 import logging
 import operator
+import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,8 @@ except ImportError:  # pragma: no cover - older or newer torch without it
 FAKE = "memfit_fake"  # node.meta key: the node's value on fake tensors
 _MISSING = object()
 # what a traced tensor answers with the example's values (the rest stays traced)
+# the fake-tensor mode of each model traced with shapes, with the layout of its parameters and buffers then
+_FAKE_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SIZED = frozenset({"shape", "ndim", "dtype", "device", "layout", "size", "dim", "numel", "nelement",
                     "is_floating_point", "is_complex", "element_size", "is_cuda", "is_sparse"})
 # grad-mode switches as PyTorch has them (capture replaces them while tracing, to refuse torch.no_grad() in forward;
@@ -171,18 +175,22 @@ def _recorded_factories(tracer: ShapeSpecializing) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _untraced() -> Iterator[None]:
-    """Run the model's code for real inside a trace: fx's patches (``Module.__call__``, wrapped functions),
-    memfit's attribute log and the trace's Python dispatch modes (random draws, state writes) off, and PyTorch's
-    grad-mode switches back."""
+def _untraced(patches: bool = True) -> Iterator[None]:
+    """Run the model's code for real inside a trace: fx's patches (``Module.__call__``, wrapped functions; with
+    ``patches``), memfit's attribute log and the trace's Python dispatch modes (random draws, state writes) off, and
+    PyTorch's grad-mode switches back."""
     patched = (torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__)
     torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = _GRAD_MODE
     recording = _RECORDING[:]
     _RECORDING.clear()
+    profiler = sys.getprofile()  # (memfit's log of the user's functions, attributes.record_calls: what runs here is
+    sys.setprofile(None)         # not traced, and fake tensors' Python under that hook took most of a trace's time)
     try:
-        with _maybe_revert_all_patches(), reads_paused(), _disable_current_modes():
+        with _maybe_revert_all_patches() if patches else contextlib.nullcontext(), reads_paused(), \
+                _disable_current_modes():
             yield
     finally:
+        sys.setprofile(profiler)
         _RECORDING[:] = recording
         torch._C._set_grad_enabled, torch.autograd.grad_mode.inference_mode.__enter__ = patched
 
@@ -254,6 +262,8 @@ class ShapeSpecializing:
         # and where a fake tensor reached the user's code, a fresh user saw 128 lines)
         quiet = logging.getLogger("torch._subclasses.fake_tensor")
         was, quiet.disabled = quiet.disabled, True
+        if isinstance(root, torch.nn.Module):  # (one mode per model: its parameters made fake once, not per trace)
+            self.fake_mode = _fake_mode_of(root, self.fake_mode)
         if self.fold:
             state = {id(t) for t in itertools.chain(root.parameters(), root.buffers())}
             self.folding = Folding(self, state, user_line)
@@ -283,7 +293,10 @@ class ShapeSpecializing:
         return node
 
     def _value(self, node: fx.Node):
-        with _untraced():  # (fake tensors' "failed while attempting to run meta" logs are off: see trace)
+        # (fake tensors' "failed while attempting to run meta" logs are off: see trace; fx's patches stay on for
+        # PyTorch's own operations, which call no module and no wrapped function: taking them off and putting them
+        # back at each node took a quarter of a trace's time)
+        with _untraced(patches=not _torch_operation(node)):
             return self._computed(node)
 
     def _computed(self, node: fx.Node):
@@ -343,6 +356,33 @@ class ShapeSpecializing:
         if isinstance(value, dict):
             return iter(list(value))
         return super().iter(obj)
+
+
+def _fake_mode_of(model: torch.nn.Module, fresh: FakeTensorMode) -> FakeTensorMode:
+    """The fake-tensor mode ``model`` was last traced with where its parameters and buffers are the same tensors with
+    the same layouts and storages since (a trace again for other shapes, :mod:`memfit.runtime.reshaped`, then finds
+    their fake tensors made: making them again took a fifth of a small transformer's trace); else ``fresh``. (A fake
+    mode remembers a tensor by identity: after ``model.half()``, which swaps each parameter's data, it would answer
+    with the float32 fake.)"""
+    layout = tuple((id(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.untyped_storage().data_ptr())
+                   for t in itertools.chain(model.parameters(), model.buffers()) if t.layout == torch.strided)
+    kept = _FAKE_MODES.get(model)
+    if kept is not None and kept[1] == layout:
+        return kept[0]
+    _FAKE_MODES[model] = (fresh, layout)
+    return fresh
+
+
+def _torch_operation(node: fx.Node) -> bool:
+    """Whether ``node`` is a method of a tensor or a function of PyTorch's operators or Python's (``torch.cat``,
+    ``F.linear``, ``operator.add``), which calls no ``nn.Module`` and none of the functions ``torch.fx`` patches."""
+    if node.op == "call_method":
+        return isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get(FAKE), torch.Tensor)
+    if node.op != "call_function":
+        return False
+    where = getattr(node.target, "__module__", None) or ""
+    return (where in ("torch", "_operator", "builtins", "math") or where.startswith(("torch._C", "torch._ops"))
+            or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)))
 
 
 # operations whose output shapes do not depend on the values of their inputs, but whose shape function refuses what
