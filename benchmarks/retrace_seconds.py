@@ -46,7 +46,7 @@ def main() -> None:
         planned = memfit.optimize(model, (ids, ids), "50%", loss_fn=lambda out: out)
         traces, steps = [], []
         for k in range(1, args.rounds + 1):
-            short = ids[:, :args.tokens - k]
+            short = ids[:, :args.tokens - k].contiguous()
             times = []
             for _ in range(2):
                 start = time.perf_counter()

@@ -27,7 +27,7 @@ import torch
 import memfit
 from memfit.bench.harness import compare, fresh_copy, measure_training
 
-MODELS = "llama,qwen2,gpt2,bert,mixtral,qwen2_moe"
+MODELS = "llama,qwen2,gpt2,bert,mixtral,qwen2_moe,deepseek_v3"
 
 
 class CausalLM(torch.nn.Module):
@@ -66,6 +66,11 @@ def build(name: str, vocab: int = 2000, hidden: int = 128, layers: int = 4) -> t
         return CausalLM(tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
             **common, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=2 * hidden,
             shared_expert_intermediate_size=2 * hidden))).train()
+    if name == "deepseek_v3":  # (multi-head latent attention: a key shared across heads, expanded and copied in)
+        return CausalLM(tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **common, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=2 * hidden, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, kv_lora_rank=64, q_lora_rank=None))).train()
     if name == "bert":
         return MaskedLM(tf.BertForMaskedLM(tf.BertConfig(**common))).train()
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
