@@ -123,6 +123,29 @@ def test_a_mask_made_from_sizes_and_written_in_place_is_traced_as_before():
     trains_as_pytorch_for_its_shapes(Masked().train(), (torch.randn(2, 6, 8),))
 
 
+def test_a_write_into_one_tensor_made_from_sizes_leaves_the_others_folded():
+    # a write into torch.eye(c) turned folding off for the whole forward: the Python test on another tensor made
+    # from sizes was then refused (a fresh user's); now only the written tensor's factory is traced as before
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            t, c = x.shape[1], x.shape[2]
+            mask = torch.ones(t, t).tril()
+            scale = torch.eye(c)
+            scale.mul_(0.5)
+            h = self.fc(x) @ scale
+            if bool(mask[-1].sum() == t):  # (true: eager PyTorch's branch)
+                h = h * 1.5
+            return mask[None] @ h
+
+    planned, plain = trains_as_pytorch_for_its_shapes(Scaled().train(), (torch.randn(2, 6, 8),))
+    x = torch.randn(2, 6, 8)
+    assert torch.equal(planned(x), plain(x))
+
+
 def test_a_value_made_from_sizes_and_a_buffer_is_computed_in_every_step():
     # a buffer changes between steps: what reads it stays a graph value, computed in each step as PyTorch does
     class Counted(nn.Module):

@@ -891,7 +891,8 @@ def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -
 
 
 def _trace(model: nn.Module, fixed: dict[str, Any] | None = None,
-           examples: dict[str, Any] | None = None, constants_fallback: bool = True, fold: bool = True) -> fx.GraphModule:
+           examples: dict[str, Any] | None = None, constants_fallback: bool = True,
+           fold: bool | frozenset[int] = True) -> fx.GraphModule:
     """:func:`_trace_graph`, leaving ``model`` as it was; the forward's arguments ``fixed`` are traced as their values
     (:func:`capture`); with ``examples`` (the forward's arguments by name), traced with their shapes
     (:mod:`memfit.graph.sized`). ``torch.fx`` stores each tensor constant the forward makes
@@ -924,13 +925,14 @@ def _put_back_attempt(attributes: AttributeLog, numbers: list[tuple[str, dict, s
 
 def _trace_graph(model: nn.Module, fixed: dict[str, Any] | None = None, names: list[str] | None = None,
                  examples: dict[str, Any] | None = None, constants_fallback: bool = True,
-                 fold: bool = True) -> fx.GraphModule:
+                 fold: bool | frozenset[int] = True) -> fx.GraphModule:
     """Trace with :class:`_BufferTracer`; where that fails but :class:`_Tracer` (buffers read as constants, as
     ``fx.symbolic_trace`` reads them) works (a buffer read in Python control flow), warn and use the latter.
     The arguments ``fixed`` are traced as their values (:func:`_trace`); ``names``: the forward's, in traced order;
     ``examples``: the forward's arguments by name, to trace with their shapes (:mod:`memfit.graph.sized`);
     ``fold``: with ``examples``, compute tensors made from plain numbers for real (:mod:`memfit.graph.folded`;
-    :class:`memfit.graph.folded.FoldingAborted` where the forward writes into one);
+    :class:`memfit.graph.folded.FoldingAborted` where the forward writes into one); a frozenset: all but those of
+    the factory calls it numbers;
     ``constants_fallback=False``: raise where :class:`_BufferTracer` fails (:func:`capture` first traces with the
     example's shapes, with buffers as graph values: read as constants, a loop `range(self.centers.shape[0])` kept
     the count it had while tracing when the buffer was replaced by a longer one, silently)."""
@@ -1376,7 +1378,8 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
     containers = _containers(model)
     first_failure: BaseException | None = None  # (the plain trace's, where a shape-specialized one followed)
     first_draws: list[str] = []
-    fold = True  # (off once the forward wrote into a tensor folded while tracing: memfit.graph.folded)
+    # (the factory calls whose tensors the forward wrote into, once it did, traced as graph values: memfit.graph.folded)
+    fold: bool | frozenset[int] = True
     try:
         while True:
             checkpoints: list[str] = []
@@ -1390,10 +1393,12 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                       _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
                     gm = _trace(model, fixed, examples if first_failure is not None else None,
                                 constants_fallback=examples is None or first_failure is not None, fold=fold)
-            except FoldingAborted:  # (traced again with those tensors as graph values, as they were before folding)
+            except FoldingAborted as exc:  # (traced again with those tensors as graph values, as before folding)
                 _put_back_attempt(attributes, numbers, state, hooks)
                 _put_back_containers(containers)
-                fold = False
+                unfolded = frozenset() if fold is True else fold
+                # (all of them where the written tensor's factories are not known, or were already traced)
+                fold = False if not exc.factories or exc.factories <= unfolded else unfolded | exc.factories
                 continue
             except _ReentrantCheckpoint:
                 raise TraceError(

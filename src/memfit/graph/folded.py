@@ -20,8 +20,9 @@ as compilers do it, limited to values the specialization fixes. Not folded, and 
 * any operation reading a parameter, a buffer, or a tensor that requires grad, or a traced value.
 
 A write into a folded tensor (``z = torch.zeros(b, 10); z[:, 0] = h``, ``mask.masked_fill_(...)``) raises
-:class:`FoldingAborted`, and :func:`memfit.graph.capture.capture` traces again without folding, as before: the
-Python code may already have read the value before the write.
+:class:`FoldingAborted`, naming the factory calls that tensor was computed from (numbered in the order the forward
+makes them), and :func:`memfit.graph.capture.capture` traces again with those left as graph values, as before folding
+(the Python code may already have read the value before the write), and the others folded.
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ FOLDED_FACTORIES = frozenset({"zeros", "ones", "full", "arange", "eye", "linspac
 
 
 class FoldingAborted(Exception):
-    """The traced forward writes into a folded tensor (raised before the write); ``line`` is the user's line."""
+    """The traced forward writes into a folded tensor (raised before the write): ``line``, the user's line;
+    ``factories``, the numbers of the factory calls (:attr:`Folding.factories`) the written tensor was computed from
+    (empty where the write is into another tensor a folded operation read)."""
+
+    def __init__(self, line: str, factories: frozenset[int] = frozenset()):
+        super().__init__(line)
+        self.factories = factories
 
 
 class _NotFoldable(Exception):
@@ -117,17 +124,19 @@ class _DrawsOrWrites(TorchDispatchMode):
     :class:`FoldingAborted` before one that writes into the storage of one of ``inputs`` (a write its name did not
     say: a fresh tensor's are fine)."""
 
-    def __init__(self, inputs: list[torch.Tensor], line):
+    def __init__(self, inputs: dict[int, frozenset[int]], line):
         super().__init__()
-        self.storages = {_storage(t) for t in inputs} - {None}
+        self.storages = inputs  # storage address -> the factory calls its tensor was computed from
         self.line = line
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise _NotFoldable
-        if any(_storage(t) in self.storages for t in written_operands(func, args, kwargs)):
-            raise FoldingAborted(self.line())
+        written = [_storage(t) for t in written_operands(func, args, kwargs)]
+        if any(w in self.storages for w in written):
+            raise FoldingAborted(self.line(), frozenset().union(*(self.storages[w] for w in written
+                                                                  if w in self.storages)))
         return func(*args, **kwargs)
 
 
@@ -137,29 +146,42 @@ class Folding(TorchFunctionMode):
 
     ``tracer``: the ``fx.Tracer`` (its ``create_proxy``, ``create_arg``); ``state``: ids of the model's parameters
     and buffers (never folded: their values change between steps); ``line``: a function giving the user's line, for
-    :class:`FoldingAborted`."""
+    :class:`FoldingAborted`; ``unfolded``: the numbers of the factory calls (in the order the forward makes them,
+    counting those with plain arguments) to trace as graph values (the written ones of an earlier attempt)."""
 
-    def __init__(self, tracer: fx.Tracer, state: set[int], line):
+    def __init__(self, tracer: fx.Tracer, state: set[int], line, unfolded: frozenset[int] = frozenset()):
         super().__init__()
-        self.tracer, self.state, self.line = tracer, state, line
+        self.tracer, self.state, self.line, self.unfolded = tracer, state, line, unfolded
         self.recipes: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (tensor, how it was made)
+        self.roots: dict[int, frozenset[int]] = {}  # id -> the factory calls it was computed from
         self.emitted: dict[int, fx.Proxy] = {}  # id of a tensor or a call's recipe -> its graph value
+        self.factories = 0  # factory calls with plain arguments so far
 
     def folded(self, value) -> bool:
         entry = self.recipes.get(id(value))
         return entry is not None and entry[0] is value
 
+    def folds_next_factory(self) -> bool:
+        """Count a factory call with plain arguments; whether it is folded (not in ``unfolded``)."""
+        self.factories += 1
+        return self.factories - 1 not in self.unfolded
+
     def factory(self, fn, args: tuple, kwargs: dict):
-        """``fn(*args, **kwargs)`` (one of :data:`FOLDED_FACTORIES`, plain arguments) computed for real, folded."""
+        """``fn(*args, **kwargs)`` (one of :data:`FOLDED_FACTORIES`, plain arguments; the factory call numbered
+        ``factories - 1``) computed for real, folded."""
         out = fn(*args, **kwargs)
-        self._note(out, (fn, args, kwargs, True))
+        self._note(out, (fn, args, kwargs, True), frozenset({self.factories - 1}))
         return out
 
-    def _note(self, out, call) -> None:
+    def _note(self, out, call, roots: frozenset[int]) -> None:
         leaves, spec = tree_flatten(out)
         for k, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and not self.folded(t):  # (`.to()`, `.contiguous()` may return their input)
                 self.recipes[id(t)] = (t, (call, spec, k))
+                self.roots[id(t)] = roots
+
+    def _roots(self, values) -> frozenset[int]:
+        return frozenset().union(*(self.roots[id(v)] for v in values if self.folded(v)))
 
     def emit(self, value) -> fx.Proxy:
         """The graph value of the folded tensor ``value``: the operations that made it, recorded once."""
@@ -183,21 +205,26 @@ class Folding(TorchFunctionMode):
         leaves = tree_leaves((args, kwargs))
         if not any(self.folded(v) for v in leaves):
             return func(*args, **kwargs)
-        if any(self.folded(t) for t in _written(func, args, kwargs)):
-            raise FoldingAborted(self.line())
+        written = [t for t in _written(func, args, kwargs) if self.folded(t)]
+        if written:
+            raise FoldingAborted(self.line(), self._roots(written))
         traced = any(isinstance(v, fx.Proxy) for v in leaves) or any(
             isinstance(v, torch.Tensor) and not self.folded(v) and (id(v) in self.state or v.requires_grad)
             for v in leaves)
         if not traced:
             try:
-                with _DrawsOrWrites([v for v in leaves if isinstance(v, torch.Tensor)], self.line):
+                inputs: dict[int, frozenset[int]] = {}
+                for v in leaves:
+                    if isinstance(v, torch.Tensor) and (where := _storage(v)) is not None:
+                        inputs[where] = inputs.get(where, frozenset()) | self._roots([v])
+                with _DrawsOrWrites(inputs, self.line):
                     out = func(*args, **kwargs)
             except _NotFoldable:
                 pass
             else:  # (a size, a bool, a number: Python code reads it as in eager PyTorch)
                 made = any(isinstance(t, torch.Tensor) for t in tree_leaves(out))
                 if not made or _replayable(func):
-                    self._note(out, (func, args, kwargs, False))
+                    self._note(out, (func, args, kwargs, False), self._roots(leaves))
                     return out
         # (traced as before: the folded tensors it reads become graph values; `folded[h_index]` as fx records
         # `h[h_index]`, operator.getitem, not a call of the method `__getitem__`)

@@ -157,7 +157,8 @@ def _recorded_factories(tracer: ShapeSpecializing) -> Iterator[None]:
         def call(*args, **kwargs):
             if _RECORDING and _RECORDING[-1] is tracer and kwargs.get("out") is None:
                 if (tracer.folding is not None and name in FOLDED_FACTORIES
-                        and not any(isinstance(v, fx.Proxy) for v in tree_leaves((args, kwargs)))):
+                        and not any(isinstance(v, fx.Proxy) for v in tree_leaves((args, kwargs)))
+                        and tracer.folding.folds_next_factory()):
                     return tracer.folding.factory(fn, args, kwargs)
                 return tracer.create_proxy("call_function", fn, args, kwargs)
             return fn(*args, **kwargs)
@@ -240,12 +241,14 @@ class ShapeSpecializing:
     (computed from the example arguments ``examples``, by name), and its proxies are :class:`SizedProxy`. A node
     whose value cannot be computed (data-dependent output) has none, and its proxy behaves as fx's."""
 
-    def __init__(self, examples: dict[str, Any], *args, fold: bool = True, **kwargs):
+    def __init__(self, examples: dict[str, Any], *args, fold: bool | frozenset[int] = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.examples = examples
         self.unknown: list[str] = []  # the first operation whose value could not be computed on fake tensors
-        self.fold = fold  # compute tensors made from plain numbers for real (memfit.graph.folded)
+        # compute tensors made from plain numbers for real (memfit.graph.folded); a frozenset: all but those of the
+        # factory calls it numbers (Folding's unfolded)
+        self.fold = fold
         self.folding: Folding | None = None
 
     def fake(self, value):
@@ -264,9 +267,10 @@ class ShapeSpecializing:
         was, quiet.disabled = quiet.disabled, True
         if isinstance(root, torch.nn.Module):  # (one mode per model: its parameters made fake once, not per trace)
             self.fake_mode = _fake_mode_of(root, self.fake_mode)
-        if self.fold:
+        if self.fold is not False:
             state = {id(t) for t in itertools.chain(root.parameters(), root.buffers())}
-            self.folding = Folding(self, state, user_line)
+            self.folding = Folding(self, state, user_line,
+                                   self.fold if isinstance(self.fold, frozenset) else frozenset())
         try:
             with _recorded_factories(self), self.folding or contextlib.nullcontext():
                 return super().trace(root, concrete_args)
