@@ -48,9 +48,9 @@ except ImportError:  # pragma: no cover - older or newer torch without it
 
 FAKE = "memfit_fake"  # node.meta key: the node's value on fake tensors
 _MISSING = object()
-# what a traced tensor answers with the example's values (the rest stays traced)
 # the fake-tensor mode of each model traced with shapes, with the layout of its parameters and buffers then
 _FAKE_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# what a traced tensor answers with the example's values (the rest stays traced)
 _SIZED = frozenset({"shape", "ndim", "dtype", "device", "layout", "size", "dim", "numel", "nelement",
                     "is_floating_point", "is_complex", "element_size", "is_cuda", "is_sparse"})
 # grad-mode switches as PyTorch has them (capture replaces them while tracing, to refuse torch.no_grad() in forward;
