@@ -2376,6 +2376,43 @@ class _LayerDrop(nn.Module):
         return self.head(x)
 
 
+class _SizedLayerDrop(nn.Module):
+    """OPT's layer drop, as transformers writes it, in a forward that reads sizes (traced with the example's shapes,
+    where `torch.rand([])` is a graph value)."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        if x.shape[-1] != 16:
+            raise ValueError("16 features")
+        for f in self.blocks:
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = x + f(x)
+        return x
+
+
+def test_a_layer_dropped_at_random_in_a_libraries_style_is_refused_with_the_option_to_turn_off():
+    # OPT's layerdrop was told to move transformers' whole call into a function marked with torch.fx.wrap
+    x = torch.randn(4, 16)
+    with pytest.raises(memfit.TraceError, match=r"branches on a random draw(.|\n)*`self.layerdrop`(.|\n)*bernoulli_"):
+        memfit.optimize(_SizedLayerDrop(0.1).train(), x, "100%", loss_fn=lambda out: out.square().mean())
+    torch.manual_seed(0)
+    model = _SizedLayerDrop(0.1).train()
+    model.layerdrop = 0.0  # (what the message says)
+    plain = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    for net in (planned, plain):
+        net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 @pytest.mark.parametrize("how", ["torch", "python", "numpy"])
 def test_a_random_draw_outside_the_graph_is_refused_with_its_line(how):
     # a fresh user's `if self.training and torch.rand(1).item() < p: return x` planned silently, the branch fixed at

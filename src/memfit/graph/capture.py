@@ -1316,6 +1316,17 @@ def _refuse_root_hooks(model: nn.Module) -> None:
             "Your model is as it was.")
 
 
+def _random_branch_advice(line: str) -> str:
+    """What to change where the failing ``line`` tests a random draw (:func:`memfit.graph.sized._drawn`)."""
+    read = sorted(set(re.findall(r"self\.(\w+)", line.split(" in ", 1)[-1])))
+    where = f" (the line reads {', '.join('`self.' + a + '`' for a in read)})" if read else ""
+    return ("  That line branches on a random draw (a layer dropped at random: layer drop, stochastic depth), so the "
+            "operations a step runs change from step to step, and one plan cannot hold them. Where an option of "
+            f"the model draws it, turn it off while training with memfit{where}: for transformers models, "
+            "`layerdrop=0.0` in the config the model is built from (the layers copy it when built). In your own "
+            "code: " + _DRAW_ADVICE)
+
+
 def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unknown: list[str] = ()) -> None:
     """Raise the :class:`TraceError` (or :class:`ForwardRaisedError`) for ``exc``, a failure to trace ``model``;
     ``draws``: the lines that drew random numbers in that trace; ``unknown``: the first operation whose shapes the
@@ -1324,9 +1335,10 @@ def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unk
     # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
     drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
              "however it is sized. " + _DRAW_ADVICE + "\n") if line in draws else ""
+    advice = _random_branch_advice(line) if getattr(exc, "memfit_drawn", False) else _trace_advice(model, exc)
     raise (ForwardRaisedError if _raised_by_user(exc) else TraceError)(
         f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-        f"  failing line: {line}\n" + drawn + _trace_advice(model, exc)
+        f"  failing line: {line}\n" + drawn + advice
         + (f"\n  (Traced again with the example batch's shapes, memfit could not compute those of {unknown[0]} on "
            "fake tensors, so sizes after it were unknown again; a size set by the data, such as a boolean mask's "
            "selection, has no value before the step runs.)" if unknown else "")

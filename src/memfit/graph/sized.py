@@ -349,7 +349,11 @@ class ShapeSpecializing:
         value = obj.node.meta.get(FAKE, _MISSING)
         if isinstance(value, (bool, int, float)) and _from_sizes(obj.node):
             return bool(value)
-        return super().to_bool(obj)
+        try:
+            return super().to_bool(obj)
+        except fx.proxy.TraceError as exc:  # (OPT's layer drop, `if torch.rand([]) < self.layerdrop:`, was told to
+            exc.memfit_drawn = _drawn(obj.node)  # wrap transformers' whole call in a function of its own)
+            raise
 
     def iter(self, obj: fx.Proxy):
         """A tuple, list or tensor of known length (``torch.chunk(h, 4)``, ``for row in x``) as its items; a dict
@@ -360,6 +364,26 @@ class ShapeSpecializing:
         if isinstance(value, dict):
             return iter(list(value))
         return super().iter(obj)
+
+
+# operations that draw random numbers, by name (a random draw the test of a Python `if` depends on)
+_DRAWS = frozenset({"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
+                    "rand_like", "randn_like", "randint_like", "bernoulli_", "uniform_", "normal_", "random_",
+                    "exponential_", "geometric_", "cauchy_", "log_normal_", "dropout"})
+
+
+def _drawn(node: fx.Node) -> bool:
+    """Whether ``node``'s value depends on a random draw made in the graph (``torch.rand([]) < p``)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) in _DRAWS:
+            return True
+        todo += n.all_input_nodes
+    return False
 
 
 def _fake_mode_of(model: torch.nn.Module, fresh: FakeTensorMode) -> FakeTensorMode:
