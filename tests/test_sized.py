@@ -253,6 +253,31 @@ def test_a_model_whose_weights_were_replaced_is_traced_again_with_their_shapes()
     assert torch.equal(planned(x), 2 * model.fc(x))
 
 
+def test_a_model_traced_with_its_shapes_is_freed_once_the_user_drops_it():
+    # the first such trace of a process filled PyTorch's caches of its functions (torch.overrides) with memfit's
+    # wrappers of torch.zeros & co, which hold the tracer: the model, its example batch and graph lived on for good
+    # (in a fresh process: those caches are filled once per process)
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import gc, weakref, torch, memfit
+        from test_sized import _ShapeChecks, _batch, _loss
+        ids, pos, y = _batch()
+        model = _ShapeChecks().train()
+        planned = memfit.optimize(model, (ids, pos), "100%", strategy="none", loss_fn=lambda out: _loss(out, y))
+        ref = weakref.ref(model)
+        del model, planned
+        gc.collect()
+        print("alive" if ref() is not None else "freed")
+    """)
+    here = __import__("pathlib").Path(__file__).parent
+    out = subprocess.run([sys.executable, "-c", script], check=False, cwd=here, capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == ["freed"], out.stdout + out.stderr[-2000:]
+
+
 class _PickColumns(_WithLinear):
     def forward(self, x, idx):
         return sum(self.fc(x[:, :, i]) for i in idx)

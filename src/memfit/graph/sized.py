@@ -151,6 +151,10 @@ def _recorded_factories(tracer: ShapeSpecializing) -> Iterator[None]:
     """While ``tracer`` traces, ``torch.zeros(...)`` and the other :data:`_FACTORIES` called from the traced code
     (not from :func:`_untraced` code, nor with ``out=``) become graph nodes; ``torch`` is put back on exit."""
     real = {name: getattr(torch, name) for name in _FACTORIES}
+    # (PyTorch's caches of its functions, filled at their first use, which may come while tracing: filled with these
+    # wrappers, they kept the first traced model, its example batch and graph alive for the whole process)
+    torch.overrides.get_ignored_functions()
+    torch.overrides.get_overridable_functions()
 
     def recorded(name, fn):
         @functools.wraps(fn)
