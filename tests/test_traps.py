@@ -136,6 +136,21 @@ def test_state_dict_keys_are_the_models(setup):
     model.load_state_dict(planned.state_dict())
 
 
+def test_a_checkpoint_of_the_planned_module_loads_into_a_fresh_model_of_a_versioned_class():
+    # torchvision's MNASNet records version 2 in state_dict() and converts version-1 checkpoints on load: the planned
+    # module recorded its own version (1), and a fresh MNASNet failed to load planned.state_dict() (size mismatch)
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.mnasnet0_5(num_classes=10).train()
+    planned = memfit.optimize(model, torch.randn(2, 3, 32, 32), "100%", strategy="none")
+    assert planned.state_dict()._metadata[""] == model.state_dict()._metadata[""]
+    fresh = torchvision.models.mnasnet0_5(num_classes=10)
+    fresh.load_state_dict(planned.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    planned.load_state_dict(fresh.state_dict())
+
+
 def test_plan_for_other_shapes_is_refused_and_warned(setup, tmp_path):
     model, images, _ = setup
     planned = _planned(model, images)

@@ -459,6 +459,10 @@ class PlannedModule(nn.Module):
                 else:
                     self.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training
+        # (the checkpoint format is the model's: state_dict() records its version, which a class's own
+        # _load_from_state_dict reads to convert older checkpoints; torchvision's MNASNet read the planned module's 1
+        # as its own old layout, and a fresh MNASNet failed to load planned.state_dict())
+        self.__dict__["_version"] = getattr(root, "_version", 1)
         # (a graph traced with the example's shapes read the state's too, `for i in range(self.centers.shape[0])`:
         # checked at each call, `.data` replaced by another shape included)
         self.__dict__["_state_shapes_at_build"] = self._state_shapes() if captured.specialized else None
@@ -576,6 +580,22 @@ class PlannedModule(nn.Module):
         for name, b in model.named_buffers(recurse=False):
             self._buffers[name] = b
         return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The model's own (the planned module holds the model's parameters and buffers): a class that saves more
+        or otherwise saves as its class does."""
+        self._root()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """The model's own: a class that converts older checkpoints (by the version ``state_dict()`` recorded, as
+        torchvision's MNASNet does) converts them for the planned module too."""
+        self._root()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                           error_msgs)
+
+    def _root(self) -> nn.Module:
+        captured = self.__dict__["_captured"]
+        return captured.model if captured.model is not None else captured.gm
 
     def _build(self) -> None:
         gm, plan = self.gm, self.plan
