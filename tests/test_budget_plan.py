@@ -438,6 +438,27 @@ def test_a_budget_below_the_fixed_bytes_that_a_smaller_batch_reaches_says_lower_
         memfit.optimize(model, x[:2 * len(x) * share // 100], budget=budget, time_limit=2)
 
 
+def test_a_budget_no_batch_size_reaches_is_not_told_to_lower_the_batch():
+    """Found by a fresh user: a ViT at batch 2 was told to "lower the batch size (to about 1% of this one)", and at
+    batch 1 to about 2% of that. Now the message says a batch of 1 would not fit, and what it would need; checked by
+    planning a batch of 1 at that budget."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10)).train()
+    x = torch.randn(2, 64)
+    with pytest.raises(memfit.InfeasibleBudgetError) as err:
+        memfit.optimize(model, x, budget="100KB", time_limit=2)
+    budget = err.value.fixed_bytes - err.value.input_bytes // 4  # (below the fixed bytes, above what no batch changes)
+    with pytest.raises(memfit.InfeasibleBudgetError, match="below the fixed bytes alone") as err:
+        memfit.optimize(model, x, budget=budget, time_limit=2)
+    message = " ".join(str(err.value).split())
+    assert "lower the batch size" not in message and "a batch of 1 would need about" in message, message
+    with pytest.raises(memfit.InfeasibleBudgetError) as err:  # (the message is right: batch 1 does not fit)
+        memfit.optimize(model, x[:1], budget=budget, time_limit=2)
+    assert "as small as it gets" in " ".join(str(err.value).split())
+
+
 @pytest.mark.parametrize("make, advice, not_advised", [
     (lambda p: torch.optim.SGD(p, lr=0.1), "a frozen one has no gradient, no state and no step", "such as SGD"),
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "SGD without momentum (no state; yours holds", "such as SGD"),

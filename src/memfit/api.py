@@ -547,10 +547,11 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
              if strategy == "memfit" and variants and below_plain else None)
     try:
         result, chosen = best_plan_rounding(options, other, solve, floor, BN_FROM_OUTPUT_MARGIN)
-    except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given
+    except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given, and the batch
+        batch = next((t.shape[0] for t in tensors_in(inputs) if t.dim() > 0), None)
         if optimizer is None:
-            raise
-        raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state) from None
+            raise exc.for_optimizer(exc.optimizer, exc.optimizer_state_bytes, batch) from None
+        raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state, batch) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
     if floor:

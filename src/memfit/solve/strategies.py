@@ -34,11 +34,13 @@ class InfeasibleBudgetError(ValueError):
     less state only where one has less. ``input_bytes`` is the example batch's part of ``fixed_bytes``: where
     the budget is below the fixed bytes but above their part no batch size changes, the advice is a smaller
     batch. ``margin_bytes`` is the headroom ``smallest_feasible_bytes`` includes above its plan's peak; the advice
-    blames the optimizer step's temporaries (``step_bytes``) only where that peak is the step's."""
+    blames the optimizer step's temporaries (``step_bytes``) only where that peak is the step's. ``batch``: the
+    example batch's size (its first tensor's first dimension), where known: a smaller batch is advised only where
+    one of at least 1 could fit."""
 
     def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0,
                  stopped_at: float | None = None, optimizer: str | None = None, optimizer_state_bytes: int = 0,
-                 input_bytes: int = 0, margin_bytes: int = 0):
+                 input_bytes: int = 0, margin_bytes: int = 0, batch: int | None = None):
         self.budget_bytes = budget_bytes
         self.stopped_at = stopped_at
         self.smallest_feasible_bytes = smallest_feasible_bytes
@@ -48,6 +50,7 @@ class InfeasibleBudgetError(ValueError):
         self.optimizer_state_bytes = optimizer_state_bytes
         self.input_bytes = input_bytes
         self.margin_bytes = margin_bytes
+        self.batch = batch
         # the optimizer step's temporaries set the floor (its peak, less the headroom ``margin_bytes``, is the step's:
         # the activations are gone by then): no plan changes them, and a smaller batch barely does. (Where the
         # backward pass sets it, a smaller batch does: a fresh user's ResNet-18 was told otherwise with 18 MiB of
@@ -65,21 +68,33 @@ class InfeasibleBudgetError(ValueError):
         else:  # (state counted for an optimizer not named)
             lighter = "fewer trainable parameters, or an optimizer with less state"
         model_bytes = fixed_bytes - input_bytes  # what no batch size changes
-        batch = (f"the input batch is {input_bytes} bytes ({fmt_bytes(input_bytes)}) of them" if input_bytes
-                 else "")
+        in_batch = (f"the input batch is {input_bytes} bytes ({fmt_bytes(input_bytes)}) of them" if input_bytes
+                    else "")
+        # what a batch of 1 would need, where the input and the activations grow in proportion to the batch
+        batch_of_one = model_bytes + (smallest_feasible_bytes - model_bytes) / batch if batch else 0
         if not below_fixed:
+            smaller = (" (a batch of 1 example, as small as it gets)" if batch == 1 else
+                       f" (a batch of 1 would need about {fmt_bytes(batch_of_one)})" if batch_of_one > budget_bytes
+                       else ", or lower the batch size")
             hint = (f"; {step_bytes} bytes ({fmt_bytes(step_bytes)}) more are the optimizer step's temporaries, "
                     f"which set this floor: no plan and hardly any batch size changes them (a smaller model, "
-                    f"{lighter}, does)" if by_step else ". Raise the budget, or lower the batch size")
+                    f"{lighter}, does)" if by_step else f". Raise the budget{smaller}")
         elif budget_bytes < model_bytes:
             rest = f", all but the input batch's {input_bytes} bytes ({fmt_bytes(input_bytes)})" if input_bytes else ""
             hint = (f"; the budget is below the fixed bytes alone, which no plan lowers, and below the "
                     f"{model_bytes} bytes ({fmt_bytes(model_bytes)}) of them that no batch size changes{rest}: raise "
                     f"it, or make those smaller ({lighter})")
+        elif batch and batch_of_one > budget_bytes:
+            # (a fresh user's ViT at batch 2 was told to lower it to about 1% of that)
+            smaller = ("a batch of 1 example, as small as it gets" if batch == 1 else
+                       f"a smaller batch lowers both it and the activations, but not enough: a batch of 1 would need "
+                       f"about {fmt_bytes(batch_of_one)} if they grow in proportion to it")
+            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers; {in_batch}, {smaller}. Raise "
+                    f"the budget, or make the rest smaller ({lighter})")
         else:
             # the input and the activations grow with the batch, the rest does not: a rough target
             share = (budget_bytes - model_bytes) / max(1, smallest_feasible_bytes - model_bytes)
-            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers; {batch}, and a smaller "
+            hint = (f"; the budget is below the fixed bytes alone, which no plan lowers; {in_batch}, and a smaller "
                     f"batch lowers both it and the activations: lower the batch size (to about {share:.0%} of "
                     f"this one or less, if they grow in proportion to it), raise the budget, or make the rest "
                     f"smaller ({lighter})")
@@ -99,11 +114,13 @@ class InfeasibleBudgetError(ValueError):
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
             f"buffers, optimizer state, inputs){hint}.{headroom}")
 
-    def for_optimizer(self, optimizer: str, state_bytes: int) -> InfeasibleBudgetError:
-        """The same error, its advice for ``optimizer`` (a class name) holding ``state_bytes`` of state."""
+    def for_optimizer(self, optimizer: str | None, state_bytes: int, batch: int | None = None
+                      ) -> InfeasibleBudgetError:
+        """The same error, its advice for ``optimizer`` (a class name, or ``None`` where none was given) holding
+        ``state_bytes`` of state, and for a batch of ``batch`` examples."""
         return InfeasibleBudgetError(self.budget_bytes, self.smallest_feasible_bytes, self.fixed_bytes,
                                      self.step_bytes, self.stopped_at, optimizer, state_bytes, self.input_bytes,
-                                     self.margin_bytes)
+                                     self.margin_bytes, batch)
 
 
 #: extra headroom on CUDA (bytes): on an H200, a ResNet-18 plan at batch 8, 64 px measured 2.0 MB above its
