@@ -151,6 +151,28 @@ def test_a_checkpoint_of_the_planned_module_loads_into_a_fresh_model_of_a_versio
     planned.load_state_dict(fresh.state_dict())
 
 
+def test_a_failed_assert_names_the_value_as_pytorch_does_and_the_model_trains_as_pytorch():
+    # torchvision's ViT called with another image size: "Wrong image height! Expected 64 but got Proxy(getitem_2)!",
+    # where plain PyTorch says "... but got 56!" (the f-string was written while tracing)
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=64, patch_size=16, num_layers=1, num_heads=2,
+                                                 hidden_dim=32, mlp_dim=64, num_classes=10).train()
+    plain, x = fresh_copy(model), torch.randn(2, 3, 64, 64)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    for net in (planned, plain):
+        torch.manual_seed(1)
+        net(x).square().mean().backward()
+    _same(_grads(plain), _grads(planned))
+    other = torch.randn(2, 3, 56, 56)
+    with pytest.raises(AssertionError) as eager:
+        plain(other)
+    with pytest.raises(AssertionError) as traced:
+        planned(other)
+    assert str(traced.value) == str(eager.value) == "Wrong image height! Expected 64 but got 56!"
+
+
 def test_plan_for_other_shapes_is_refused_and_warned(setup, tmp_path):
     model, images, _ = setup
     planned = _planned(model, images)

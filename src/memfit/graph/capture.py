@@ -24,6 +24,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit.graph.asserts import with_assert_values
 from memfit.graph.attributes import (
     AttributeLog,
     collecting_now,
@@ -1557,6 +1558,7 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
     for node in gm.graph.nodes:
         if node.op == "placeholder" and str(node.target).lstrip("*") in kinds:
             node.meta["memfit_kind"] = kinds[str(node.target).lstrip("*")]
+    with_assert_values(gm)
     _warn_opaque(gm)
     unread = _unread_arguments(model, list(fixed))
     return Captured(gm=gm, graph=graph_of(gm), model=model, attributes=attributes.values(model),
