@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.bench.harness import fresh_copy
+from memfit.budget import fmt_bytes
 from memfit.profile import MemoryTracker, live_bytes
 from memfit.profile.optimizer import measure_optimizer
 
@@ -240,6 +242,36 @@ def test_infeasible_budget_blames_the_optimizer_step_only_where_it_sets_the_floo
         assert err.value.step_bytes > floor / 2  # (what the advice went by)
         assert ("optimizer step's temporaries, which set this floor" in str(err.value)) == blamed, str(err.value)
         assert ("lower the batch size" in str(err.value)) == (not blamed), str(err.value)
+
+
+def test_an_optimizer_made_after_planning_with_more_state_than_counted_is_warned_at_its_first_step():
+    """Found by a fresh user: planned without optimizer= (no state counted), then AdamW on planned.parameters():
+    1.53x the budget at every step after the first, unwarned. Now its first step warns, once, with the figures; an
+    optimizer the plan counted (or one with no more state) does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).train()
+    x = torch.randn(32, 256)
+    planned = memfit.optimize(model, x, "100%", strategy="none", time_limit=5)
+    for make, warned in ((lambda p: torch.optim.SGD(p, lr=0.1), False),
+                         (lambda p: torch.optim.AdamW(p), True)):
+        opt = make(planned.parameters())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                planned(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        said = [str(w.message) for w in seen if "keeps" in str(w.message)]
+        assert len(said) == warned, said
+    state = sum(t.nbytes for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    assert f"AdamW keeps {fmt_bytes(state)} of state" in said[0] and "planned without optimizer=" in said[0], said
+    m = fresh_copy(model)
+    opt = torch.optim.AdamW(m.parameters())
+    counted = memfit.optimize(m, x, "100%", strategy="none", optimizer=opt, time_limit=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counted(x).square().mean().backward()
+        opt.step()
 
 
 def test_a_saved_plan_names_its_optimizer():

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
@@ -65,6 +66,7 @@ from memfit.profile.buffers import (
     reachable_slots,
     storage_key,
 )
+from memfit.profile.tracker import live_bytes
 from memfit.runtime.direct_saves import DirectSaves
 from memfit.runtime.offload import OffloadStep
 from memfit.runtime.reshaped import traced_for
@@ -368,6 +370,23 @@ def _under_functorch(args: tuple, kwargs: dict, model: nn.Module) -> bool:
     return any(wrapped(t) for t in tensors_in((args, kwargs))) or (first is not None and wrapped(first))
 
 
+_STEPPED: weakref.WeakSet = weakref.WeakSet()  # planned modules whose optimizers' first steps are checked
+_STEP_HOOK: list = []  # the handle of the hook that checks them (one per process)
+
+
+def _watch_optimizer_steps(module: PlannedModule) -> None:
+    """Check, after each optimizer's first step, that ``module``'s plan counted the state it keeps
+    (:meth:`PlannedModule._check_optimizer`), with a hook PyTorch runs after every optimizer's step."""
+    _STEPPED.add(module)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_step))
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    for module in list(_STEPPED):
+        module._check_optimizer(optimizer)
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -472,6 +491,7 @@ class PlannedModule(nn.Module):
         self._aliased: list[tuple] = []  # nodes found returning an input the plan writes into (see _fresh)
         self._last_call: weakref.ref | None = None  # the previous training call's _Call, while its graph lives
         self._build()
+        _watch_optimizer_steps(self)
 
     @property
     def model(self) -> nn.Module:
@@ -584,18 +604,14 @@ class PlannedModule(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The model's own (the planned module holds the model's parameters and buffers): a class that saves more
         or otherwise saves as its class does."""
-        self._root()._save_to_state_dict(destination, prefix, keep_vars)
+        self.model._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """The model's own: a class that converts older checkpoints (by the version ``state_dict()`` recorded, as
         torchvision's MNASNet does) converts them for the planned module too."""
-        self._root()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                           error_msgs)
-
-    def _root(self) -> nn.Module:
-        captured = self.__dict__["_captured"]
-        return captured.model if captured.model is not None else captured.gm
+        self.model._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                         error_msgs)
 
     def _build(self) -> None:
         gm, plan = self.gm, self.plan
@@ -1158,6 +1174,28 @@ class PlannedModule(nn.Module):
                             "exceed its budget. Make the plan with grads_exist=True (--grads-exist).")
 
         self._accumulate_hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in existing]
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer``'s first step (each optimizer once): warn where it keeps more state for this module's
+        parameters than the plan counted (:attr:`Plan.optimizer_state_bytes`): a fresh user planned without
+        ``optimizer=`` and then trained with AdamW, 1.53x the budget at every step after the first, unwarned."""
+        checked = self.__dict__.setdefault("_optimizers_checked", weakref.WeakSet())
+        if optimizer in checked:
+            return
+        checked.add(optimizer)
+        own = {id(p) for p in self.parameters()}
+        state = live_bytes([t for p, st in optimizer.state.items() if id(p) in own
+                            for t in st.values() if isinstance(t, torch.Tensor)])
+        counted = self.plan.optimizer_state_bytes or 0
+        if state <= 1.01 * counted + 65536:
+            return
+        how = (f"for {self.plan.optimizer}" if self.plan.optimizer is not None else "planned without optimizer=")
+        self._warn_once("optimizer state", (
+            f"memfit: {type(optimizer).__name__} keeps {fmt_bytes(state)} of state for {type(self.model).__name__}'s "
+            f"parameters, and the plan counted {fmt_bytes(counted)} ({how}): from now on a training step can peak "
+            f"about {fmt_bytes(state - counted)} above the plan's budget of {fmt_bytes(self.plan.budget_bytes)}. "
+            "Make the optimizer first and plan with it, memfit.optimize(model, example, budget, optimizer=opt) "
+            "(an optimizer of the model's parameters trains the planned module too), so the budget counts its state."))
 
     def _warn_once(self, key: str, message: str) -> None:
         """``message`` as a warning at the user's line, unless the warning ``key`` names was given already."""
