@@ -173,6 +173,47 @@ def test_a_failed_assert_names_the_value_as_pytorch_does_and_the_model_trains_as
     assert str(traced.value) == str(eager.value) == "Wrong image height! Expected 64 but got 56!"
 
 
+class _PlainStat(nn.Module):
+    """A running mean kept as a plain tensor attribute (register_buffer forgotten), updated in place in forward."""
+
+    def __init__(self, how: str, buffer: bool = False):
+        super().__init__()
+        self.how, self.l, self.fc = how, nn.Linear(4, 4), nn.Linear(4, 3)
+        if buffer:
+            self.register_buffer("stat", torch.zeros(4))
+        else:
+            self.stat = torch.zeros(4)
+
+    def forward(self, x):
+        h = self.l(x)
+        if self.how == "decayed":  # (a write on concrete tensors alone: fx runs it once, while tracing)
+            self.stat.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        else:  # (a write of a traced value: fx records it into a copy)
+            self.stat.add_(h.detach().mean(0))
+        return self.fc(h - self.stat)
+
+
+@pytest.mark.parametrize("how", ["decayed", "added"])
+def test_a_tensor_attribute_updated_in_place_is_refused_and_a_buffer_trains_as_pytorch(how):
+    # a fresh user's running mean kept as `self.stat = torch.zeros(4)`: planned without a word, the step's loss and
+    # gradients 0.012-0.04 off plain PyTorch's, and planning itself had moved the statistic
+    x = torch.randn(8, 4)
+    model = _PlainStat(how)
+    with pytest.raises(memfit.TraceError, match=r"writes in place into stat, a tensor kept as a plain attribute"
+                                                r"(.|\n)*register_buffer\('stat'"):
+        memfit.optimize(model, x, "100%", loss_fn=lambda out: out.square().mean())
+    assert torch.equal(model.stat, torch.zeros(4))  # (as it was)
+    torch.manual_seed(0)
+    model = _PlainStat(how, buffer=True)
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    for _ in range(2):
+        for net in (planned, plain):
+            net(x).square().mean().backward()
+    _same(_grads(plain), _grads(planned))
+    assert torch.allclose(model.stat, plain.stat)
+
+
 def test_plan_for_other_shapes_is_refused_and_warned(setup, tmp_path):
     model, images, _ = setup
     planned = _planned(model, images)

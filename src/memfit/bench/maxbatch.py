@@ -239,11 +239,15 @@ def probe_batch(work: Workload, strategy: str, budget_bytes: int, *, backend: st
             if store is not None:
                 costs.link = measure_link(CopyEngine(store, work.device))
             opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-            fixed = costs.fixed_bytes + optimizer_state_bytes(opt, list(m.parameters()))
+            state = optimizer_state_bytes(opt, list(m.parameters()))
+            fixed = costs.fixed_bytes + state
             del opt
             def solve(option: Option) -> Plan:
-                return make_plan(base, option.captured.graph, option.costs, budget_bytes, fixed_bytes=fixed,
-                                 time_limit=time_limit, use_offload=store is not None)
+                found = make_plan(base, option.captured.graph, option.costs, budget_bytes, fixed_bytes=fixed,
+                                  time_limit=time_limit, use_offload=store is not None)
+                # (the momentum the measured steps keep, counted: the planned module checks it at their first step)
+                found.optimizer, found.optimizer_state_bytes = "SGD", state
+                return found
 
             options = [Option(captured, costs)]
             if base == "memfit" and budget_bytes < make_plan("none", captured.graph, costs,

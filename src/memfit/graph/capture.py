@@ -359,6 +359,35 @@ class _StateWrite(Exception):
         self.name, self.line = name, line
 
 
+class _AttributeWrite(_StateWrite):
+    """The traced forward wrote, in place, into a tensor kept as a plain attribute of a module (not a registered
+    parameter or buffer)."""
+
+
+def _plain_tensor_attributes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the modules of ``model`` keep as plain attributes (``self.stat = torch.zeros(4)``, not registered
+    with ``register_buffer``), by qualified name (as torch.fx names them in ``get_attr`` nodes)."""
+    found = {}
+    for path, module in model.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type != "meta":
+                found.setdefault(f"{path}.{key}".lstrip("."), value)
+    return found
+
+
+def _attribute_write_error(model: nn.Module, name: str, line: str) -> TraceError:
+    leaf = name.rsplit(".", 1)[-1]
+    return TraceError(
+        f"the forward pass of {type(model).__name__} writes in place into {name}, a tensor kept as a plain attribute "
+        "(not registered as a buffer): torch.fx keeps such a tensor as a constant of the graph, and a write into it "
+        "runs once, while tracing, or into a copy, so the planned step would not update it as PyTorch does (a "
+        "fresh user's running mean: loss and gradients silently off).\n"
+        f"  failing line: {line}\n"
+        f"  Register it as a buffer in __init__, `self.register_buffer('{leaf}', torch.zeros(...))` "
+        "(persistent=False keeps it out of state_dict()): the plan then updates it in every step, as PyTorch does, "
+        "and it moves with the model between devices. Your model is as it was.")
+
+
 class _ConcreteStateWrites(TorchDispatchMode):
     """While tracing, raises :class:`_StateWrite` where an operator that runs on concrete tensors (so outside the
     graph fx records) would write into the storage of one of the model's parameters or buffers (``state``: storage
@@ -368,10 +397,12 @@ class _ConcreteStateWrites(TorchDispatchMode):
     frozen while plain PyTorch's moved, and its online gradients drifted apart). Raised before the write, so the
     model is as it was."""
 
-    def __init__(self, state: dict[int, str], trainable: set[int] = frozenset()):
+    def __init__(self, state: dict[int, str], trainable: set[int] = frozenset(),
+                 attributes: dict[int, str] | None = None):
         super().__init__()
         self.state = state
         self.trainable = trainable  # storage pointers of the parameters that require grad
+        self.attributes = attributes or {}  # storage pointer -> name of a tensor kept as a plain module attribute
         self.read_at: str | None = None  # the first line computing from one of them on concrete tensors
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -383,6 +414,8 @@ class _ConcreteStateWrites(TorchDispatchMode):
         for t in written_operands(func, args, kwargs):
             if name := self.state.get(t.untyped_storage().data_ptr()):
                 raise _StateWrite(name, _call_site())
+            if name := self.attributes.get(t.untyped_storage().data_ptr()):
+                raise _AttributeWrite(name, _call_site())
         return func(*args, **kwargs)
 
 
@@ -829,8 +862,14 @@ def _refuse_written_constants(model: nn.Module, graph: fx.Graph) -> None:
 
 def _check_traced(model: nn.Module, graph: fx.Graph) -> None:
     """What a traced graph must not have before memfit builds its GraphModule (:func:`_refuse_written_constants`,
-    :func:`_check_names`)."""
+    a write into a tensor kept as a plain attribute, :func:`_check_names`)."""
     _refuse_written_constants(model, graph)
+    attributes = _plain_tensor_attributes(model)
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in attributes:
+            for user in node.users:
+                if writes_into(user) and user.args and user.args[0] is node:
+                    raise _attribute_write_error(model, node.target, user.meta.get(WRITE_LINE, "?"))
     _check_names(model, graph)
 
 
@@ -1398,7 +1437,10 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
             checkpoints: list[str] = []
             draws: list[str] = []
             writes = _ConcreteStateWrites({t.untyped_storage().data_ptr(): name for name, t in real},
-                                          {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad})
+                                          {t.untyped_storage().data_ptr() for _, t in real if t.requires_grad},
+                                          attributes={t.untyped_storage().data_ptr(): name for name, t
+                                                      in _plain_tensor_attributes(model).items()
+                                                      if t.untyped_storage().data_ptr()})
             state, attributes, autocast_tests, hooks = state_of(model), None, [], hooks_of(model)
             try:
                 with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
@@ -1423,6 +1465,8 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                 ) from None
             except TraceError:
                 raise
+            except _AttributeWrite as exc:
+                raise _attribute_write_error(model, exc.name, exc.line) from None
             except _StateWrite as exc:
                 raise TraceError(
                     f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "

@@ -1186,16 +1186,27 @@ class PlannedModule(nn.Module):
         own = {id(p) for p in self.parameters()}
         state = live_bytes([t for p, st in optimizer.state.items() if id(p) in own
                             for t in st.values() if isinstance(t, torch.Tensor)])
-        counted = self.plan.optimizer_state_bytes or 0
+        counted = self.plan.optimizer_state_bytes
+        if counted is None:  # (a plan solved by make_plan itself, bench's: its fixed bytes may hold the state)
+            params = list(self.parameters())
+            counted = max(0, (self.plan.fixed_bytes or 0) - live_bytes(params) - live_bytes(list(self.buffers()))
+                          - sum(p.untyped_storage().nbytes() for p in params if p.requires_grad))
         if state <= 1.01 * counted + 65536:
             return
-        how = (f"for {self.plan.optimizer}" if self.plan.optimizer is not None else "planned without optimizer=")
+        if self.plan.optimizer_state_bytes is not None:
+            what = f"the plan counted {fmt_bytes(counted)} (for {self.plan.optimizer})"
+        else:
+            what = "the plan counted none (planned without optimizer=)"
         self._warn_once("optimizer state", (
             f"memfit: {type(optimizer).__name__} keeps {fmt_bytes(state)} of state for {type(self.model).__name__}'s "
-            f"parameters, and the plan counted {fmt_bytes(counted)} ({how}): from now on a training step can peak "
-            f"about {fmt_bytes(state - counted)} above the plan's budget of {fmt_bytes(self.plan.budget_bytes)}. "
-            "Make the optimizer first and plan with it, memfit.optimize(model, example, budget, optimizer=opt) "
-            "(an optimizer of the model's parameters trains the planned module too), so the budget counts its state."))
+            f"parameters, and {what}: from now on a training step can peak about {fmt_bytes(state - counted)} "
+            "above the plan's "
+            + (f"budget of {fmt_bytes(self.plan.budget_bytes)}" if self.plan.budget_bytes is not None else
+               f"predicted peak of {fmt_bytes(self.plan.predicted_peak_bytes)}")
+            + ", and more while its step() runs, whose temporaries (Adam's: about the parameters' size) the plan did "
+            "not count either. Make the optimizer first and plan with it, memfit.optimize(model, example, budget, "
+            "optimizer=opt) (an optimizer of the model's parameters trains the planned module too), so the budget "
+            "counts its state and its step."))
 
     def _warn_once(self, key: str, message: str) -> None:
         """``message`` as a warning at the user's line, unless the warning ``key`` names was given already."""
