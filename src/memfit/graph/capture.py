@@ -370,7 +370,8 @@ def _plain_tensor_attributes(model: nn.Module) -> dict[str, torch.Tensor]:
     found = {}
     for path, module in model.named_modules():
         for key, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type != "meta":
+            if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type != "meta"
+                    and value.layout == torch.strided):  # (a sparse tensor has no storage to watch)
                 found.setdefault(f"{path}.{key}".lstrip("."), value)
     return found
 
