@@ -230,6 +230,38 @@ class _IntoZeros(nn.Module):
         return (z * 2).sum(1)
 
 
+class _ConstantUpdated(nn.Module):
+    """A second fresh user's: a tensor of plain numbers read by a traced operation, then updated in place by a number
+    (concrete tensors only: fx ran the update while tracing, before the graph's reads), then read again."""
+
+    def __init__(self, traced: bool):
+        super().__init__()
+        self.traced, self.l = traced, nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        e = h.new_ones(4) if self.traced else torch.ones(4)
+        a = h + e
+        e.mul_(2.0)
+        return a * (h + e)
+
+
+def test_a_number_written_into_a_tensor_of_plain_numbers_after_a_read_is_refused_at_its_line():
+    # it was refused as "another output than the model" with advice about Python tests and autocast, naming no line
+    x = torch.randn(8, 4)
+    with pytest.raises(memfit.TraceError, match=r"writes into a tensor made from plain numbers(.|\n)*failing line: "
+                                                r".*e\.mul_\(2\.0\)(.|\n)*new_zeros"):
+        memfit.optimize(_ConstantUpdated(False), x, "100%", loss_fn=lambda out: out.square().mean())
+    torch.manual_seed(0)
+    model = _ConstantUpdated(True)
+    plain = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    for net in (planned, plain):
+        net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_write_into_a_tensor_made_from_plain_numbers_is_refused_and_the_advised_forms_train_as_pytorch():
     """fx makes ``torch.zeros(4, 10)`` once, while tracing, and computes ``z * 2`` then too, before the write:
     the planned step's output was 0.55-2.9 off and the Linear got no gradient, silently. Now a TraceError names the

@@ -359,6 +359,26 @@ class _StateWrite(Exception):
         self.name, self.line = name, line
 
 
+# storages of the tensors the trace under way keeps as constants of its graph (``_tensor_constant<i>``, made from
+# plain numbers: `e = torch.ones(4)` read by a traced operation), which a later write on concrete tensors would
+# change after the graph read them (:class:`_ConcreteStateWrites`)
+_BAKED: list[set[int]] = []
+
+
+@contextlib.contextmanager
+def _baked_constants():
+    """Note, while the block traces, the storages of the tensors the graph keeps as constants (:data:`_BAKED`)."""
+    _BAKED.append(set())
+    try:
+        yield
+    finally:
+        _BAKED.pop()
+
+
+class _ConstantWrite(_StateWrite):
+    """The traced forward wrote, in place and on concrete tensors, into a tensor the graph keeps as a constant."""
+
+
 class _AttributeWrite(_StateWrite):
     """The traced forward wrote, in place, into a tensor kept as a plain attribute of a module (not a registered
     parameter or buffer)."""
@@ -417,6 +437,8 @@ class _ConcreteStateWrites(TorchDispatchMode):
                 raise _StateWrite(name, _call_site())
             if name := self.attributes.get(t.untyped_storage().data_ptr()):
                 raise _AttributeWrite(name, _call_site())
+            if _BAKED and t.untyped_storage().data_ptr() in _BAKED[-1]:
+                raise _ConstantWrite("", _call_site())
         return func(*args, **kwargs)
 
 
@@ -818,7 +840,11 @@ class _Tracer(fx.Tracer):
             attributes, items = dataclass_parts(a)
             return self.create_node("call_function", dataclass_builder(type(a)),
                                     (self.create_arg(attributes), self.create_arg(items)), {})
-        return super().create_arg(a)
+        out = super().create_arg(a)
+        if (_BAKED and isinstance(a, torch.Tensor) and isinstance(out, fx.Node) and out.op == "get_attr"
+                and str(out.target).startswith("_tensor_constant") and a.layout == torch.strided):
+            _BAKED[-1].add(a.untyped_storage().data_ptr())  # (a constant of the graph: see _ConcreteStateWrites)
+        return out
 
 
 class _BufferTracer(_Tracer):
@@ -845,20 +871,24 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 _TENSOR_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 
+def _constant_write_error(model: nn.Module, line: str) -> TraceError:
+    return TraceError(
+        f"the forward pass of {type(model).__name__} writes into a tensor made from plain numbers (such as "
+        "`z = torch.zeros(4, 10)`), at\n"
+        f"  failing line: {line}\n"
+        "  torch.fx makes that tensor once, while tracing, and computes then, once, what reads it without a "
+        "traced value (`z * 2`, `z.sum(1)`, `z.mul_(2.0)`), not in the order of the forward's reads and writes: the "
+        "planned step would use other values. Make the tensor from a traced one, `h.new_zeros(4, 10)` (or "
+        "`torch.zeros(4, 10, device=h.device, dtype=h.dtype)`), so that it is made in every step. Your model is as "
+        "it was.")
+
+
 def _refuse_written_constants(model: nn.Module, graph: fx.Graph) -> None:
     """Raise where the forward pass writes a traced value into a tensor made from plain numbers
     (:func:`memfit.graph.augmented.written_constants`)."""
     written = written_constants(graph)
     if written:
-        line = written[0].meta.get(WRITE_LINE, "?")
-        raise TraceError(
-            f"the forward pass of {type(model).__name__} writes into a tensor made from plain numbers (such as "
-            "`z = torch.zeros(4, 10)`), at\n"
-            f"  failing line: {line}\n"
-            "  torch.fx makes that tensor once, while tracing, and computes then, once, what reads it without a "
-            "traced value (`z * 2`, `z.sum(1)`), before this write: the planned step would use values without it. "
-            "Make the tensor from a traced one, `h.new_zeros(4, 10)` (or `torch.zeros(4, 10, device=h.device, "
-            "dtype=h.dtype)`), so that it is made in every step. Your model is as it was.")
+        raise _constant_write_error(model, written[0].meta.get(WRITE_LINE, "?"))
 
 
 def _check_traced(model: nn.Module, graph: fx.Graph) -> None:
@@ -1446,7 +1476,8 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
             try:
                 with (_refuse_grad_mode_changes(), _refuse_autocast_blocks(), _watch_autocast_tests(autocast_tests),
                       _watch_user_checkpoints(checkpoints), _autograd_functions_as_leaves(),
-                      _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called, writes):
+                      _watch_random_draws(draws), record_reads(model) as attributes, record_calls() as called,
+                      _baked_constants(), writes):
                     gm = _trace(model, fixed, examples if first_failure is not None else None,
                                 constants_fallback=examples is None or first_failure is not None, fold=fold)
             except FoldingAborted as exc:  # (traced again with those tensors as graph values, as before folding)
@@ -1468,6 +1499,8 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                 raise
             except _AttributeWrite as exc:
                 raise _attribute_write_error(model, exc.name, exc.line) from None
+            except _ConstantWrite as exc:  # (refused as a traced write into such a tensor is)
+                raise _constant_write_error(model, exc.line) from None
             except _StateWrite as exc:
                 raise TraceError(
                     f"the forward pass of {type(model).__name__} writes into its parameter or buffer {exc.name!r} in place "
