@@ -259,3 +259,18 @@ def draws_as_pytorch(planned, plain, model, x, steps: int):
         assert torch.equal(*outs)
         for p, q in zip(model.parameters(), plain.parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+def trains_as_pytorch_at_min(model, x) -> None:
+    """Plan ``model`` at ``min`` (loss: the output's mean square), run one step of it and of plain PyTorch on a deep
+    copy made first: every parameter's gradient is equal, bit for bit."""
+    import copy
+
+    import memfit
+
+    plain = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    for net in (planned, plain):
+        net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
