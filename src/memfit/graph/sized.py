@@ -141,8 +141,8 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
 # plain values then, `torch.zeros(b, 10, dtype=h.dtype, device=h.device)`, and fx would make the tensor once, while
 # tracing, as a constant of the graph: a write into it was refused); those of memfit.graph.folded.FOLDED_FACTORIES
 # are computed for real, and recorded where a traced operation reads them
-_FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "linspace",
-              "rand", "randn", "randint", "randperm", "normal")  # (random ones: drawn in every step, as PyTorch draws)
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal")  # (drawn in every step, as PyTorch draws)
+_FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "linspace", *_RANDOM_FACTORIES)
 _RECORDING: list[ShapeSpecializing] = []  # the tracer recording factories (none inside _untraced)
 
 
@@ -371,9 +371,9 @@ class ShapeSpecializing:
 
 
 # operations that draw random numbers, by name (a random draw the test of a Python `if` depends on)
-_DRAWS = frozenset({"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
-                    "rand_like", "randn_like", "randint_like", "bernoulli_", "uniform_", "normal_", "random_",
-                    "exponential_", "geometric_", "cauchy_", "log_normal_", "dropout"})
+_DRAWS = frozenset(_RANDOM_FACTORIES) | {"bernoulli", "multinomial", "poisson", "rand_like", "randn_like",
+                                          "randint_like", "bernoulli_", "uniform_", "normal_", "random_",
+                                          "exponential_", "geometric_", "cauchy_", "log_normal_", "dropout"}
 
 
 def _drawn(node: fx.Node) -> bool:
