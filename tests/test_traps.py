@@ -1,5 +1,6 @@
 """Correctness traps known from the field (DESIGN.md): each compared with plain PyTorch."""
 
+import collections
 import contextlib
 import copy
 import functools
@@ -150,6 +151,75 @@ def test_a_checkpoint_of_the_planned_module_loads_into_a_fresh_model_of_a_versio
     fresh.load_state_dict(planned.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     planned.load_state_dict(fresh.state_dict())
+
+
+class _StemV2(nn.Module):
+    """Version 2 has a BatchNorm in its stem; loading a version-1 checkpoint swaps the stem back (the torchvision
+    MNASNet pattern of converting older checkpoints in ``_load_from_state_dict``)."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.stem(x).mean((2, 3)))
+
+    def _load_from_state_dict(self, state_dict, prefix, metadata, *args):
+        if metadata.get("version") == 1:
+            self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+            self._version = 1
+        super()._load_from_state_dict(state_dict, prefix, metadata, *args)
+
+
+def test_an_older_checkpoint_whose_loading_replaces_a_submodule_loads_as_into_the_model():
+    # the planned module loaded the old stem it held after the model's own loading had replaced it: "Missing key(s)
+    # stem.1.weight ...", the model half loaded, and state_dict() still recorded version 2
+    torch.manual_seed(0)
+    model = _StemV2().train()
+    planned = memfit.optimize(model, torch.randn(2, 3, 8, 8), "100%", strategy="none")
+    old = {"stem.0.weight": torch.randn(8, 3, 3, 3), "stem.0.bias": torch.randn(8), "fc.weight": torch.randn(10, 8),
+           "fc.bias": torch.randn(10)}
+    v1 = collections.OrderedDict(old)
+    v1._metadata = {"": {"version": 1}}
+    eager = _StemV2()
+    assert eager.load_state_dict(copy.deepcopy(v1)) == planned.load_state_dict(copy.deepcopy(v1))
+    assert [type(m) for m in model.stem] == [type(m) for m in eager.stem]
+    assert planned.stem is model.stem
+    for name, value in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value)
+    assert planned.state_dict()._metadata[""] == eager.state_dict()._metadata[""] == {"version": 1}
+    with pytest.raises(RuntimeError, match="submodule 'stem' was replaced"):
+        planned(torch.randn(2, 3, 8, 8))
+
+
+class _OwnScale(nn.Module):
+    """A parameter of the model's own (the planned module holds it beside the model's children)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def test_load_state_dict_with_assign_trains_the_loaded_parameters_as_pytorch():
+    # assign=True puts the checkpoint's tensors into the model; the planned module kept holding the old ones
+    torch.manual_seed(0)
+    model = _OwnScale().train()
+    x = torch.randn(4, 6)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    torch.manual_seed(1)
+    other = _OwnScale()
+    planned.load_state_dict(other.state_dict(), assign=True)
+    assert [p.data_ptr() for p in planned.parameters()] == [p.data_ptr() for p in model.parameters()]
+    for net in (planned, other):
+        net(x).square().mean().backward()
+    _same(_grads(other), _grads(planned))
 
 
 def test_a_failed_assert_names_the_value_as_pytorch_does_and_the_model_trains_as_pytorch():

@@ -478,10 +478,6 @@ class PlannedModule(nn.Module):
                 else:
                     self.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training
-        # (the checkpoint format is the model's: state_dict() records its version, which a class's own
-        # _load_from_state_dict reads to convert older checkpoints; torchvision's MNASNet read the planned module's 1
-        # as its own old layout, and a fresh MNASNet failed to load planned.state_dict())
-        self.__dict__["_version"] = getattr(root, "_version", 1)
         # (a graph traced with the example's shapes read the state's too, `for i in range(self.centers.shape[0])`:
         # checked at each call, `.data` replaced by another shape included)
         self.__dict__["_state_shapes_at_build"] = self._state_shapes() if captured.specialized else None
@@ -588,6 +584,29 @@ class PlannedModule(nn.Module):
                 if field in getattr(owner, table) and getattr(holder, table).get(field) is not getattr(owner, table)[field]:
                     getattr(holder, table)[field] = getattr(owner, table)[field]
 
+    @property
+    def _version(self) -> int:
+        """The model's checkpoint format version, which ``state_dict()`` records and a class's own
+        ``_load_from_state_dict`` reads to convert older checkpoints (torchvision's MNASNet read a planned module's 1
+        as its own old layout, and a fresh MNASNet failed to load ``planned.state_dict()``); read at each call, as
+        such a conversion may set the model's."""
+        return getattr(self.model, "_version", 1)
+
+    @_version.setter
+    def _version(self, value: int) -> None:
+        self.model._version = value
+
+    def _mirror_model(self) -> None:
+        """Hold the model's top-level children, parameters and buffers again, as the model holds them now (after a
+        conversion replaced some: ``.to()``, ``load_state_dict(assign=True)``, a class's own loading of an older
+        checkpoint that swaps a submodule)."""
+        root = self.model
+        for table in ("_modules", "_parameters", "_buffers"):
+            mine = getattr(self, table)
+            mine.clear()
+            mine.update(getattr(root, table))
+        self._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
+
     def _apply(self, fn, recurse: bool = True):
         """``planned.to(...)``, ``.double()``, ``.cuda()``: converted on the model itself (the planned module
         holds the model's own top-level parameters and buffers; converting its references only left the model's
@@ -595,10 +614,7 @@ class PlannedModule(nn.Module):
         model = self.model
         model._apply(fn, recurse)
         self.__dict__["_reshaped"].clear()  # (their traces read the model's tensors as they were)
-        for name, p in model.named_parameters(recurse=False):
-            self._parameters[name] = p
-        for name, b in model.named_buffers(recurse=False):
-            self._buffers[name] = b
+        self._mirror_model()
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -609,9 +625,12 @@ class PlannedModule(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """The model's own: a class that converts older checkpoints (by the version ``state_dict()`` recorded, as
-        torchvision's MNASNet does) converts them for the planned module too."""
+        torchvision's MNASNet does) converts them for the planned module too. PyTorch then loads the children the
+        planned module holds, which are the model's as its own loading left them (one that replaced a submodule
+        had the old one loaded: "Missing key(s)", the model half loaded)."""
         self.model._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                          error_msgs)
+        self._mirror_model()
 
     def _build(self) -> None:
         gm, plan = self.gm, self.plan
@@ -1270,10 +1289,7 @@ class PlannedModule(nn.Module):
                                    "(memfit.optimize(model, ...))")
         if self._state_now() != self._state_at_build:
             root = self.model
-            for name, p in root.named_parameters(recurse=False):
-                self.register_parameter(name, p)
-            for name, b in root.named_buffers(recurse=False):
-                self.register_buffer(name, b)
+            self._mirror_model()
             self._build()
             shapes = {k: list(v.shape) for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
             more = self._trainable_elements() - self.__dict__["_trainable_elements_at_plan"]
