@@ -146,6 +146,36 @@ def test_a_write_into_one_tensor_made_from_sizes_leaves_the_others_folded():
     assert torch.equal(planned(x), plain(x))
 
 
+class _TestedEye(nn.Module):
+    """A Python test on ``torch.eye(c)`` after a write into it: in place (refused), or out of place (computed for
+    real, as the unwritten one is)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x):
+        e = torch.eye(x.shape[1]) * 3.0
+        if self.how == "in place":
+            e[0, :] = 2.0
+        elif self.how == "index_fill":
+            e = e.index_fill(0, torch.tensor([0]), 2.0)
+        h = self.fc(x) @ e
+        if e[0, 0] > 1:  # (true: eager PyTorch's branch)
+            h = h * 0.5
+        return h
+
+
+def test_a_test_on_a_tensor_made_from_sizes_refused_after_a_write_names_the_write_and_its_out_of_place_form():
+    # the refusal said "data-dependent Python control flow" at the test, not the write that made the tensor a graph
+    # value (without the write the same test plans: a fresh user's)
+    with pytest.raises(memfit.TraceError) as refused:
+        memfit.optimize(_TestedEye("in place").train(), torch.randn(4, 8), "100%", strategy="none")
+    assert "e[0, :] = 2.0)" in str(refused.value) and "index_fill" in str(refused.value)
+    for how in ("none", "index_fill"):
+        trains_as_pytorch_for_its_shapes(_TestedEye(how).train(), (torch.randn(4, 8),))
+
+
 def test_a_value_made_from_sizes_and_a_buffer_is_computed_in_every_step():
     # a buffer changes between steps: what reads it stays a graph value, computed in each step as PyTorch does
     class Counted(nn.Module):

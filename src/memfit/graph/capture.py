@@ -1398,10 +1398,13 @@ def _random_branch_advice(line: str) -> str:
             "code: " + _DRAW_ADVICE)
 
 
-def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unknown: list[str] = ()) -> None:
+def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unknown: list[str] = (),
+                     unfolded: list[str] = ()) -> None:
     """Raise the :class:`TraceError` (or :class:`ForwardRaisedError`) for ``exc``, a failure to trace ``model``;
     ``draws``: the lines that drew random numbers in that trace; ``unknown``: the first operation whose shapes the
-    trace with the example's shapes could not compute (:mod:`memfit.graph.sized`)."""
+    trace with the example's shapes could not compute (:mod:`memfit.graph.sized`); ``unfolded``: the lines that
+    wrote into a tensor made from sizes and numbers, which was then traced as a graph value
+    (:class:`memfit.graph.folded.FoldingAborted`)."""
     line = _user_frame(exc)
     # (a draw sized by a traced shape, `np.random.rand(x.shape[1])`, fails there: its advice was the size's alone)
     drawn = ("  That line draws a random number outside the graph too, which fx would run once, while tracing, "
@@ -1413,6 +1416,11 @@ def _refuse_untraced(model: nn.Module, exc: BaseException, draws: list[str], unk
         + (f"\n  (Traced again with the example batch's shapes, memfit could not compute those of {unknown[0]} on "
            "fake tensors, so sizes after it were unknown again; a size set by the data, such as a boolean mask's "
            "selection, has no value before the step runs.)" if unknown else "")
+        + (f"\n  (memfit computes a tensor made from sizes and numbers alone, such as torch.eye(n), for real while "
+           "tracing, so that a Python test of its values works; this forward writes into such a tensor in place ("
+           f"{unfolded[0]}), which makes it a graph value, and a test of it data-dependent. Write it out of place "
+           "instead (`e = e.index_fill(0, torch.tensor([0]), 2.0)` for `e[0, :] = 2.0`, `e = e * 2` for "
+           "`e.mul_(2)`), which memfit computes for real too.)" if unfolded and "control flow" in str(exc) else "")
     ) from exc
 
 
@@ -1463,6 +1471,7 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
     first_draws: list[str] = []
     # (the factory calls whose tensors the forward wrote into, once it did, traced as graph values: memfit.graph.folded)
     fold: bool | frozenset[int] = True
+    unfolded: list[str] = []  # (the lines of those writes)
     try:
         while True:
             checkpoints: list[str] = []
@@ -1483,9 +1492,10 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
             except FoldingAborted as exc:  # (traced again with those tensors as graph values, as before folding)
                 _put_back_attempt(attributes, numbers, state, hooks)
                 _put_back_containers(containers)
-                unfolded = frozenset() if fold is True else fold
+                traced = frozenset() if fold is True else fold
                 # (all of them where the written tensor's factories are not known, or were already traced)
-                fold = False if not exc.factories or exc.factories <= unfolded else unfolded | exc.factories
+                fold = False if not exc.factories or exc.factories <= traced else traced | exc.factories
+                unfolded.append(str(exc))
                 continue
             except _ReentrantCheckpoint:
                 raise TraceError(
@@ -1553,7 +1563,7 @@ def capture(model: nn.Module, examples: dict[str, Any] | None = None) -> Capture
                 unknown = getattr(exc, "memfit_unknown", [])
                 if first_failure is not None and _user_frame(exc) == _user_frame(first_failure):
                     exc, draws = first_failure, first_draws  # (stopped on the same line: the plain trace's error says why)
-                _refuse_untraced(model, exc, draws, unknown)
+                _refuse_untraced(model, exc, draws, unknown, unfolded)
             if first_failure is not None and draws:
                 # (traced with the example's shapes, it draws random numbers the plain trace stopped before, as
                 # torch.distributions' rsample does: the plain trace's error has the advice for that line)
