@@ -1387,6 +1387,42 @@ def test_an_embedding_with_sparse_gradients_is_refused_with_the_way_out():
         memfit.optimize(nn.Embedding(100, 8, sparse=True).train(), ids)
 
 
+class _SparseAdjacency(nn.Module):
+    """A graph convolution over a sparse adjacency matrix, given as an input, kept as a buffer or an attribute, or
+    made in forward."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.fc, self.where = nn.Linear(16, 16), where
+        adj = torch.eye(8).to_sparse()
+        if where == "buffer":
+            self.register_buffer("adj", adj)
+        elif where == "attribute":
+            self.adj = adj
+
+    def forward(self, x, adj=None):
+        if self.where == "forward":
+            adj = (x[:, :8] > 0).float().to_sparse()
+        return torch.sparse.mm(self.adj if adj is None else adj, torch.relu(self.fc(x)))
+
+
+@pytest.mark.parametrize(("where", "named"), [("input", "the input 'adj' is a sparse_coo tensor"),
+                                              ("buffer", "the buffer 'adj' is a sparse_coo tensor"),
+                                              ("attribute", "the attribute 'adj' is a sparse_coo tensor"),
+                                              ("forward", "the forward pass makes a sparse_coo tensor \\(fx node to_sparse\\)")])
+def test_a_sparse_tensor_is_refused_naming_it_and_the_model_is_left_as_it_was(where, named):
+    # a fresh user's sparse adjacency matrix failed in the profile with "Cannot access storage of SparseTensorImpl"
+    torch.manual_seed(0)
+    model, x = _SparseAdjacency(where).train(), torch.randn(8, 16)
+    before = copy.deepcopy(model.state_dict())
+    inputs = (x, torch.eye(8).to_sparse()) if where == "input" else (x,)
+    model(*inputs).sum().backward()  # (plain PyTorch trains it)
+    with pytest.raises(ValueError, match=f"^{named}.*dense \\(strided\\) tensors only.*to_dense"):
+        memfit.optimize(model, inputs, "min")
+    assert list(model.state_dict()) == list(before)
+    assert all(torch.equal(model.state_dict()[k].to_dense(), v.to_dense()) for k, v in before.items())
+
+
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode", "set_grad_enabled"])
 def test_planning_with_gradients_off_is_refused_and_says_where(context):
     # a fresh user's call under no_grad was told that nothing in the model trains and to run it under no_grad; under

@@ -34,7 +34,7 @@ from memfit.graph.calls import (
 )
 from memfit.graph.capture import Captured, TraceError, capture, check_traced_outputs, refuse_decorated_forward
 from memfit.graph.tiling import apply_tiling, chain_blocks
-from memfit.profile.costs import Costs, profile_graph
+from memfit.profile.costs import SPARSE_ADVICE, Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import OptimizerCost, measure_optimizer, optimizer_state_bytes
 from memfit.runtime.overhead import price_regions
@@ -496,6 +496,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     _require_training(model)
     _require_grad_mode()
     _refuse_sparse_gradients(model)
+    _refuse_sparse_tensors(model, given)
     _warn_hooks(model)
     if _captured is None:
         _refuse_function_arguments(model, given)
@@ -740,6 +741,24 @@ def _refuse_sparse_gradients(model: nn.Module) -> None:
                          "gradients (their size depends on the indices of each batch). Build the embedding with "
                          "sparse=False (a dense gradient, which memfit counts; use an optimizer for dense "
                          "gradients, not SparseAdam), or freeze it")
+
+
+def _refuse_sparse_tensors(model: nn.Module, given: tuple) -> None:
+    """Refuse sparse (or other non-strided) tensors among the example inputs, the model's parameters and buffers and
+    the tensors its modules keep as attributes, naming the first (a fresh user's sparse adjacency matrix failed with
+    PyTorch's "Cannot access storage of SparseTensorImpl").
+
+    Raises:
+        ValueError: one is found; the message names it, its layout and what to change."""
+    found = [(f"the input {name!r}", t) for name, value in forward_arguments(model, given).items()
+             for t in tensors_in(value)]
+    found += [(f"the parameter {name!r}", t) for name, t in model.named_parameters()]
+    found += [(f"the buffer {name!r}", t) for name, t in model.named_buffers()]
+    found += [(f"the attribute {f'{path}.{key}'.lstrip('.')!r}", value) for path, module in model.named_modules()
+              for key, value in vars(module).items() if isinstance(value, torch.Tensor)]
+    for what, t in found:
+        if t.layout != torch.strided:
+            raise ValueError(f"{what} is a {str(t.layout).removeprefix('torch.')} tensor: {SPARSE_ADVICE}")
 
 
 def _check_something_trains(model: nn.Module, costs, inputs: tuple = ()) -> None:

@@ -30,6 +30,11 @@ from memfit.profile.timing import median_seconds
 from memfit.profile.tracker import MemoryTracker, is_out_of_memory
 from memfit.variants.inplace import PLAIN_INPLACE
 
+SPARSE_ADVICE = ("memfit plans steps on dense (strided) tensors only: it measures and places what a step saves by "
+                 "the tensors' storage, which a sparse tensor does not expose. Make it dense (`.to_dense()`) where that "
+                 "fits in memory, or keep the sparse operation out of the planned model (compute it before or after "
+                 "the planned call)")
+
 
 @dataclass
 class Storage:
@@ -847,8 +852,8 @@ class _SaveOrder(TorchDispatchMode):
         returns = func._schema.returns
         for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             aliased = k < len(returns) and returns[k].alias_info is not None
-            if isinstance(t, torch.Tensor) and not aliased and t.device.type != "meta":
-                self.made[t.untyped_storage().data_ptr()] = self.ops
+            if isinstance(t, torch.Tensor) and not aliased and t.device.type != "meta" and t.layout == torch.strided:
+                self.made[t.untyped_storage().data_ptr()] = self.ops  # (a sparse one is refused: see register)
         self.ops += 1
         return out
 
@@ -892,6 +897,9 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
     def register(t: torch.Tensor, producer, kind) -> int | None:
         if t.device.type == "meta":
             return None
+        if t.layout != torch.strided:  # (the inputs, parameters and buffers were checked: memfit.api)
+            raise ValueError(f"the forward pass makes a {str(t.layout).removeprefix('torch.')} tensor (fx node "
+                             f"{producer}): {SPARSE_ADVICE}")
         s = t.untyped_storage()
         ptr = s.data_ptr()
         if ptr in fixed_ptrs or s.nbytes() == 0:
