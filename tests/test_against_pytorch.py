@@ -171,8 +171,19 @@ def test_saved_plan_applies_to_a_new_copy(tmp_path):
     narrow = zoo.build_model("resnet18", num_classes=7).train()
     with pytest.raises(ValueError, match=r"another model: fc\.bias has shape \[10\] .* and \[7\]"):
         memfit.optimize(narrow, images, plan_=memfit.Plan.load(tmp_path / "p.json"))
-    with pytest.raises(ValueError, match="inputs of shape"):
-        memfit.optimize(fresh_copy(model), images[:1], plan_=memfit.Plan.load(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="inputs of shape") as larger:
+        memfit.optimize(fresh_copy(model), torch.cat([images, images]), plan_=memfit.Plan.load(tmp_path / "p.json"))
+    assert "smaller inputs" not in str(larger.value)
+    # a smaller batch: refused with the way a live plan takes it (a fresh user's), which works as PyTorch does
+    smaller = images[:, :, :24, :24].contiguous()  # (a batch of 1 reaches layer4's BatchNorm with one value per channel)
+    with pytest.raises(ValueError, match="inputs of shape.*example batch of its shapes.*runs smaller inputs"):
+        memfit.optimize(fresh_copy(model), smaller, plan_=memfit.Plan.load(tmp_path / "p.json"))
+    plain, mine = fresh_copy(model), fresh_copy(model)
+    small = memfit.optimize(mine, torch.zeros_like(images), plan_=memfit.Plan.load(tmp_path / "p.json"))
+    for net in (small, plain):
+        net(smaller).square().mean().backward()
+    for p, q in zip(mine.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match=r"inputs of dtype \['torch.float32'\], not \['torch.float64'\]"):
         memfit.optimize(fresh_copy(model), images.double(), plan_=memfit.Plan.load(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="sets gradients to None"):

@@ -167,8 +167,13 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
                          f"{plan_.grads_exist} if yours does, or make a new plan")
     shapes = _shapes(given)
     if plan_.input_shapes and shapes != plan_.input_shapes:
+        smaller = len(shapes) == len(plan_.input_shapes) and all(
+            len(a) == len(b) and all(x <= y for x, y in zip(a, b)) for a, b in zip(shapes, plan_.input_shapes))
         raise ValueError(f"the plan was made for inputs of shape {plan_.input_shapes}, not {shapes}: its "
-                         "memory figures would not hold; make a new plan for these shapes")
+                         "memory figures would not hold; make a new plan for these shapes" + (
+                             ", or apply this one with an example batch of its shapes (a batch of your data, or "
+                             "zeros of those shapes and your inputs' dtypes) and then call the planned module with "
+                             "these: it runs smaller inputs (a last short batch) under its budget" if smaller else ""))
     # a parameter trainable in the plan and frozen now needs no gradient the plan counted: freezing after planning
     # needs no new plan, nor does resuming such a run from a checkpoint (a fresh user's resume was refused)
     roles = {key: ("trainable parameter" if role == "frozen parameter"
