@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 from memfit.budget import fmt_bytes
@@ -66,6 +66,7 @@ from memfit.profile.buffers import (
     reachable_slots,
     storage_key,
 )
+from memfit.profile.optimizer import optimizer_state_bytes
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.direct_saves import DirectSaves
 from memfit.runtime.offload import OffloadStep
@@ -375,11 +376,17 @@ _STEP_HOOK: list = []  # the handle of the hook that checks them (one per proces
 
 
 def _watch_optimizer_steps(module: PlannedModule) -> None:
-    """Check, after each optimizer's first step, that ``module``'s plan counted the state it keeps
-    (:meth:`PlannedModule._check_optimizer`), with a hook PyTorch runs after every optimizer's step."""
+    """Check, before and after each optimizer's first step, that ``module``'s plan counted the state it keeps
+    (:meth:`PlannedModule._check_optimizer`), with hooks PyTorch runs around every optimizer's step."""
     _STEPPED.add(module)
     if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))
         _STEP_HOOK.append(register_optimizer_step_post_hook(_after_step))
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    for module in list(_STEPPED):
+        module._check_optimizer(optimizer, before=True)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
@@ -1194,17 +1201,25 @@ class PlannedModule(nn.Module):
 
         self._accumulate_hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in existing]
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer``'s first step (each optimizer once): warn where it keeps more state for this module's
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer, before: bool = False) -> None:
+        """Around ``optimizer``'s first step (each optimizer once): warn where it keeps more state for this module's
         parameters than the plan counted (:attr:`Plan.optimizer_state_bytes`): a fresh user planned without
-        ``optimizer=`` and then trained with AdamW, 1.53x the budget at every step after the first, unwarned."""
-        checked = self.__dict__.setdefault("_optimizers_checked", weakref.WeakSet())
+        ``optimizer=`` and then trained with AdamW, 1.53x the budget at every step after the first, unwarned.
+        ``before``: before the step, with the state it will make estimated (Adam-style optimizers 2x the
+        parameters, momentum 1x: :func:`memfit.profile.optimizer.optimizer_state_bytes`), so that the warning
+        comes before a step that runs out of memory; after it, with the state it made (once either warned)."""
+        checked = self.__dict__.setdefault("_optimizers_prechecked" if before else "_optimizers_checked",
+                                           weakref.WeakSet())
         if optimizer in checked:
             return
         checked.add(optimizer)
         own = {id(p) for p in self.parameters()}
         state = live_bytes([t for p, st in optimizer.state.items() if id(p) in own
                             for t in st.values() if isinstance(t, torch.Tensor)])
+        if before:  # (the estimate of the state its step makes for this module's parameters that have none yet)
+            stepped = [p for p in self.parameters() if p.grad is not None]
+            state += optimizer_state_bytes(optimizer, stepped) - live_bytes([
+                t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
         counted = self.plan.optimizer_state_bytes
         if counted is None:  # (a plan solved by make_plan itself, bench's: its fixed bytes may hold the state)
             params = list(self.parameters())
@@ -1216,10 +1231,11 @@ class PlannedModule(nn.Module):
             what = f"the plan counted {fmt_bytes(counted)} (for {self.plan.optimizer})"
         else:
             what = "the plan counted none (planned without optimizer=)"
+        keeps = f"will keep about {fmt_bytes(state)}" if before else f"keeps {fmt_bytes(state)}"
         self._warn_once("optimizer state", (
-            f"memfit: {type(optimizer).__name__} keeps {fmt_bytes(state)} of state for {type(self.model).__name__}'s "
-            f"parameters, and {what}: from now on a training step can peak about {fmt_bytes(state - counted)} "
-            "above the plan's "
+            f"memfit: {type(optimizer).__name__} {keeps} of state for {type(self.model).__name__}'s "
+            f"parameters, and {what}: {'from its first step' if before else 'from now on'} a training step can peak "
+            f"about {fmt_bytes(state - counted)} above the plan's "
             + (f"budget of {fmt_bytes(self.plan.budget_bytes)}" if self.plan.budget_bytes is not None else
                f"predicted peak of {fmt_bytes(self.plan.predicted_peak_bytes)}")
             + ", and more while its step() runs, whose temporaries (Adam's: about the parameters' size) the plan did "
