@@ -393,10 +393,44 @@ def test_a_heuristic_plan_returned_for_a_generous_budget_is_warned(monkeypatch):
 
     monkeypatch.setattr(strategies, "solve_regions", out_of_time)
     with pytest.warns(UserWarning, match=r"found no plan for this budget within time_limit=2 s, so the plan is a "
-                                         r"heuristic's .*longer time_limit"):
+                                         r"heuristic's .*x plain PyTorch's, predicted\). .*longer time_limit"):
         plan, _, _ = memfit.plan(model, x, budget="97%", time_limit=2, tiling=False)
     assert plan.mip_gap is None and plan.regions
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_a_heuristic_plan_recomputes_only_what_the_budget_needs_and_trains_as_pytorch(monkeypatch):
+    """Found by a fresh user: MaxViT-T (1,653 nodes) at 80% with time_limit=30 got a region per block, every node
+    recomputed (1.50x plain's step predicted), as no program found a plan in time. The heuristic's regions the
+    budget does not need are now dropped (1.08x predicted there)."""
+    import dataclasses
+
+    from memfit.bench.harness import fresh_copy, measure_training
+    from memfit.solve import strategies
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10)).train()
+    x = torch.randn(256, 64)
+    solve = strategies.solve_regions
+
+    def out_of_time(*args, **kw):  # no program finds a plan in time
+        return dataclasses.replace(solve(*args, **kw), spans=None, status="Time limit reached")
+
+    monkeypatch.setattr(strategies, "solve_regions", out_of_time)
+    plain = fresh_copy(model)
+    with pytest.warns(UserWarning, match="found no plan for this budget"):
+        planned = memfit.optimize(model, x, "90%", time_limit=2, tiling=False, loss_fn=lambda out: out.square().mean(),
+                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    counts = planned.plan.counts()
+    assert counts["keep"] > 0 and counts["recompute"] > 0, counts
+    every_block, _, _ = memfit.plan(fresh_copy(model), x, "90%", strategy="checkpoint-all", tiling=False)
+    assert planned.plan.predicted_step_seconds < every_block.predicted_step_seconds
+    for net in (planned, plain):
+        net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    fig = measure_training(planned, planned, (x,), x[:, :10], lambda out, _: out.square().mean(), steps=1)
+    assert fig.peak_bytes <= planned.plan.budget_bytes
 
 
 def test_a_budget_below_the_fixed_bytes_is_told_so_not_to_lower_the_batch():
