@@ -3655,3 +3655,133 @@ def test_a_constant_mask_anded_with_a_traced_one_is_not_refused_as_a_write():
         net(x, keep).pow(2).mean().backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+class _ReadsOwnWeight(nn.Module):
+    """A layer that reads its weight as an attribute (``F.linear(x, self.weight)``): torch.fx reads it by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "lora", "linear"])
+def test_a_parametrization_added_after_planning_is_refused(kind):
+    # a fresh user's weight_norm after planning: its g and v got no gradient and losses drifted from step 1, with a
+    # warning that results were correct; a LoRA delta was left out of the forward (18% off)
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class LoRA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(2, 8)), nn.Parameter(torch.zeros(8, 2))
+
+        def forward(self, w):
+            return w + self.b @ self.a
+
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8) if kind == "linear" else _ReadsOwnWeight()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), layer).train()
+    x = torch.randn(4, 8)
+    planned = memfit.optimize(model, x, "100%", strategy="none", loss_fn=lambda out: out.square().mean())
+    if kind == "lora":
+        parametrize.register_parametrization(model[2], "weight", LoRA())
+    else:
+        weight_norm(model[2])
+    with pytest.raises(RuntimeError, match="a parametrization was registered on the model's submodule '2' after "
+                                           "planning.*Plan the model again"):
+        planned(x)
+
+
+@pytest.mark.parametrize("read", ["F.linear", "module"])
+def test_tied_weights_untied_after_planning_are_refused_where_the_graph_reads_them_as_one(read):
+    # a fresh user's F.linear(h, self.head.weight), tied to the embedding at planning, then untied: the graph read
+    # emb.weight for the head (0.8% off, the head without a gradient), with a warning that results were correct
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            h = torch.tanh(self.emb(ids))
+            return F.linear(h, self.head.weight) if read == "F.linear" else self.head(h)
+
+    torch.manual_seed(0)
+    model, ids = LM().train(), torch.randint(0, 20, (4, 6))
+    planned = memfit.optimize(model, ids, "100%", strategy="none", loss_fn=lambda out: out.square().mean())
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())
+    if read == "F.linear":
+        with pytest.raises(RuntimeError, match="'emb.weight' and 'head.weight' were one tensor when the plan was made"):
+            planned(ids)
+        return
+    plain = fresh_copy(model)
+    with pytest.warns(UserWarning, match="more elements than when the plan was made"):
+        planned(ids).square().mean().backward()
+    plain(ids).square().mean().backward()
+    _same(_grads(plain), _grads(planned))
+
+
+class _Shifted(nn.Module):
+    """A parameter of the model's own, read by name (``+ self.shift``), beside layers called as modules."""
+
+    def __init__(self, bn: bool):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1) for i in range(4))
+        self.bn = nn.BatchNorm2d(8) if bn else nn.Identity()
+        self.shift = nn.Parameter(torch.randn(8, 1, 1) / 2)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.convs[0](x)) + self.shift)
+        for conv in self.convs[1:]:
+            h = torch.tanh(conv(h))
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_functional_call_on_the_planned_module_computes_what_it_does_on_the_model(budget):
+    # a fresh user's functional_call(planned, fast_weights, x) (MAML's fast weights): the model's own parameter read by
+    # name kept its value (output 0.42 off, no gradient); at min, the recomputation in the backward pass read the
+    # module's own weights, which functional_call had put back (PyTorch's CheckpointError, or other values)
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    for bn in (True, False):
+        model = _Shifted(bn).train()
+        plain = fresh_copy(model)
+        planned = memfit.optimize(model, x, budget, loss_fn=lambda out: out.square().mean())
+        assert budget == "100%" or planned.plan.regions or planned.plan.tiled  # (recomputed in the backward pass)
+        own = dict(model.named_parameters())
+        fast = {k: (v.detach() * 1.5).requires_grad_() for k, v in own.items()}
+        for net in (planned, plain):
+            out = functional_call(net, fast, (x,))
+            grads = torch.autograd.grad(out.square().mean(), list(fast.values()))
+            if net is planned:
+                mine = (out, grads)
+        assert torch.allclose(mine[0], out, rtol=1e-5, atol=1e-6)
+        for a, b in zip(mine[1], grads):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert all(p is own[k] for k, p in model.named_parameters())  # (the model's own put back)
+        _same({k: v.float() for k, v in plain.state_dict().items()}, {k: v.float() for k, v in model.state_dict().items()})
+        # the model's own parameters again
+        for net in (planned, plain):
+            net(x).square().mean().backward()
+        _same(_grads(plain), _grads(planned))
+    params = {k: v.detach() for k, v in own.items()}  # per-sample gradients (torch.func: run as PyTorch does)
+
+    def per_sample(net):
+        def loss(p, xi):
+            return functional_call(net, p, (xi[None],)).square().mean()
+        return vmap(grad(loss), in_dims=(None, 0))(params, x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine, theirs = per_sample(planned), per_sample(plain)
+    for k in theirs:
+        assert torch.allclose(mine[k], theirs[k], rtol=1e-5, atol=1e-6), k

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
@@ -136,6 +137,7 @@ class _RegionCall:
         self.direct = direct if direct is not None else {}
         self.watched = watched
         self.versions: list[tuple[torch.Tensor, int]] = []  # the region's parameters after its forward pass
+        self.held: list[tuple[dict, str, torch.Tensor]] = []  # (module._parameters, name, the parameter read)
         self.calls = 0
         self.on_value = on_value
         self.state = state
@@ -164,9 +166,31 @@ class _RegionCall:
             out = self._run(values, None)
             # (a parameter changed before the recomputation, a bias no node saves, would silently give gradients
             # of neither its old nor its new value: a fresh user's were 5e-3 off where plain PyTorch's were exact)
-            self.versions = versions(p for m in region.modules for p in m.parameters(recurse=False))
+            self.held = [(m._parameters, name, p) for m in region.modules for name, p in m._parameters.items()
+                         if p is not None]
+            self.versions = versions(p for _, _, p in self.held)
             return out
         raise_if_changed(self.versions, "a checkpoint region")
+        # the recomputation reads the parameter objects the forward pass read: torch.func.functional_call puts the
+        # module's own back when its call returns, before the backward pass (a fresh user's recomputation read
+        # those: PyTorch's CheckpointError, or other values where their metadata matched)
+        replaced = [(table, name, name in table, table.get(name), p) for table, name, p in self.held
+                    if table.get(name) is not p]
+        try:
+            for table, name, _, _, p in replaced:
+                table[name] = p
+            return self._recompute(values, state)
+        finally:
+            for table, name, had, now, _ in replaced:
+                if had:
+                    table[name] = now
+                else:
+                    table.pop(name, None)
+
+    def _recompute(self, values: list, state: _StepState | None):
+        """A recomputation of the region from its inputs ``values``, with the buffers as the forward pass read
+        them (see the class)."""
+        region = self.region
         if state is None:
             return self._run(values, None)
         scratch: dict[int, torch.Tensor] = {}
@@ -371,6 +395,33 @@ def _under_functorch(args: tuple, kwargs: dict, model: nn.Module) -> bool:
     return any(wrapped(t) for t in tensors_in((args, kwargs))) or (first is not None and wrapped(first))
 
 
+def _parametrized(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The parametrized tensors' names of each parametrized submodule of ``model``, by its path."""
+    return {path: tuple(sorted(m.parametrizations.keys())) for path, m in model.named_modules()
+            if parametrize.is_parametrized(m)}
+
+
+def _tensor_named(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer ``name`` (a qualified name) of ``model``, ``None`` where it has none."""
+    path, _, field = name.rpartition(".")
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return owner._parameters.get(field, owner._buffers.get(field))
+
+
+def _graph_aliases(gm: fx.GraphModule, model: nn.Module) -> list[tuple[str, ...]]:
+    """The names under which ``model`` holds one tensor (tied weights, a shared buffer), for each tensor the traced
+    graph reads by a ``get_attr`` node (by one of those names)."""
+    names: dict[int, list[str]] = {}
+    for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                   model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(name)
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    return [tuple(group) for group in names.values() if len(group) > 1 and read & set(group)]
+
+
 _STEPPED: weakref.WeakSet = weakref.WeakSet()  # planned modules whose optimizers' first steps are checked
 _STEP_HOOK: list = []  # the handle of the hook that checks them (one per process)
 
@@ -485,6 +536,7 @@ class PlannedModule(nn.Module):
                 else:
                     self.register_buffer(name, value, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training
+        self.__dict__["_held"] = self._own_tensors()  # (see _own_assignments)
         # (a graph traced with the example's shapes read the state's too, `for i in range(self.centers.shape[0])`:
         # checked at each call, `.data` replaced by another shape included)
         self.__dict__["_state_shapes_at_build"] = self._state_shapes() if captured.specialized else None
@@ -613,6 +665,36 @@ class PlannedModule(nn.Module):
             mine.clear()
             mine.update(getattr(root, table))
         self._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
+        self.__dict__["_held"] = self._own_tensors()
+
+    def _own_tensors(self) -> dict[tuple[str, str], torch.Tensor | None]:
+        """The planned module's own parameters and buffers (the model's top-level ones), by table and name."""
+        return {(table, name): t for table in ("_parameters", "_buffers") for name, t in getattr(self, table).items()}
+
+    @contextlib.contextmanager
+    def _own_assignments(self):
+        """For one call, the tensors set on the planned module itself since it last matched the model, set on the
+        model (where the traced graph and the model's forward read them), and the model's put back after it.
+        ``torch.func.functional_call(planned, params, x)`` swaps the planned module's own (the model's top-level
+        parameters and buffers) for its call: they were not read (a fresh user's output was 0.42 off, the
+        parameter without a gradient; per-sample gradients 1.0 off). A recomputation in the backward pass reads
+        what the forward pass read (:class:`_RegionCall`)."""
+        held, model = self.__dict__["_held"], self.model
+        swapped = []
+        for table in ("_parameters", "_buffers"):
+            theirs = getattr(model, table)
+            for name, t in getattr(self, table).items():
+                if t is not held.get((table, name)) and theirs.get(name) is not t:
+                    swapped.append((theirs, name, name in theirs, theirs.get(name)))
+                    theirs[name] = t
+        try:
+            yield
+        finally:
+            for theirs, name, had, old in reversed(swapped):
+                if had:
+                    theirs[name] = old
+                else:
+                    theirs.pop(name, None)
 
     def _apply(self, fn, recurse: bool = True):
         """``planned.to(...)``, ``.double()``, ``.cuda()``: converted on the model itself (the planned module
@@ -673,9 +755,14 @@ class PlannedModule(nn.Module):
         # hook (parameters keep their objects), so these are looked at every training call too
         self._buffer_slots = [(module._buffers, name, buf) for module in dict(self._modules_at_build).values()
                               for name, buf in module._buffers.items()]
+        # and each parameter's: torch.func.functional_call swaps them without a registration hook too
+        self._parameter_slots = [(module._parameters, name, p) for module in dict(self._modules_at_build).values()
+                                 for name, p in module._parameters.items()]
         self._state_at_build = self._state_now()
         if "_trainable_elements_at_plan" not in self.__dict__:  # (not again when a replaced parameter rebuilds it)
             self.__dict__["_trainable_elements_at_plan"] = self._trainable_elements()
+            self.__dict__["_parametrized_at_plan"] = _parametrized(self.model)
+            self.__dict__["_aliases_at_plan"] = _graph_aliases(gm, self.model)
         # the modules fx traced into (their code is in the graph; they are never called in a step), by path
         traced = {""} | {path for n in gm.graph.nodes for path in n.meta.get("nn_module_stack", {})
                          if not (n.op == "call_module" and path == n.target)}
@@ -969,6 +1056,14 @@ class PlannedModule(nn.Module):
         return guarded
 
     def forward(self, *args, **kwargs):
+        """The model's forward pass (its arguments and outputs), run under the plan when it is a training step
+        (training mode, gradients on); otherwise the model's own. Raises what the model raises, and
+        ``RuntimeError`` where the model changed after planning in a way the plan cannot follow (a submodule
+        replaced, a parametrization added, tied weights untied that the graph reads as one)."""
+        with self._own_assignments():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, **kwargs):
         model = self.model
         if self.training != model.training:
             # the model's own mode rules: planned.eval() sets both, and a loop that then calls model.train() (on the
@@ -1292,7 +1387,8 @@ class PlannedModule(nn.Module):
         which hold the tensors they were built with."""
         if not self._modules_at_build or (_TREE_VERSION[0] == self._tree_version
                                           and all(d.get(name) is child for d, name, child in self._slots)
-                                          and all(d.get(name) is buf for d, name, buf in self._buffer_slots)):
+                                          and all(d.get(name) is buf for d, name, buf in self._buffer_slots)
+                                          and all(d.get(name) is p for d, name, p in self._parameter_slots)):
             return  # no module anywhere registered anything since the last look, and none was deleted
         version = _TREE_VERSION[0]
         now = dict(self.model.named_modules())
@@ -1303,6 +1399,7 @@ class PlannedModule(nn.Module):
                 raise RuntimeError(f"the model's submodule {name!r} was {what} after planning; the planned module "
                                    "runs the graph traced then, which still calls the old one. Plan the model again "
                                    "(memfit.optimize(model, ...))")
+        self._refuse_rebound_reads()
         if self._state_now() != self._state_at_build:
             root = self.model
             self._mirror_model()
@@ -1320,6 +1417,37 @@ class PlannedModule(nn.Module):
                               "but their gradients and optimizer state are not in the plan, so the step can exceed "
                               "its budget. Make a plan for the model as it is now.", stacklevel=4)
         self._tree_version = version  # (after the checks: a refused tree is refused again at the next call)
+
+    def _refuse_rebound_reads(self) -> None:
+        """Refuse to run where the graph's reads of the model's tensors no longer mean what they did at planning
+        (after any module registered a submodule, parameter or buffer):
+
+        * a parametrization registered or removed since (``torch.nn.utils.parametrize``,
+          ``parametrizations.weight_norm``, a LoRA delta): the graph reads the plain tensor it traced (a fresh
+          user's weight-norm parameters got no gradient, losses drifted from step 1, "results are correct" said);
+        * tensors that were one at planning (tied weights, a buffer registered in two blocks) and are not now:
+          ``torch.fx`` reads them by one of their names (``F.linear(h, self.head.weight)`` read ``emb.weight``
+          after ``head.weight`` was untied: 0.8% off, the head without a gradient).
+
+        Raises:
+            RuntimeError: naming the module or tensors, and that the model needs a new plan."""
+        model = self.model
+        now = _parametrized(model)
+        if now != self.__dict__["_parametrized_at_plan"]:
+            before = self.__dict__["_parametrized_at_plan"]
+            path = next(p for p in sorted(set(now) | set(before)) if now.get(p) != before.get(p))
+            what = "registered on" if set(now.get(path, ())) - set(before.get(path, ())) else "removed from"
+            raise RuntimeError(f"a parametrization was {what} the model's submodule {path!r} after planning "
+                               "(torch.nn.utils.parametrize, parametrizations.weight_norm, a LoRA delta); the planned "
+                               "module runs the graph traced then, which reads that module's tensors as they were. "
+                               "Plan the model again (memfit.optimize(model, ...))")
+        for names in self.__dict__["_aliases_at_plan"]:
+            tensors = [_tensor_named(model, n) for n in names]
+            if any(t is not tensors[0] for t in tensors):
+                raise RuntimeError(f"the model's {' and '.join(repr(n) for n in names)} were one tensor when the plan "
+                                   "was made (tied weights, a shared buffer), and the traced graph reads them as one; "
+                                   "one was replaced by another tensor since. Plan the model again "
+                                   "(memfit.optimize(model, ...)), or keep them tied")
 
     def _check_hooks(self) -> None:
         """Refuse to train when a module that fx traced into (its code is in the graph, so it is never called)

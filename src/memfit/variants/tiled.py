@@ -207,6 +207,9 @@ class TiledChainFn(torch.autograd.Function):
         # (the backward pass computes the chain again from the parameters: one changed since, a weight plain
         # PyTorch would refuse or a bias it would not need, gave gradients of neither value)
         ctx.versions = versions(params)
+        # (and from the parameter objects the forward pass read: torch.func.functional_call puts the modules' own
+        # back when its call returns, before the backward pass; a fresh user's gradients were 1e-2 off)
+        ctx.params = params
         ctx.save_for_backward(x)
         return out
 
@@ -216,12 +219,12 @@ class TiledChainFn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         raise_if_changed(ctx.versions, "a chain computed in row stripes (tiled-chain)")
         layers, heights = ctx.layers, ctx.heights
-        params = _params(layers)
+        params = ctx.params
         # each stripe back-propagates into leaf aliases of the parameters whose .grad is the running sum:
         # autograd adds each stripe's gradient into it in place as soon as it is made, so no parameter's
         # gradient is held twice (torch.autograd.grad would return all of a stripe's gradients at once)
         leaves = [p.detach().requires_grad_(ctx.needs_input_grad[3 + i]) for i, p in enumerate(params)]
-        swap = {id(p): leaf for p, leaf in zip(params, leaves, strict=True)}
+        swap = {id(p): leaf for p, leaf in zip(_params(layers), leaves, strict=True)}  # (the layers' own now)
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
         device, on, dtype = ctx.autocast
