@@ -1475,6 +1475,26 @@ def test_a_model_or_batch_in_another_memory_layout_than_planned_is_warned_about_
         memfit.optimize(_small_cnn().to(memory_format=torch.channels_last), x, plan_=again.plan)
 
 
+def test_integer_inputs_in_another_layout_are_not_warned_about_and_train_as_pytorch():
+    # a fresh user's shorter batch of token ids, ids[:, :20] (not contiguous), was warned about as an input layout
+    # whose activations and convolutions' copies follow it: ids make no activations that follow their layout
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 16), nn.Tanh(), nn.Linear(16, 100)).train()
+    ids = torch.randint(0, 100, (4, 32))
+    plain = copy.deepcopy(model)
+    planned = memfit.optimize(model, ids, "100%")
+    short = ids[:, :20]
+    assert not short.is_contiguous()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned(short).square().mean().backward()
+        memfit.optimize(copy.deepcopy(plain), short, plan_=memfit.optimize(copy.deepcopy(plain), short.contiguous(),
+                                                                           "100%").plan)
+    plain(short).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_keyword_only_arguments_bind_by_name_from_a_dict():
     # a fresh user's {"x": x, "scale": 2.0} for forward(self, x, *, scale) was refused: "'scale' names no argument"
     class KeywordOnly(nn.Module):

@@ -38,7 +38,14 @@ from memfit.profile.costs import SPARSE_ADVICE, Costs, profile_graph
 from memfit.profile.link import measure_link
 from memfit.profile.optimizer import OptimizerCost, measure_optimizer, optimizer_state_bytes
 from memfit.runtime.overhead import price_regions
-from memfit.runtime.planned import PlannedModule, autocast_dtype, conv_libraries, memory_layout, state_layouts
+from memfit.runtime.planned import (
+    PlannedModule,
+    autocast_dtype,
+    conv_libraries,
+    layouts_differ,
+    memory_layout,
+    state_layouts,
+)
 from memfit.runtime.stores import CopyEngine, HostStore, default_store
 from memfit.solve.plan import Plan
 from memfit.solve.strategies import OFFLOAD_STRATEGIES, InfeasibleBudgetError, make_plan, plan_at_floor
@@ -199,7 +206,7 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         raise ValueError(f"the plan was made for inputs of dtype {plan_.input_dtypes}, not {dtypes}: its memory "
                          "figures would not hold; make a new plan for these dtypes")
     layouts = _layouts(given)
-    if plan_.input_layouts and layouts != plan_.input_layouts:
+    if plan_.input_layouts and layouts_differ([t for t in given if isinstance(t, torch.Tensor)], plan_.input_layouts):
         raise ValueError(f"the plan was made for inputs of memory layout {plan_.input_layouts}, not {layouts}: its "
                          "memory figures would not hold; convert the inputs as they were when it was made "
                          "(x.contiguous(memory_format=...)) or make a new plan")

@@ -295,6 +295,14 @@ def memory_layout(t: torch.Tensor) -> str:
     return "strided"
 
 
+def layouts_differ(tensors: list[torch.Tensor], recorded: list[str]) -> bool:
+    """Whether a floating-point (or complex) tensor of ``tensors`` is in another :func:`memory_layout` than
+    ``recorded`` (one per tensor, as a plan records them). Integer tensors (token ids, labels, indices) make no
+    activations that follow their layout: a shorter batch of ids, ``ids[:, :20]``, was warned about."""
+    return len(tensors) != len(recorded) or any(
+        memory_layout(t) != made for t, made in zip(tensors, recorded) if t.is_floating_point() or t.is_complex())
+
+
 def state_layouts(model: nn.Module) -> dict[str, str]:
     """:func:`memory_layout` of every tensor of ``model.state_dict()`` with four or more dimensions, by key."""
     return {k: memory_layout(v) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and v.dim() >= 4}
@@ -1694,8 +1702,9 @@ class PlannedModule(nn.Module):
                                 "correct but convolutions allocate other copies in another layout, so the planned "
                                 "memory figures do not hold. Make a plan for the model as it is now.")
         if self.plan.input_layouts:
-            layouts = [memory_layout(a) for a in args if isinstance(a, torch.Tensor)]
-            if layouts != self.plan.input_layouts and f"weights {now}" not in self._warned:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            layouts = [memory_layout(a) for a in tensors]
+            if layouts_differ(tensors, self.plan.input_layouts) and f"weights {now}" not in self._warned:
                 self._warn_once(f"layout {layouts}", f"memfit: the plan was made for inputs of memory layout "
                                 f"{self.plan.input_layouts}, called with {layouts}; results are correct but "
                                 "activations (and convolutions' copies) follow the input's layout, so the planned "
