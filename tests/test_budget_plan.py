@@ -1226,7 +1226,8 @@ def test_a_budget_between_the_floor_plans_peak_and_its_headroom_is_told_about_th
                                                                 margin_bytes=197_136))
 
 
-@pytest.mark.parametrize("switch", [{"variants": "no"}, {"grads_exist": "yes"}, {"tiling": 0}, {"offload": "auto"}])
+@pytest.mark.parametrize("switch", [{"variants": "no"}, {"variants": "Exact"}, {"grads_exist": "yes"}, {"tiling": 0},
+                                    {"offload": "auto"}])
 def test_a_switch_that_is_not_a_boolean_is_refused(switch):
     # a fresh user's variants="no" was taken as true, silently
     model = nn.Sequential(nn.Linear(4, 4)).train()
@@ -1235,3 +1236,28 @@ def test_a_switch_that_is_not_a_boolean_is_refused(switch):
         memfit.optimize(model, torch.randn(2, 4), **switch)
     with pytest.raises(TypeError, match=rf"{name} must be True or False"):
         memfit.plan(model, torch.randn(2, 4), **switch)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg16"])
+def test_exact_variants_train_bit_for_bit_as_pytorch(name):
+    """Found by a fresh user: at min, ResNet-18 ran 10 convolutions as conv-native, whose rounding Adam's steps
+    then amplified (3.9e-4 after two steps), with no way to keep only the bit-exact variants. variants="exact"
+    keeps only those: gradients and BatchNorm statistics bit for bit PyTorch's."""
+    from memfit.bench.harness import fresh_copy
+    from memfit.variants import VARIANTS
+
+    model = zoo.build_model(name).train()
+    x, y = zoo.example_batch(name, 4 if name == "resnet18" else 2, 64)  # (where plain variants=True rounds)
+    loss = zoo.loss_for(name)
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, x, "min", variants="exact", loss_fn=lambda out: loss(out, y), time_limit=10)
+    chosen = set(planned.plan.variants.values())
+    assert not planned.plan.tiled and not planned.plan.bn_from_output
+    assert all(VARIANTS[v].exact for v in chosen if v in VARIANTS), chosen
+    for net in (planned, plain):
+        torch.manual_seed(1)  # (VGG-16's dropout)
+        loss(net(x), y).backward()
+    for (key, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), key
+    for (key, b), c in zip(model.named_buffers(), plain.buffers()):
+        assert torch.equal(b, c), key

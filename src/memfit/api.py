@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import os
@@ -300,9 +301,22 @@ def _check_switches(**switches) -> None:
     """Refuse a switch (``variants``, ``grads_exist``, ``tiling``, ``offload``) that is not a boolean (``offload``
     may be ``None``): a fresh user's ``variants="no"`` was taken as true, silently."""
     for name, value in switches.items():
-        if not (isinstance(value, bool) or type(value).__name__ == "bool_" or (name == "offload" and value is None)):
-            raise TypeError(f"{name} must be True or False{' (or None: the default)' if name == 'offload' else ''}, "
-                            f"got {value!r}")
+        if not (isinstance(value, bool) or type(value).__name__ == "bool_" or (name == "offload" and value is None)
+                or (name == "variants" and value == "exact")):
+            also = {"offload": " (or None: the default)", "variants": ' (or "exact": bit-exact ones only)'}.get(name, "")
+            raise TypeError(f"{name} must be True or False{also}, got {value!r}")
+
+
+def exact_variants_only(costs: Costs) -> Costs:
+    """``costs`` with only the operator variants whose gradients are bit for bit PyTorch's (``variants="exact"``):
+    no ``conv-native`` (another convolution algorithm, float rounding), and BatchNorm recomputed as PyTorch's
+    checkpoint does where ``bn-saved-stats`` is not checked bit for bit (CUDA's kernels)."""
+    from memfit.variants import VARIANTS
+
+    nodes = [dataclasses.replace(c, variants={k: v for k, v in c.variants.items()
+                                              if k not in VARIANTS or VARIANTS[k].exact}) for c in costs.nodes]
+    out = dataclasses.replace(costs, nodes=nodes)
+    return out if costs.device == "cpu" else out.recomputing_from_stats(set())
 
 
 def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:
@@ -414,7 +428,7 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
 
 
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
-         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, time_limit: float = 20.0, variants: bool = True,
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, time_limit: float = 20.0, variants: bool | str = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
          grads_exist: bool = False, tiling: bool = True, _captured: Captured | None = None,
          _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
@@ -447,7 +461,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
         variants: let ``memfit`` choose memory-efficient operator implementations (ReLU with a 1-bit
             mask, max-pooling with compact indices, convolution backward in two calls, ReLUs and additions
             written in place where autograd allows) jointly with recomputation (MONeT, Shah et al., ICLR
-            2021, section 4).
+            2021, section 4). Some round differently from PyTorch's kernels (``conv-native``,
+            ``bn-from-output``, ``tiled-chain``: gradients equal to float rounding); ``"exact"`` allows only
+            those whose gradients are bit for bit PyTorch's.
         loss_fn: ``loss_fn(output) -> scalar``, your training loss as a closure over the targets, e.g.
             ``lambda out: F.cross_entropy(out, labels)``; its memory is then measured instead of assumed
             (without it memfit assumes a log-softmax style loss: two output-sized tensors), including the
@@ -519,10 +535,13 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     if not isinstance(example_inputs, dict):  # (a dict binds by name: nothing of it falls into *args)
         check_var_positional(captured.gm, inputs)
     outside = _outside_params([model, captured.gm], _optimizers(optimizer))
-    costs = profile_graph(captured, inputs, with_variants=variants and strategy == "memfit", loss_fn=loss_fn,
+    exact = variants == "exact"
+    costs = profile_graph(captured, inputs, with_variants=bool(variants) and strategy == "memfit", loss_fn=loss_fn,
                           grads_exist=grads_exist, user_inputs=given, held=tuple(outside),
                           kept_grads=tuple(_own_optimizers_params([model, captured.gm], _optimizers(optimizer))
                                            + _loss_grads_now([model, captured.gm], loss_fn)))
+    if exact:
+        costs = exact_variants_only(costs)
     loss_ptrs = set(costs.loss_param_ptrs)
     if loss_fn is not None:
         _check_optimizer(optimizer, model, loss_fn, loss_ptrs)
@@ -554,10 +573,11 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
 
     options = [Option(captured, costs)]
     below_plain = floor or budget_bytes < plain.predicted_peak_bytes
-    if tiling and strategy == "memfit" and variants and below_plain:
+    # (striped blocks and BatchNorm from its output round differently from PyTorch: not with variants="exact")
+    if tiling and strategy == "memfit" and variants and not exact and below_plain:
         options += tiled_options(captured, costs, inputs, loss_fn, grads_exist)
     other = (bn_from_output_option(captured, costs, inputs, loss_fn, grads_exist)
-             if strategy == "memfit" and variants and below_plain else None)
+             if strategy == "memfit" and variants and not exact and below_plain else None)
     try:
         result, chosen = best_plan_rounding(options, other, solve, floor, BN_FROM_OUTPUT_MARGIN)
     except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given, and the batch
@@ -908,7 +928,7 @@ def _check_optimizer_state(plan_: Plan, optimizer, trained: list[torch.Tensor]) 
 
 def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
              optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, loss_fn: Callable | None = None,
-             time_limit: float = 20.0, variants: bool = True, offload: bool | None = None,
+             time_limit: float = 20.0, variants: bool | str = True, offload: bool | None = None,
              offload_dir: str | None = None, grads_exist: bool = False, plan_: Plan | None = None,
              tiling: bool = True) -> PlannedModule:
     """Make ``model`` train under a memory budget.

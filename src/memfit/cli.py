@@ -37,12 +37,16 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "(recompute only), none (plain PyTorch), chen, checkpoint-all, vdnn-all, vdnn-conv (fixed rules)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains (default: cpu)")
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, seconds")
-    p.add_argument("--no-variants", action="store_true", help=(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--no-variants", action="store_true", help=(
         "memfit strategy: turn off operator variants (the memory-efficient ReLU, max-pool and convolution "
         "implementations, in-place ReLUs and additions, and BatchNorm recomputed from saved statistics); "
         "recomputation stays, and so does offloading where "
         "a store exists (on CUDA, or with --offload-dir); with --no-offload as well it equals the remat-ilp "
         "strategy (recomputation only)"))
+    which.add_argument("--exact-variants", action="store_true", help=(
+        "memfit strategy: only operator variants whose gradients are bit for bit PyTorch's (no conv-native, no "
+        "BatchNorm from its output, no row stripes, which round differently)"))
     p.add_argument("--no-tiling", action="store_true", help=(
         "memfit strategy: never run blocks of convolutions, pooling and activations in row stripes "
         "(tiled-chain; on by default with variants, for models with such blocks)"))
@@ -201,6 +205,11 @@ def _report_table(r: dict, budget: str | None = None) -> Table:
     return t
 
 
+def _variants(args) -> bool | str:
+    """The ``variants`` argument of ``--no-variants`` and ``--exact-variants`` (one or neither)."""
+    return "exact" if args.exact_variants else not args.no_variants
+
+
 def cmd_run(args) -> int:
     from memfit.bench.job import run_job
 
@@ -208,7 +217,7 @@ def cmd_run(args) -> int:
     console = Console()
     with console.status(f"measuring plain PyTorch, profiling and solving {args.model} ..."):
         report = run_job(args.model, batch, size, args.budget, args.strategy, args.steps, args.device,
-                         args.time_limit, args.seed, variants=not args.no_variants, offload=_offload(args),
+                         args.time_limit, args.seed, variants=_variants(args), offload=_offload(args),
                          offload_dir=args.offload_dir, grads_exist=args.grads_exist, tiling=not args.no_tiling)
     console.print(_report_table(report, args.budget))
     if args.json:
@@ -233,7 +242,7 @@ def cmd_plan(args) -> int:
     store = offload_store((images,), args.strategy, _offload(args), args.offload_dir)
     # the loss `memfit run` trains with (its targets count as fixed bytes there too): the same figures and floor
     result, _, _ = plan(model, (images,), args.budget, strategy=args.strategy, optimizer=opt,
-                        time_limit=args.time_limit, variants=not args.no_variants, offload=_offload(args),
+                        time_limit=args.time_limit, variants=_variants(args), offload=_offload(args),
                         offload_dir=args.offload_dir, grads_exist=args.grads_exist, _store=store,
                         loss_fn=lambda out: loss(out, target), tiling=not args.no_tiling)
     result.save(args.out)
