@@ -1447,8 +1447,10 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     out_grads = dict(zip([k for k, f in enumerate(flags) if f and k not in loose], grads_of[:len(leaves)]))
     out_grads.update({k: sink.get(k) for k in loose})
     # (the outputs' gradients are activation gradients to the replay, the others' fixed bytes: neither transient)
-    grads = (sum(g.untyped_storage().nbytes() for g in out_grads.values() if g is not None)
-             + sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):] if g is not None))
+    # (each storage once: the gradients of outputs a loss concatenated, torch.cat(out) or torch.stack, are views of
+    # the concatenation's one gradient; counted per output, a SimCLR-style loss was predicted a concatenation short)
+    grads = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                 for g in [*out_grads.values(), *grads_of[len(leaves):]] if g is not None}.values())
     param_grads = sum(g.untyped_storage().nbytes() for g in grads_of[len(leaves):len(leaves) + len(outside)]
                       if g is not None)
     transient = during - grads
