@@ -1435,6 +1435,36 @@ def test_a_held_output_of_a_few_bytes_is_not_warned():
     assert not [w for w in seen if "holds" in str(w.message)], [str(w.message) for w in seen]
 
 
+def test_a_model_returning_its_own_loss_is_not_warned_as_a_held_output():
+    # a fresh user's denoiser returned F.mse_loss (noise drawn inside): each step warned that the loop held the
+    # output through the backward pass (the loss, a view of its squared errors), which the plan counts held, and
+    # advised computing the loss from the call; the step measured what was predicted
+    class Denoiser(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(32, 3, 3, padding=1)
+
+        def forward(self, x0):
+            noise = torch.randn_like(x0)
+            return F.mse_loss(self.c2(F.silu(self.c1(0.8 * x0 + 0.6 * noise))), noise)
+
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 3, 32, 32)
+    model = Denoiser().train()
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, x0, "100%", loss_fn=lambda out: out,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(1)
+        planned(x0).backward()
+    torch.manual_seed(1)
+    plain(x0).backward()
+    _same(_grads(plain), _grads(planned))
+    fig = measure_training(planned, planned, (x0,), None, lambda out, _: out, steps=1)
+    assert fig.peak_bytes <= planned.plan.budget_bytes
+
+
 class _Queue(nn.Module):
     """A MoCo-style queue of negatives, written by assignment into a slice or in place."""
 
@@ -3543,7 +3573,7 @@ def test_a_loss_freeing_the_outputs_it_saved_as_its_backward_goes_is_predicted()
         planned.plan.predicted_peak_bytes, fig.peak_bytes)
 
 
-class _TwoHeads(nn.Module):
+class _TwoProjections(nn.Module):
     """Two heads on one body, returned as a tuple (SimCLR's two projections, a two-view encoder)."""
 
     def __init__(self):
@@ -3563,7 +3593,7 @@ def test_a_loss_concatenating_outputs_is_predicted(join, budget):
     # gradients are views of the concatenation's one gradient, counted once per output, and the step measured
     # 1.21x its budget (the prediction a concatenation short), unwarned
     torch.manual_seed(0)
-    model, x = _TwoHeads().train(), torch.randn(8, 3, 32, 32)
+    model, x = _TwoProjections().train(), torch.randn(8, 3, 32, 32)
 
     def loss(out, _):
         return getattr(torch, join)(out).pow(2).mean()

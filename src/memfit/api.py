@@ -619,7 +619,9 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.loss_trained = [name for name, p in by_loss if id(p) in own]
     result.node_ops = node_ops(captured.gm)
     result.node_inputs = node_inputs(captured.gm)
-    saved = {s for node in costs.nodes for s in node.saves}  # (an output a node saves is held anyway)
+    # (an output a node saves is held anyway, and the loss value's, which the plan counts held to the step's end: a
+    # model returning its own loss was warned about as "held by the training loop" at each of a fresh user's steps)
+    saved = {s for node in costs.nodes for s in node.saves} | {costs.loss_output}
     result.freed_outputs = [k for k, s in enumerate(costs.output_ids) if s is not None and s not in saved
                             and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()

@@ -248,6 +248,9 @@ class Costs:
         loss_keeps: storage ids of the outputs the loss saves for its backward (``(out ** 2).mean()``,
             ``F.mse_loss``; ``F.cross_entropy`` saves its own log-softmax instead): they stay alive until the
             loss's backward, where the replay would otherwise free them once the loss has read them.
+        loss_output: storage id of the output the loss value is, or a view of (a model returning its own loss, with
+            ``loss_fn=lambda out: out``): the loop holds it to the end of the step, as ``loss_held_bytes`` counts;
+            ``None`` where the loss is no output.
         loss_grads: storage ids of the outputs the loss's backward gives a gradient (those it reads on a path to the
             loss value), measured when a loss function was given; ``None`` (no loss function): every output. An
             output the loss does not read (hidden states returned beside the logits) gets none, and the replay once
@@ -307,6 +310,7 @@ class Costs:
     loss_forward_bytes: int = 0
     output_ids: list[int | None] = field(default_factory=list)
     loss_keeps: list[int] = field(default_factory=list)
+    loss_output: int | None = None
     loss_grads: list[int] | None = None
     loss_param_ptrs: list[int] = field(default_factory=list)
     buffer_kinds: dict[str, str] = field(default_factory=dict)
@@ -332,6 +336,7 @@ class Costs:
                    step_bytes=d.get("step_bytes", 0), loss_held_bytes=d.get("loss_held_bytes", 0),
                    region_bytes=d.get("region_bytes", 0), loss_forward_bytes=d.get("loss_forward_bytes", 0),
                    output_ids=d.get("output_ids", []), loss_keeps=d.get("loss_keeps", []),
+                   loss_output=d.get("loss_output"),
                    loss_grads=d.get("loss_grads"), loss_param_ptrs=d.get("loss_param_ptrs", []),
                    buffer_kinds=d.get("buffer_kinds", {}), buffer_bytes=d.get("buffer_bytes", {}),
                    headroom_of=d.get("headroom_of"), region_seconds=d.get("region_seconds", 0.0),
@@ -403,6 +408,7 @@ class Costs:
         storages = [Storage(id=s.id, nbytes=0 if s.id in merged else s.nbytes, producer=s.producer,
                             kind=kinds[s.id], requires_grad=s.requires_grad) for s in self.storages]
         return replace(self, storages=storages, nodes=nodes, loss_keeps=ids(self.loss_keeps),
+                       loss_output=None if self.loss_output is None else res(self.loss_output),
                        loss_grads=None if self.loss_grads is None else ids(self.loss_grads),
                        output_ids=[None if x is None else res(x) for x in self.output_ids])
 
@@ -527,10 +533,12 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
                 c.grad_bytes = max(0, c.grad_bytes - unread.get(c.name, 0))
             if loss_fn is not None:
                 (costs.loss_bytes, costs.loss_held_bytes, costs.loss_forward_bytes, kept, graded,
-                 loss_param_grads, costs.loss_param_ptrs, loss_reads) = _measure_loss(gm, inputs, loss_fn, device,
-                                                                                      requires, kept_grads)
+                 loss_param_grads, costs.loss_param_ptrs, loss_reads, is_output) = _measure_loss(
+                    gm, inputs, loss_fn, device, requires, kept_grads)
                 costs.loss_keeps = sorted({costs.output_ids[k] for k in kept if k < len(costs.output_ids)
                                            and costs.output_ids[k] is not None})
+                if is_output is not None and is_output < len(costs.output_ids):
+                    costs.loss_output = costs.output_ids[is_output]
                 if costs.loss_keeps:  # (again, each saved output freed as the loss's backward releases it)
                     costs.loss_bytes_freed = min(costs.loss_bytes, _measure_loss(
                         gm, inputs, loss_fn, device, requires, kept_grads, free_outputs=True)[0])
@@ -1339,9 +1347,10 @@ def _filled(cell) -> bool:
 
 def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.device,
                   requires: dict[str, list[bool]] | None = None, kept_grads: tuple = (), free_outputs: bool = False
-                  ) -> tuple[int, int, int, list[int], list[int], int, list[int], set[int]]:
-    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads, param_ptrs, read)`` (see
-    :class:`Costs`; ``read``: the data pointers of the storages the loss's forward reads;
+                  ) -> tuple[int, int, int, list[int], list[int], int, list[int], set[int], int | None]:
+    """``(loss_bytes, loss_held_bytes, loss_forward_bytes, kept, graded, param_grads, param_ptrs, read, is_output)``
+    (see :class:`Costs`; ``read``: the data pointers of the storages the loss's forward reads; ``is_output``: the
+    position of the output whose storage the loss value is, ``None`` for none;
     ``param_grads``: bytes of the gradients the loss's backward gives parameters outside the model, a head or a
     discriminator the loss calls, which the step keeps as ``.grad``): transient bytes of
     ``loss_fn`` forward and backward on the model's output, beyond the output's gradient (which the replay
@@ -1430,6 +1439,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
             # counted as freed once the loss had read it, a model returning its own loss measured 4 B over a 100%
             # budget)
             ptr = loss.untyped_storage().data_ptr()
+            is_output = ptr_of.index(ptr) if ptr in out_storages and ptr in ptr_of else None
             if ptr in out_storages:
                 kept[ptr] = out_storages[ptr]
             held = loss.untyped_storage().nbytes()
@@ -1466,7 +1476,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
     positions = [k for k, p in enumerate(ptr_of) if p in kept]
     graded = sorted(k for k, g in out_grads.items() if g is not None)
     return (max(0, transient), held, forward_peak, positions, graded, param_grads,
-            sorted({t.untyped_storage().data_ptr() for t in reached}), reads.ptrs)
+            sorted({t.untyped_storage().data_ptr() for t in reached}), reads.ptrs, is_output)
 
 
 def _loss_adding_into_grads(out: Any, loss_fn, device: torch.device, made: list[torch.Tensor],
