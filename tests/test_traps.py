@@ -1741,9 +1741,13 @@ def test_hooks_on_the_model_itself_are_refused_and_run_on_the_planned_module(kin
         calls.append(1)
 
     handle = getattr(model, f"register_{kind}_hook")(hook)
-    with pytest.raises(memfit.TraceError, match=r"the model itself \(Sequential\) has (forward pre-hook|forward hook|"
-                                                r"backward hook).*register them on the planned module"):
+    # (one message: a warning that "the plan runs them" came with it, and "an instance forward belongs in the class")
+    with warnings.catch_warnings(), pytest.raises(memfit.TraceError) as refused:
+        warnings.simplefilter("error")
         memfit.optimize(model, x, "min")
+    assert re.search(r"the model itself \(Sequential\) has a (forward pre-hook|forward hook|backward hook) of its "
+                     r"own.*register them on the planned module", str(refused.value)), str(refused.value)
+    assert "instance" not in str(refused.value)
     assert model._forward_pre_hooks or model._forward_hooks or model._backward_hooks  # (as it was)
     handle.remove()
     planned = memfit.optimize(model, x, "min")
@@ -1754,6 +1758,15 @@ def test_hooks_on_the_model_itself_are_refused_and_run_on_the_planned_module(kin
     F.cross_entropy(ref(x), y).backward()
     assert len(calls) == 2
     _same({k: p.grad for k, p in ref.named_parameters()}, {k: p.grad for k, p in model.named_parameters()}, tol=0)
+
+
+def test_a_forward_set_on_the_model_instance_is_refused_with_its_own_message():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    model.forward = lambda x: nn.Sequential.forward(model, x) * 2
+    with pytest.raises(memfit.TraceError, match=r"has a forward set on the instance \(model.forward = f\).*Define "
+                                                r"that forward in a class"):
+        memfit.optimize(model, torch.randn(8, 16), "min")
+    assert "forward" in model.__dict__  # (as it was)
 
 
 class _Stores(nn.Module):

@@ -653,8 +653,8 @@ def _warn_hooks(model: nn.Module) -> None:
         return any(not getattr(h, "__module__", type(h).__module__).startswith("torch.") and not collects_in_call(h)
                    for h in hooks.values())
 
-    hooked = [name or "the model" for name, m in model.named_modules()
-              if users(m._forward_hooks) or users(m._forward_pre_hooks)]
+    hooked = [name for name, m in model.named_modules()  # (the model's own are refused: capture)
+              if name and (users(m._forward_hooks) or users(m._forward_pre_hooks))]
     if hooked:
         warn_user(f"memfit: {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
                   f"{'have' if len(hooked) > 1 else 'has'} forward hooks: the plan runs them but cannot see what they "

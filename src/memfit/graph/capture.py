@@ -1372,19 +1372,22 @@ def _refuse_root_hooks(model: nn.Module) -> None:
     before anything runs: the planned module runs the traced graph, not the model's ``__call__``, so they would
     never run (fresh users' counters were then refused at the first step as "registered after planning", and a
     pre-hook scaling the input as a differing output). Hooks on submodules are kept, their module whole."""
-    kinds = [kind for kind, table in (("forward pre-hook", model._forward_pre_hooks), ("forward hook",
-             model._forward_hooks), ("backward hook", model._backward_hooks), ("backward pre-hook",
-             model._backward_pre_hooks)) if table]
-    if "forward" in model.__dict__ and not hasattr(model, "_orig_mod"):
-        kinds.append("forward set on the instance (model.forward = f)")
+    kinds = [f"a {kind}" if len(table) == 1 else f"{len(table)} {kind}s" for kind, table in (
+        ("forward pre-hook", model._forward_pre_hooks), ("forward hook", model._forward_hooks),
+        ("backward hook", model._backward_hooks), ("backward pre-hook", model._backward_pre_hooks)) if table]
+    instance = "forward" in model.__dict__ and not hasattr(model, "_orig_mod")
     if kinds:
         raise TraceError(
-            f"the model itself ({type(model).__name__}) has {', '.join(kinds)} of its own, which the planned module "
+            f"the model itself ({type(model).__name__}) has {' and '.join(kinds)} of its own, which the planned module "
             "would not run: it runs the traced forward, not your model's call. Remove them (keep the handles "
             "register_*_hook returned, and call handle.remove()) and register them on the planned module "
             "(planned = memfit.optimize(model, ...); planned.register_forward_hook(hook)), which runs them around "
-            "each call as PyTorch runs them around your model's; an instance forward belongs in the class. "
-            "Your model is as it was.")
+            "each call as PyTorch runs them around your model's. Your model is as it was.")
+    if instance:
+        raise TraceError(
+            f"the model itself ({type(model).__name__}) has a forward set on the instance (model.forward = f), which "
+            "the planned module would not run: it traces the class's forward. Define that forward in a class (a "
+            "subclass of yours, or a module wrapping the model) and plan that. Your model is as it was.")
 
 
 def _random_branch_advice(line: str) -> str:
