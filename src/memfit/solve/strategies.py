@@ -490,7 +490,7 @@ def _fewer_regions(prob: _Problem, spans: Spans, limit: int, until: float) -> Pl
         else:
             hi = mid - 1
     kept = order[lo:]
-    for span in order[lo + 1:]:
+    for span in order[lo:]:
         if time.perf_counter() > until:
             break
         trial = prob.finish([s for s in kept if s != span])
