@@ -1451,7 +1451,12 @@ class PlannedModule(nn.Module):
                                "Plan the model again (memfit.optimize(model, ...))")
         for names in self.__dict__["_aliases_at_plan"]:
             tensors = [_tensor_named(model, n) for n in names]
-            if any(t is not tensors[0] for t in tensors):
+            # (buffers of equal values are read as one correctly: model.double() converts a shared buffer once per
+            # module that holds it, as PyTorch does; not parameters, whose gradients would go to one of them)
+            if any(t is not tensors[0] for t in tensors) and not (
+                    all(t is not None and not isinstance(t, nn.Parameter) for t in tensors)
+                    and all(t.shape == tensors[0].shape and t.dtype == tensors[0].dtype and torch.equal(t, tensors[0])
+                            for t in tensors)):
                 raise RuntimeError(f"the model's {' and '.join(repr(n) for n in names)} were one tensor when the plan "
                                    "was made (tied weights, a shared buffer), and the traced graph reads them as one; "
                                    "one was replaced by another tensor since. Plan the model again "
