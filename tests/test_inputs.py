@@ -1423,6 +1423,27 @@ def test_a_sparse_tensor_is_refused_naming_it_and_the_model_is_left_as_it_was(wh
     assert all(torch.equal(model.state_dict()[k].to_dense(), v.to_dense()) for k, v in before.items())
 
 
+def test_a_buffer_made_sparse_after_planning_is_refused_naming_it():
+    # a fresh user's buffer replaced by a sparse one after planning: PyTorch's "Cannot access storage of
+    # SparseTensorImpl" from the planned module, naming nothing
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.register_buffer("adj", torch.eye(8))
+
+        def forward(self, x):
+            return self.adj @ torch.relu(self.fc(x))
+
+    torch.manual_seed(0)
+    model = Dense().train()
+    x = torch.randn(8, 16)
+    planned = memfit.optimize(model, x, "100%", strategy="none")
+    model.adj = torch.eye(8).to_sparse()
+    with pytest.raises(ValueError, match="the model's buffer 'adj' is now a sparse_coo tensor.*to_dense"):
+        planned(x)
+
+
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode", "set_grad_enabled"])
 def test_planning_with_gradients_off_is_refused_and_says_where(context):
     # a fresh user's call under no_grad was told that nothing in the model trains and to run it under no_grad; under

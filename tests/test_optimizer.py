@@ -517,3 +517,48 @@ def test_later_steps_of_the_optimizer_stay_within_the_budget(make):
     planned = memfit.optimize(model, x, "min", optimizer=opt, loss_fn=lambda out: loss_fn(out, y))
     for _ in range(8):
         assert _step_peak(planned, model, opt, x, y, loss_fn) <= planned.plan.budget_bytes
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW(p, amsgrad=True),
+                                  lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True),
+                                  lambda p: torch.optim.Adadelta(p)])
+def test_the_state_warned_about_before_the_first_step_is_what_the_optimizer_keeps(make):
+    # a fresh user's AdamW(amsgrad=True) was warned "about 8.0 MiB" (2x the parameters) and kept 12.0 MiB; RMSprop
+    # with momentum "4.0 MiB", and kept 8.0 MiB
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).train()
+    x = torch.randn(32, 256)
+    planned = memfit.optimize(model, x, "100%", strategy="none", time_limit=5)
+    opt = make(planned.parameters())
+    planned(x).square().mean().backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.step()
+    said = [str(w.message) for w in seen if " of state for " in str(w.message)]
+    state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    assert len(said) == 1 and f"will keep about {fmt_bytes(state)} of state" in said[0], said
+
+
+def test_an_optimizer_keeping_more_than_estimated_is_warned_again_after_its_first_step():
+    class TwoBuffers(torch.optim.SGD):  # (momentum: estimated 1x the parameters; keeps 2x)
+        @torch.no_grad()
+        def step(self, closure=None):
+            super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].setdefault("trace", torch.zeros_like(p)).add_(p.grad)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).train()
+    x = torch.randn(32, 256)
+    planned = memfit.optimize(model, x, "100%", strategy="none", time_limit=5)
+    opt = TwoBuffers(planned.parameters(), lr=0.1, momentum=0.9)
+    planned(x).square().mean().backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.step()
+        planned(x).square().mean().backward()
+        opt.step()
+    said = [str(w.message) for w in seen if " of state for " in str(w.message)]
+    assert len(said) == 2 and "will keep about" in said[0] and "estimated before its first step" in said[1], said

@@ -3894,3 +3894,30 @@ def test_functional_call_on_the_planned_module_computes_what_it_does_on_the_mode
         mine, theirs = per_sample(planned), per_sample(plain)
     for k in theirs:
         assert torch.allclose(mine[k], theirs[k], rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_functional_call_with_buffers_updates_those_given_and_leaves_the_models_as_pytorch_does(budget):
+    # a fresh user's functional_call(planned, {**params, **buffers}, x): where a BatchNorm was recomputed, the backward
+    # pass updated the model's own statistics too (functional_call had put them back by then)
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    model = _Shifted(bn=True).train()
+    plain = fresh_copy(model)
+    planned = memfit.optimize(model, x, budget, loss_fn=lambda out: out.square().mean())
+    assert budget == "100%" or planned.plan.regions
+    given = {}
+    for net, m in ((planned, model), (plain, plain)):
+        state = {k: v.detach().clone() for k, v in [*m.named_parameters(), *m.named_buffers()]}
+        for k, v in state.items():
+            v.requires_grad_(v.is_floating_point() and k in dict(m.named_parameters()))
+        functional_call(net, state, (x,)).square().mean().backward()
+        given[net is planned] = state
+    for k in given[True]:
+        assert torch.allclose(given[True][k].float(), given[False][k].float(), rtol=1e-5, atol=1e-6), k
+        if given[True][k].grad is not None:
+            assert torch.allclose(given[True][k].grad, given[False][k].grad, rtol=1e-5, atol=1e-6), k
+    for (k, b), c in zip(model.named_buffers(), plain.buffers()):
+        assert torch.equal(b, c), k  # (the model's own: untouched in both)

@@ -48,14 +48,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
     step, or unfrozen or added with ``add_param_group`` since (counting only the state that existed put a fresh
     user's second fine-tuning stage 1.39x over its budget with AdamW). That new state is ``measured`` (parameter
     ``id()`` -> bytes, :attr:`OptimizerCost.state_by_param`) where given, else estimated: 2x the parameter for
-    Adam-style optimizers (``exp_avg``, ``exp_avg_sq``), 1x in a group with momentum, 0 otherwise."""
+    Adam-style optimizers (``exp_avg``, ``exp_avg_sq``; 3x with ``amsgrad``), 1x for RMSprop's ``square_avg`` plus
+    1x each for its momentum and ``centered``, 2x for Adadelta, 1x in another group with momentum, 0 otherwise."""
     if optimizer is None:
         return 0
     have = {id(p) for p, st in optimizer.state.items()
             if any(isinstance(t, torch.Tensor) for t in st.values())}
     wanted = {id(p) for p in params if p.requires_grad} - have
     new = 0
-    adam = "adam" in type(optimizer).__name__.lower()
+    name = type(optimizer).__name__.lower()
     for g in optimizer.param_groups:
         for p in g["params"]:
             if id(p) not in wanted:
@@ -63,8 +64,12 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
             wanted.discard(id(p))  # (once, if a parameter is in two groups)
             if measured is not None:
                 new += measured.get(id(p), 0)
-            elif adam or g.get("momentum", 0):
-                new += (2 if adam else 1) * p.untyped_storage().nbytes()
+            else:  # (a fresh user's AdamW(amsgrad=True) was estimated 2x, RMSprop(momentum=0.9) 1x: 3x and 2x kept)
+                momentum = 1 if g.get("momentum", 0) else 0
+                copies = (2 + bool(g.get("amsgrad")) if "adam" in name else
+                          1 + momentum + bool(g.get("centered")) if "rmsprop" in name else
+                          2 if "adadelta" in name else momentum)
+                new += copies * p.untyped_storage().nbytes()
     return live_bytes(_state_tensors(optimizer)) + new
 
 

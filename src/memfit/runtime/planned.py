@@ -67,6 +67,7 @@ from memfit.profile.buffers import (
     reachable_slots,
     storage_key,
 )
+from memfit.profile.costs import SPARSE_ADVICE
 from memfit.profile.optimizer import optimizer_state_bytes
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.direct_saves import DirectSaves
@@ -169,11 +170,15 @@ class _RegionCall:
             self.held = [(m._parameters, name, p) for m in region.modules for name, p in m._parameters.items()
                          if p is not None]
             self.versions = versions(p for _, _, p in self.held)
+            # (and the buffers: a BatchNorm given its statistics by functional_call updated the model's own when
+            # recomputed, after functional_call had put them back)
+            self.held += [(m._buffers, name, b) for m in region.modules for name, b in m._buffers.items()
+                          if b is not None]
             return out
         raise_if_changed(self.versions, "a checkpoint region")
-        # the recomputation reads the parameter objects the forward pass read: torch.func.functional_call puts the
-        # module's own back when its call returns, before the backward pass (a fresh user's recomputation read
-        # those: PyTorch's CheckpointError, or other values where their metadata matched)
+        # the recomputation reads the parameter and buffer objects the forward pass read: torch.func.functional_call
+        # puts the module's own back when its call returns, before the backward pass (a fresh user's recomputation
+        # read those: PyTorch's CheckpointError, or other values where their metadata matched)
         replaced = [(table, name, name in table, table.get(name), p) for table, name, p in self.held
                     if table.get(name) is not p]
         try:
@@ -443,12 +448,27 @@ def _watch_optimizer_steps(module: PlannedModule) -> None:
         _STEP_HOOK.append(register_optimizer_step_post_hook(_after_step))
 
 
+_STEP_DEPTH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its steps under way
+
+
 def _before_step(optimizer, args, kwargs) -> None:
-    for module in list(_STEPPED):
-        module._check_optimizer(optimizer, before=True)
+    # (an optimizer subclass whose step calls super().step() runs the global hooks around both: the outer step's
+    # are the ones to check around, a fresh user's second buffer was made after the inner step's post-hook)
+    depth = _STEP_DEPTH[optimizer] = _STEP_DEPTH.get(optimizer, 0) + 1
+    if depth > 1:
+        return
+    try:
+        for module in list(_STEPPED):
+            module._check_optimizer(optimizer, before=True)
+    except BaseException:  # (a warning raised as an error: the step does not run, nor its post-hooks)
+        _STEP_DEPTH[optimizer] = 0
+        raise
 
 
 def _after_step(optimizer, args, kwargs) -> None:
+    depth = _STEP_DEPTH[optimizer] = max(0, _STEP_DEPTH.get(optimizer, 0) - 1)
+    if depth > 0:
+        return
     for module in list(_STEPPED):
         module._check_optimizer(optimizer)
 
@@ -1310,7 +1330,8 @@ class PlannedModule(nn.Module):
         ``optimizer=`` and then trained with AdamW, 1.53x the budget at every step after the first, unwarned.
         ``before``: before the step, with the state it will make estimated (Adam-style optimizers 2x the
         parameters, momentum 1x: :func:`memfit.profile.optimizer.optimizer_state_bytes`), so that the warning
-        comes before a step that runs out of memory; after it, with the state it made (once either warned)."""
+        comes before a step that runs out of memory; after it, with the state it made (again where that is more
+        than the estimate: AdamW with ``amsgrad``, RMSprop with momentum, were estimated short)."""
         checked = self.__dict__.setdefault("_optimizers_prechecked" if before else "_optimizers_checked",
                                            weakref.WeakSet())
         if optimizer in checked:
@@ -1330,11 +1351,20 @@ class PlannedModule(nn.Module):
                           - sum(p.untyped_storage().nbytes() for p in params if p.requires_grad))
         if state <= 1.01 * counted + 65536:
             return
+        estimated = self.__dict__.setdefault("_state_estimated", weakref.WeakKeyDictionary())
+        if before:
+            estimated[optimizer] = state
+        elif optimizer in estimated:  # (warned before the step: again only where the estimate fell short)
+            if state <= 1.01 * estimated[optimizer] + 65536:
+                return
+            self._warned.discard("optimizer state")
         if self.plan.optimizer_state_bytes is not None:
             what = f"the plan counted {fmt_bytes(counted)} (for {self.plan.optimizer})"
         else:
             what = "the plan counted none (planned without optimizer=)"
-        keeps = f"will keep about {fmt_bytes(state)}" if before else f"keeps {fmt_bytes(state)}"
+        keeps = (f"will keep about {fmt_bytes(state)}" if before else f"keeps {fmt_bytes(state)}" + (
+            f" (more than the {fmt_bytes(estimated[optimizer])} estimated before its first step)"
+            if optimizer in estimated else ""))
         self._warn_once("optimizer state", (
             f"memfit: {type(optimizer).__name__} {keeps} of state for {type(self.model).__name__}'s "
             f"parameters, and {what}: {'from its first step' if before else 'from now on'} a training step can peak "
@@ -1438,8 +1468,14 @@ class PlannedModule(nn.Module):
           after ``head.weight`` was untied: 0.8% off, the head without a gradient).
 
         Raises:
-            RuntimeError: naming the module or tensors, and that the model needs a new plan."""
+            RuntimeError: naming the module or tensors, and that the model needs a new plan.
+            ValueError: a parameter or buffer is sparse now (memfit plans dense tensors only)."""
         model = self.model
+        for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+            for name, t in items:  # (a buffer replaced by a sparse one: PyTorch's "Cannot access storage" before)
+                if t.layout != torch.strided:
+                    raise ValueError(f"the model's {kind} {name!r} is now a {str(t.layout).removeprefix('torch.')} "
+                                     f"tensor: {SPARSE_ADVICE}")
         now = _parametrized(model)
         if now != self.__dict__["_parametrized_at_plan"]:
             before = self.__dict__["_parametrized_at_plan"]
