@@ -1423,6 +1423,27 @@ def test_a_sparse_tensor_is_refused_naming_it_and_the_model_is_left_as_it_was(wh
     assert all(torch.equal(model.state_dict()[k].to_dense(), v.to_dense()) for k, v in before.items())
 
 
+def test_an_argument_named_as_a_buffer_and_left_out_reads_the_buffer_as_pytorch_does():
+    # `self.adj if adj is None else adj` with a buffer named adj: "Node redefined name adj!" (found on the way)
+    class Graph(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.register_buffer("adj", torch.eye(8) * 0.5)
+
+        def forward(self, x, adj=None):
+            return (self.adj if adj is None else adj) @ torch.relu(self.fc(x))
+
+    torch.manual_seed(0)
+    model, x = Graph().train(), torch.randn(8, 16)
+    plain = copy.deepcopy(model)
+    planned = memfit.optimize(model, x, "min", loss_fn=lambda out: out.square().mean())
+    for net in (planned, plain):
+        net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_buffer_made_sparse_after_planning_is_refused_naming_it():
     # a fresh user's buffer replaced by a sparse one after planning: PyTorch's "Cannot access storage of
     # SparseTensorImpl" from the planned module, naming nothing

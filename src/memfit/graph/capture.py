@@ -956,6 +956,12 @@ def _as_traced_fixed(graph: fx.Graph, fixed: dict[str, Any], names: list[str]) -
             if not eq.users:
                 graph.erase_node(eq)
     for node, name in renamed.items():
+        # (another node may hold that name: a buffer named as the argument, `self.adj if adj is None else adj`,
+        # read by a get_attr node fx named `adj`, and graph.lint() failed with "Node redefined name adj!")
+        other = next((n for n in graph.nodes if n.name == name and n is not node), None)
+        if other is not None:
+            other._rename(f"{name}_1")
+            node._rename(name)  # (the name freed in fx's namespace, which later nodes are named from)
         node.target = node.name = name
     graph.lint()
     return graph
