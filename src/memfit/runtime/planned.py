@@ -805,7 +805,9 @@ class PlannedModule(nn.Module):
         planned_eval = (set(plan.eval_modules) if plan.eval_modules is not None else
                         {p for p, m in self._called_modules if not m.training})
         self._planned_modes = tuple(p not in planned_eval for p, _ in self._called_modules)
-        self._hooked_at_build = {p for p, m in self._called_modules if has_own_hooks(m)}
+        if "_hooked_at_build" not in self.__dict__:  # (at planning: not again when a replaced tensor rebuilds it, as
+            # spectral_norm's weight_orig does when registered after planning)
+            self._hooked_at_build = {p for p, m in self._called_modules if has_own_hooks(m)}
         # the buffers the forward pass writes, by the modes of the modules the graph calls (see _modes)
         self.__dict__["_kinds"] = {}
         self._first_parameter = next(iter(self.model.named_parameters()), None)
@@ -1526,6 +1528,17 @@ class PlannedModule(nn.Module):
         if "new hooks" in self._warned:
             return
         new = [p for p, m in self._called_modules if p not in self._hooked_at_build and has_own_hooks(m)]
+        # (a hook of a module the plan recomputes runs again in the backward pass: spectral_norm registered after
+        # planning ran its power iteration twice a step, a fresh user's weight_u 0.27 off after one step)
+        recomputed = {id(m) for kind, region, _, _ in self._steps if kind == "region" for m in region.modules}
+        again = [p for p, m in self._called_modules if p in new and id(m) in recomputed]
+        if again:
+            raise RuntimeError(
+                f"the model's submodule {again[0]!r} has a hook (or a forward of its own instance) registered after "
+                "planning, and the plan recomputes it in the backward pass, where the hook would run a second time "
+                "(torch.nn.utils.spectral_norm's power iteration twice a step); PyTorch runs it once. Plan the model "
+                "again with the hook registered (memfit.optimize(model, ...)), which keeps such a module whole and "
+                "runs it once.")
         if new:
             self._warn_once("new hooks", f"memfit: {len(new)} module(s) the plan calls have a hook (or a forward of "
                             "their own instance, layer.forward = f) registered after planning "
