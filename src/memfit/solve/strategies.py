@@ -464,8 +464,8 @@ def make_plan(strategy: str, graph: Graph, costs: Costs, budget_bytes: int | Non
     return _solve(prob, budget_bytes, time_limit)
 
 
-def _fewer_regions(prob: _Problem, spans: Spans, limit: int, until: float) -> Plan | None:
-    """A heuristic's regions (Chen's segments, a region per block) with as many dropped as still fit: each
+def _fewer_regions(prob: _Problem, plan: Plan, limit: int, until: float) -> Plan | None:
+    """A heuristic's plan (Chen's segments, a region per block) with as many regions dropped as still fit: each
     region in turn, the one whose recomputation costs most first, is kept as plain PyTorch keeps it (its
     activations saved) where the replayed peak stays within ``limit`` (bytes; the most of the costliest at once,
     by bisection, then each of the others), until the clock reaches ``until``
@@ -474,7 +474,6 @@ def _fewer_regions(prob: _Problem, spans: Spans, limit: int, until: float) -> Pl
     Where the integer program finds nothing in its time (a 1,653-node MaxViT-T at 80% of its activation peak,
     ``time_limit=30``), the plan was one of those heuristics', every node recomputed (1.50x plain's step
     predicted); this one recomputes what the budget needs, and starts the program's search."""
-    plan = prob.finish(spans)
     if plan.predicted_peak_bytes > limit:
         return None
     acc = prob.acc
@@ -609,8 +608,9 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
     # large for the program, MaxViT-T's 1,653 nodes, a replay takes 0.2-0.6 s: a quarter of the time for both)
     until = time.perf_counter() + 0.25 * time_limit
     for spans in (block_spans(prob.graph), chen_spans(acc)):
-        consider(prob.finish(spans))
-        fewer = _fewer_regions(prob, spans, limit, until)
+        heuristic = prob.finish(spans)
+        consider(heuristic)
+        fewer = _fewer_regions(prob, heuristic, limit, until)
         if fewer is not None:
             consider(fewer)
     if prob.offload:  # so the joint plan is never slower than offloading alone
