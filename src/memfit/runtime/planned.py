@@ -1373,8 +1373,9 @@ class PlannedModule(nn.Module):
             f"about {fmt_bytes(state - counted)} above the plan's "
             + (f"budget of {fmt_bytes(self.plan.budget_bytes)}" if self.plan.budget_bytes is not None else
                f"predicted peak of {fmt_bytes(self.plan.predicted_peak_bytes)}")
-            + ", and more while its step() runs, whose temporaries (Adam's: about the parameters' size) the plan did "
-            "not count either. Make the optimizer first and plan with it, memfit.optimize(model, example, budget, "
+            + ", and more while its step() runs, whose temporaries"
+            + (" (Adam's: up to about the parameters' size)" if "adam" in type(optimizer).__name__.lower() else "")
+            + " the plan did not count either. Make the optimizer first and plan with it, memfit.optimize(model, example, budget, "
             "optimizer=opt) (an optimizer of the model's parameters trains the planned module too), so the budget "
             "counts its state and its step."))
 
