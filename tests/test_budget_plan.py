@@ -375,23 +375,29 @@ def test_a_lowest_memory_plan_returned_for_a_generous_budget_is_warned_and_has_n
     assert plan.predicted_peak_bytes <= plan.budget_bytes
 
 
-def test_a_heuristic_plan_returned_for_a_generous_budget_is_warned(monkeypatch):
-    """Found by a fresh user: DenseNet-121 at 90% with time_limit=10 got a plan with a region per block (the
-    heuristic incumbent the time-limited searches never beat), 1.4-1.6x plain's step at 43% of the budget's
-    activation bytes, without the warning a lowest-memory fallback gets."""
+def _programs_out_of_time(monkeypatch):
+    """A 17-layer MLP and its batch, with every integer program made to find no plan in time (heuristic plans
+    only): ``(model, x)``."""
     import dataclasses
 
     from memfit.solve import strategies
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10)).train()
-    x = torch.randn(256, 64)
     solve = strategies.solve_regions
 
     def out_of_time(*args, **kw):  # no program finds a plan in time
         return dataclasses.replace(solve(*args, **kw), spans=None, status="Time limit reached")
 
     monkeypatch.setattr(strategies, "solve_regions", out_of_time)
+    return model, torch.randn(256, 64)
+
+
+def test_a_heuristic_plan_returned_for_a_generous_budget_is_warned(monkeypatch):
+    """Found by a fresh user: DenseNet-121 at 90% with time_limit=10 got a plan with a region per block (the
+    heuristic incumbent the time-limited searches never beat), 1.4-1.6x plain's step at 43% of the budget's
+    activation bytes, without the warning a lowest-memory fallback gets."""
+    model, x = _programs_out_of_time(monkeypatch)
     with pytest.warns(UserWarning, match=r"found no plan for this budget within time_limit=2 s, so the plan is a "
                                          r"heuristic's .*x plain PyTorch's, predicted\). .*longer time_limit"):
         plan, _, _ = memfit.plan(model, x, budget="97%", time_limit=2, tiling=False)
@@ -403,20 +409,9 @@ def test_a_heuristic_plan_recomputes_only_what_the_budget_needs_and_trains_as_py
     """Found by a fresh user: MaxViT-T (1,653 nodes) at 80% with time_limit=30 got a region per block, every node
     recomputed (1.50x plain's step predicted), as no program found a plan in time. The heuristic's regions the
     budget does not need are now dropped (1.08x predicted there)."""
-    import dataclasses
-
     from memfit.bench.harness import fresh_copy, measure_training
-    from memfit.solve import strategies
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10)).train()
-    x = torch.randn(256, 64)
-    solve = strategies.solve_regions
-
-    def out_of_time(*args, **kw):  # no program finds a plan in time
-        return dataclasses.replace(solve(*args, **kw), spans=None, status="Time limit reached")
-
-    monkeypatch.setattr(strategies, "solve_regions", out_of_time)
+    model, x = _programs_out_of_time(monkeypatch)
     plain = fresh_copy(model)
     with pytest.warns(UserWarning, match="found no plan for this budget"):
         planned = memfit.optimize(model, x, "90%", time_limit=2, tiling=False, loss_fn=lambda out: out.square().mean(),
