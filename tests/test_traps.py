@@ -3935,8 +3935,8 @@ def test_a_hook_registered_after_planning_on_a_recomputed_module_is_refused():
     nn.utils.spectral_norm(model.convs[1])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the replaced weight's)
-        with pytest.raises(RuntimeError, match="'convs.1' has a hook .* registered after planning, and the plan "
-                                               "recomputes it"):
+        with pytest.raises(RuntimeError, match=r"'convs.1' has a hook registered after planning, with buffers of its "
+                                               r"own \(weight_u, weight_v\), and the plan recomputes that module"):
             planned(x)
     # planned with it: runs it once a step, as PyTorch does
     plain = fresh_copy(model)

@@ -808,6 +808,7 @@ class PlannedModule(nn.Module):
         if "_hooked_at_build" not in self.__dict__:  # (at planning: not again when a replaced tensor rebuilds it, as
             # spectral_norm's weight_orig does when registered after planning)
             self._hooked_at_build = {p for p, m in self._called_modules if has_own_hooks(m)}
+            self.__dict__["_buffers_at_plan"] = {p: set(m._buffers) for p, m in self._called_modules}
         # the buffers the forward pass writes, by the modes of the modules the graph calls (see _modes)
         self.__dict__["_kinds"] = {}
         self._first_parameter = next(iter(self.model.named_parameters()), None)
@@ -1529,17 +1530,21 @@ class PlannedModule(nn.Module):
         if "new hooks" in self._warned:
             return
         new = [p for p, m in self._called_modules if p not in self._hooked_at_build and has_own_hooks(m)]
-        # (a hook of a module the plan recomputes runs again in the backward pass: spectral_norm registered after
-        # planning ran its power iteration twice a step, a fresh user's weight_u 0.27 off after one step)
+        # (a hook of a module the plan recomputes runs again in the backward pass, as torch.utils.checkpoint runs it:
+        # one that came with buffers of its own updates them twice a step; spectral_norm registered after planning
+        # ran its power iteration twice, a fresh user's weight_u 0.27 off after one step)
         recomputed = {id(m) for kind, region, _, _ in self._steps if kind == "region" for m in region.modules}
-        again = [p for p, m in self._called_modules if p in new and id(m) in recomputed]
+        at_plan = self.__dict__["_buffers_at_plan"]
+        again = [(p, sorted(set(m._buffers) - at_plan.get(p, set()))) for p, m in self._called_modules
+                 if p in new and id(m) in recomputed and set(m._buffers) - at_plan.get(p, set())]
         if again:
+            path, names = again[0]
             raise RuntimeError(
-                f"the model's submodule {again[0]!r} has a hook (or a forward of its own instance) registered after "
-                "planning, and the plan recomputes it in the backward pass, where the hook would run a second time "
-                "(torch.nn.utils.spectral_norm's power iteration twice a step); PyTorch runs it once. Plan the model "
-                "again with the hook registered (memfit.optimize(model, ...)), which keeps such a module whole and "
-                "runs it once.")
+                f"the model's submodule {path!r} has a hook registered after planning, with buffers of its own "
+                f"({', '.join(names)}), and the plan recomputes that module in the backward pass, where the hook runs "
+                "a second time and would update them twice a step (torch.nn.utils.spectral_norm's power iteration); "
+                "PyTorch updates them once. Plan the model again with the hook registered (memfit.optimize(model, "
+                "...)), which keeps such a module whole and runs it once.")
         if new:
             self._warn_once("new hooks", f"memfit: {len(new)} module(s) the plan calls have a hook (or a forward of "
                             "their own instance, layer.forward = f) registered after planning "
