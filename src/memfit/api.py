@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import os
@@ -307,18 +306,6 @@ def _check_switches(**switches) -> None:
             raise TypeError(f"{name} must be True or False{also}, got {value!r}")
 
 
-def exact_variants_only(costs: Costs) -> Costs:
-    """``costs`` with only the operator variants whose gradients are bit for bit PyTorch's (``variants="exact"``):
-    no ``conv-native`` (another convolution algorithm, float rounding), and BatchNorm recomputed as PyTorch's
-    checkpoint does where ``bn-saved-stats`` is not checked bit for bit (CUDA's kernels)."""
-    from memfit.variants import VARIANTS
-
-    nodes = [dataclasses.replace(c, variants={k: v for k, v in c.variants.items()
-                                              if k not in VARIANTS or VARIANTS[k].exact}) for c in costs.nodes]
-    out = dataclasses.replace(costs, nodes=nodes)
-    return out if costs.device == "cpu" else out.recomputing_from_stats(set())
-
-
 def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:
     """Refuse a forward argument whose value (given, or its default) is a function (``act=F.gelu``): torch.fx
     cannot take one as a graph input (a fresh user was told about output types, inside fx's code)."""
@@ -541,7 +528,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
                           kept_grads=tuple(_own_optimizers_params([model, captured.gm], _optimizers(optimizer))
                                            + _loss_grads_now([model, captured.gm], loss_fn)))
     if exact:
-        costs = exact_variants_only(costs)
+        costs = costs.exact_variants_only()
     loss_ptrs = set(costs.loss_param_ptrs)
     if loss_fn is not None:
         _check_optimizer(optimizer, model, loss_fn, loss_ptrs)

@@ -412,6 +412,17 @@ class Costs:
                        loss_grads=None if self.loss_grads is None else ids(self.loss_grads),
                        output_ids=[None if x is None else res(x) for x in self.output_ids])
 
+    def exact_variants_only(self) -> Costs:
+        """A copy with only the operator variants whose gradients are bit for bit PyTorch's (``variants="exact"``):
+        no ``conv-native`` (another convolution algorithm, float rounding), and BatchNorm recomputed as PyTorch's
+        checkpoint does where ``bn-saved-stats`` is not checked bit for bit (CUDA's kernels)."""
+        from memfit.variants import VARIANTS
+
+        nodes = [replace(c, variants={k: v for k, v in c.variants.items() if k not in VARIANTS or VARIANTS[k].exact})
+                 for c in self.nodes]
+        out = replace(self, nodes=nodes)
+        return out if self.device == "cpu" else out.recomputing_from_stats(set())
+
     def recomputing_from_stats(self, names: set[str] | None) -> Costs:
         """A copy in which only the nodes in ``names`` recompute from their saved statistics
         (``bn-saved-stats``); the others recompute as PyTorch's checkpoint does (``recompute_seconds`` None,
@@ -1439,7 +1450,7 @@ def _measure_loss(gm: fx.GraphModule, inputs: tuple, loss_fn, device: torch.devi
             # counted as freed once the loss had read it, a model returning its own loss measured 4 B over a 100%
             # budget)
             ptr = loss.untyped_storage().data_ptr()
-            is_output = ptr_of.index(ptr) if ptr in out_storages and ptr in ptr_of else None
+            is_output = ptr_of.index(ptr) if ptr in out_storages else None
             if ptr in out_storages:
                 kept[ptr] = out_storages[ptr]
             held = loss.untyped_storage().nbytes()

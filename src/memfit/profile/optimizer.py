@@ -52,6 +52,13 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
     1x each for its momentum and ``centered``, 2x for Adadelta, 1x in another group with momentum, 0 otherwise."""
     if optimizer is None:
         return 0
+    return live_bytes(_state_tensors(optimizer)) + new_state_bytes(optimizer, params, measured)
+
+
+def new_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                    measured: dict[int, int] | None = None) -> int:
+    """Bytes of the state the next step of ``optimizer`` creates for the parameters of ``params`` it holds that
+    require grad and have none yet (:func:`optimizer_state_bytes`, less the state it keeps now)."""
     have = {id(p) for p, st in optimizer.state.items()
             if any(isinstance(t, torch.Tensor) for t in st.values())}
     wanted = {id(p) for p in params if p.requires_grad} - have
@@ -70,7 +77,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, params: list[
                           1 + momentum + bool(g.get("centered")) if "rmsprop" in name else
                           2 if "adadelta" in name else momentum)
                 new += copies * p.untyped_storage().nbytes()
-    return live_bytes(_state_tensors(optimizer)) + new
+    return new
 
 
 @contextlib.contextmanager

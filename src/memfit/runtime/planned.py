@@ -68,7 +68,7 @@ from memfit.profile.buffers import (
     storage_key,
 )
 from memfit.profile.costs import SPARSE_ADVICE
-from memfit.profile.optimizer import optimizer_state_bytes
+from memfit.profile.optimizer import new_state_bytes
 from memfit.profile.tracker import live_bytes
 from memfit.runtime.direct_saves import DirectSaves
 from memfit.runtime.offload import OffloadStep
@@ -781,11 +781,9 @@ class PlannedModule(nn.Module):
         self._sync_graph_state()
         # each buffer's slot in its module: model.to(dtype) and .double() replace buffers without a registration
         # hook (parameters keep their objects), so these are looked at every training call too
-        self._buffer_slots = [(module._buffers, name, buf) for module in dict(self._modules_at_build).values()
-                              for name, buf in module._buffers.items()]
-        # and each parameter's: torch.func.functional_call swaps them without a registration hook too
-        self._parameter_slots = [(module._parameters, name, p) for module in dict(self._modules_at_build).values()
-                                 for name, p in module._parameters.items()]
+        # (and each parameter's: torch.func.functional_call swaps them without a registration hook too)
+        self._tensor_slots = [(table, name, t) for module in dict(self._modules_at_build).values()
+                              for table in (module._buffers, module._parameters) for name, t in table.items()]
         self._state_at_build = self._state_now()
         if "_trainable_elements_at_plan" not in self.__dict__:  # (not again when a replaced parameter rebuilds it)
             self.__dict__["_trainable_elements_at_plan"] = self._trainable_elements()
@@ -805,9 +803,9 @@ class PlannedModule(nn.Module):
         planned_eval = (set(plan.eval_modules) if plan.eval_modules is not None else
                         {p for p, m in self._called_modules if not m.training})
         self._planned_modes = tuple(p not in planned_eval for p, _ in self._called_modules)
-        if "_hooked_at_build" not in self.__dict__:  # (at planning: not again when a replaced tensor rebuilds it, as
+        if "_hooked_at_plan" not in self.__dict__:  # (at planning: not again when a replaced tensor rebuilds it, as
             # spectral_norm's weight_orig does when registered after planning)
-            self._hooked_at_build = {p for p, m in self._called_modules if has_own_hooks(m)}
+            self._hooked_at_plan = {p for p, m in self._called_modules if has_own_hooks(m)}
             self.__dict__["_buffers_at_plan"] = {p: set(m._buffers) for p, m in self._called_modules}
         # the buffers the forward pass writes, by the modes of the modules the graph calls (see _modes)
         self.__dict__["_kinds"] = {}
@@ -1344,9 +1342,7 @@ class PlannedModule(nn.Module):
         state = live_bytes([t for p, st in optimizer.state.items() if id(p) in own
                             for t in st.values() if isinstance(t, torch.Tensor)])
         if before:  # (the estimate of the state its step makes for this module's parameters that have none yet)
-            stepped = [p for p in self.parameters() if p.grad is not None]
-            state += optimizer_state_bytes(optimizer, stepped) - live_bytes([
-                t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
+            state += new_state_bytes(optimizer, [p for p in self.parameters() if p.grad is not None])
         counted = self.plan.optimizer_state_bytes
         if counted is None:  # (a plan solved by make_plan itself, bench's: its fixed bytes may hold the state)
             params = list(self.parameters())
@@ -1429,8 +1425,7 @@ class PlannedModule(nn.Module):
         which hold the tensors they were built with."""
         if not self._modules_at_build or (_TREE_VERSION[0] == self._tree_version
                                           and all(d.get(name) is child for d, name, child in self._slots)
-                                          and all(d.get(name) is buf for d, name, buf in self._buffer_slots)
-                                          and all(d.get(name) is p for d, name, p in self._parameter_slots)):
+                                          and all(d.get(name) is t for d, name, t in self._tensor_slots)):
             return  # no module anywhere registered anything since the last look, and none was deleted
         version = _TREE_VERSION[0]
         now = dict(self.model.named_modules())
@@ -1529,7 +1524,7 @@ class PlannedModule(nn.Module):
         only for the one the plan ran as a variant)."""
         if "new hooks" in self._warned:
             return
-        new = [p for p, m in self._called_modules if p not in self._hooked_at_build and has_own_hooks(m)]
+        new = [p for p, m in self._called_modules if p not in self._hooked_at_plan and has_own_hooks(m)]
         # (a hook of a module the plan recomputes runs again in the backward pass, as torch.utils.checkpoint runs it:
         # one that came with buffers of its own updates them twice a step; spectral_norm registered after planning
         # ran its power iteration twice, a fresh user's weight_u 0.27 off after one step)
