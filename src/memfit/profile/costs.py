@@ -123,9 +123,15 @@ class NodeCost:
             gradient itself the ``.grad``, so these bytes stay allocated from then on.
         param_sum_bytes: bytes of the parameters whose gradient this node's backward adds to a contribution an
             earlier backward step made (a parameter several nodes use: tied weights, a layer called twice).
-            Autograd sums the two in its buffer for the parameter, out of place unless one of them can be
-            reused, so a tensor of the parameter's size exists beside both contributions for a moment (tied
-            embedding and output weights measured one weight's size over the replay without this).
+            Autograd sums the two in its buffer for the parameter once the node's backward has returned: in place
+            where the buffer holds a dense tensor of its own (``param_sum_inplace_bytes``), else into a new tensor
+            beside both contributions (tied embedding and output weights, whose first contribution is a
+            ``Linear``'s transposed view, measured one weight's size over the replay without this).
+        param_sum_inplace_bytes: the part of ``param_sum_bytes`` added into autograd's buffer in place
+            (``can_accumulate_inplace`` in ``torch/csrc/autograd/input_buffer.cpp``: the buffer holds a dense
+            tensor with the only reference to its storage): a convolution's weight gradient, or the sum an earlier
+            out-of-place addition made. A convolution encoder called twice was predicted 5 MiB, 10%, over its
+            measured peak when every sum was counted out of place.
         param_buffer_bytes: bytes of the parameters several nodes use for which this node's backward makes the
             first contribution: autograd holds it in its buffer until the last contribution is added. With
             ``Costs.grads_exist`` that buffer is a tensor apart from ``.grad``, which it is added into when
@@ -185,6 +191,9 @@ class NodeCost:
             in ``torch/csrc/autograd/input_buffer.cpp`` wants the only reference to a dense storage), so the sum
             is a new tensor beside both (a frozen ``Linear`` and a LoRA adapter reading one activation: a third
             activation-sized tensor, 192,512 B missed on a small model).
+        param_grad_views: the parameters (by name in the graph module) whose gradient this node's backward makes
+            as a view, non-dense, or sharing its storage with another gradient it makes: where this node makes a
+            shared parameter's first contribution, autograd cannot add the next into it in place.
         grad_copy_bytes: peak bytes of the copies ``AccumulateGrad`` makes of this node's parameter gradients that
             break the layout contract (an ``einsum`` weight's, transposed) before they become ``.grad`` (``.grad``
             unset), the CPU's transposing buffer included: made after the node's backward has returned, beside the
@@ -222,6 +231,8 @@ class NodeCost:
     grad_storage_bytes: dict[str, int] = field(default_factory=dict)
     grad_views: list[str] = field(default_factory=list)
     grad_copy_bytes: int = 0
+    param_grad_views: list[str] = field(default_factory=list)
+    param_sum_inplace_bytes: int = 0
     view_output: bool = False
 
 
@@ -705,7 +716,8 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
     tied weights) has its gradient summed from the first contribution on, in autograd's buffer for it,
     not only once its last contribution arrives (an MLP calling one Linear four times measured 1 MiB, that
     weight's gradient, over its replay before this); each further contribution is summed into that buffer
-    (``param_sum_bytes``), and the buffer is held from the first contribution to the last
+    (``param_sum_bytes``; in place unless the buffer holds a view, ``param_sum_inplace_bytes``), and the buffer
+    is held from the first contribution to the last
     (``param_buffer_bytes`` / ``param_buffer_end_bytes``). Only nodes a gradient reaches (``reached``, node names;
     all when ``None``) count as users: a second call of an encoder whose output is ``.detach()``ed (MoCo's key
     branch) got its parameters' gradients, 465,152 B, counted from the start of the backward pass.
@@ -745,6 +757,7 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
                     uses[id(p)].append(u)
                     sizes[id(p)] = p.untyped_storage().nbytes()
                     ptrs[id(p)] = p.untyped_storage().data_ptr()
+    names = _param_names(gm)
     for pid, ks in uses.items():
         ks.sort(reverse=True)
         b = sizes[pid]
@@ -754,8 +767,21 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
         if len(ks) > 1 and exists:
             nodes[ks[0]][1].param_buffer_bytes += b
             nodes[ks[-1]][1].param_buffer_end_bytes += b
-        for k in ks[1:]:
+        # the first contribution is autograd's buffer: a view (a Linear's transposed weight gradient) makes the
+        # first sum a new tensor, into which the later ones are added in place
+        first_view = names.get(pid) in nodes[ks[0]][1].param_grad_views
+        for j, k in enumerate(ks[1:]):
             nodes[k][1].param_sum_bytes += b
+            if j > 0 or not first_view:
+                nodes[k][1].param_sum_inplace_bytes += b
+
+
+def _param_names(gm: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` for every parameter of ``gm`` (a tied one by its first name)."""
+    out: dict[int, str] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), name)
+    return out
 
 
 def _attr(gm: fx.GraphModule, target: str):
@@ -1946,6 +1972,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     records: list[tuple[str, object]] = []
     readers = _cast_readers(costs.nodes)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    param_names = _param_names(gm)
     with outer as tracker:
         for (node, fn0, make_env, params), cost in zip(_isolated(gm, inputs, requires), costs.nodes):
             # under autocast, a cast of a parameter only this node reads is held by its saved tensors alone in a
@@ -2036,6 +2063,10 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                         and g.untyped_storage().nbytes() > g.numel() * g.element_size()}
                     cost.grad_views = [a for a, g in zip(names, grads)
                                        if g is not None and (g._is_view() or not _dense(g))]
+                    cost.param_grad_views = sorted({
+                        param_names[id(p)] for g, p in weights + list(zip(grads[len(leaves):], params))
+                        if g is not None and id(p) in param_names and (
+                            g._is_view() or not _dense(g) or g.untyped_storage().data_ptr() in shared)})
                 if not cpu:
                     record.bwd_workspace = max(0, part.peak_bytes - grad_in + batch)
                 # (a seed with gaps stands for a slice of a larger gradient, which others hold)

@@ -478,14 +478,17 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         if t is not None:
             release(t)
         c = costs.nodes[i]
-        # a further contribution to a parameter's gradient (within the node's workspace): summed into
-        # autograd's buffer for it once the node's backward has run, out of place unless either tensor can be
-        # reused (not known here, so counted)
-        during[i] = max(during[i], total + c.param_sum_bytes)
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             if c.grad_copy_bytes:  # AccumulateGrad's copies of them, once the node's backward has returned
                 after[i] = max(after[i] if after[i] is not None else total, total + c.grad_copy_bytes)
+        if c.param_sum_bytes:
+            # a further contribution to a parameter's gradient (in the node's workspace while it runs) is summed
+            # into autograd's buffer for it once the node's backward has returned, its workspace gone: in place,
+            # or into a new tensor beside the old buffer and the contribution (NodeCost.param_sum_inplace_bytes)
+            point = total + c.param_buffer_bytes + 2 * c.param_sum_bytes - min(c.param_sum_inplace_bytes,
+                                                                               c.param_sum_bytes)
+            after[i] = max(after[i] if after[i] is not None else total, point)
         # autograd's buffer for a parameter several nodes use whose .grad exists (all of them with grads_exist, else
         # those an L2 penalty in the loss gave one), until it is added into that .grad
         total += c.param_buffer_bytes - c.param_buffer_end_bytes
