@@ -1076,10 +1076,16 @@ class PlannedModule(nn.Module):
 
         def guarded(env):
             if has_hooks(layers):
-                raise RuntimeError(f"a layer the plan runs inside a striped block ({node.name}) has a module hook that "
-                                   "was not there when the plan was made; the stripes run the layers' kernels, not the "
-                                   "modules, so the hook would not run. Plan again with the hook registered (a layer "
-                                   "with hooks is not striped), or with tiling=False")
+                paths = {id(m): p for p, m in self.model.named_modules()}
+                hooked = next((m for m in layers if has_own_hooks(m)), None)
+                which = (f"the model's submodule {paths[id(hooked)]!r} ({type(hooked).__name__})" if id(hooked) in paths
+                         else "a layer")
+                what = (f"{which} has a module hook that was not there when the plan was made, and the plan runs it"
+                        if hooked is not None else "a global module hook (torch.nn.modules.module."
+                        "register_module_forward_hook) was registered after planning, and the plan runs layers")
+                raise RuntimeError(f"{what} inside a striped block (node {node.name}); the stripes run the layers' "
+                                   "kernels, not the modules, so the hook would not run. Plan again with the hook "
+                                   "registered (a layer with hooks is not striped), or with tiling=False")
             return fn(env)
 
         return guarded
