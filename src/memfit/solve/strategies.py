@@ -539,6 +539,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
         consider(plan)
 
     solved = False  # (whether a budgeted program found a plan)
+    timed_out = False  # (whether one ran out of time without a plan, rather than being infeasible)
 
     def consider(plan: Plan, found_by: tuple | None = None) -> bool:
         nonlocal best, best_from, solved
@@ -554,6 +555,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
         solve starts from the best plan so far; they are candidates too when the search ends without beating
         the plan it started from. ``priced``: every region priced (``price_region_starts``), and no
         lowest-memory plans (the search refines a plan already found)."""
+        nonlocal timed_out
         # (a quarter of the margin below the limit: the program's plans replayed up to 22 KB over it on ResNet-50, and
         # the solves at 64 KiB lower targets, with half the time each, then ended without a plan: 1.24x, not 1.11x;
         # where that is infeasible, at the smallest feasible budget, the limit itself is tried next)
@@ -572,6 +574,7 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
                                 offload=offload, price_region_starts=priced, **prob.start_of(best))
             if res.spans is None:
                 if "nfeasible" not in res.status:  # out of time without a solution
+                    timed_out = True
                     if lows_tried:
                         break
                     lows_tried = True
@@ -644,14 +647,22 @@ def _solve(prob: _Problem, budget_bytes: int, time_limit: float, keep_everything
         # time_limit=10 got a region per block, 1.4-1.6x plain's step at 43% of the budget's activation bytes, unwarned)
         # (and a heuristic's plan whenever no program found one: MaxViT-T's 1,653 nodes at 80%, time_limit=30)
         low = best.predicted_peak_bytes < fixed + 0.8 * (limit - fixed)
-        if best_from is None and (low or (id(best) not in fallbacks and not solved)):
+        # (a program infeasible at every budget tried, whose peak rows are more conservative than the replay, is
+        # not warned about unless the plan recomputes more than the budget needs: at budget="min" a conv encoder
+        # called twice got the heuristic's floor plan, and a warning to give a longer time limit, which changes
+        # nothing)
+        if best_from is None and (low or (id(best) not in fallbacks and not solved and timed_out)):
             what = ("a lowest-memory one" if id(best) in fallbacks else "a heuristic's (a region per block or Chen's "
                     "segments, less the regions the budget does not need)")
-            warn_user(f"memfit: the integer program found no plan for this budget within time_limit={time_limit:g} s, "
+            why = (f"within time_limit={time_limit:g} s" if timed_out else
+                   "(its memory model is more conservative than the replay near the smallest feasible budget)")
+            advice = ("Give a longer time_limit (--time-limit) for a faster plan." if timed_out else
+                      "A slightly larger budget may give a faster plan.")
+            warn_user(f"memfit: the integer program found no plan for this budget {why}, "
                       f"so the plan is {what}{', which recomputes more than this budget needs' if low else ''} (its "
                       f"peak is {fmt_bytes(best.predicted_peak_bytes)} of {fmt_bytes(budget_bytes)}, its step "
                       f"{best.predicted_step_seconds / prob.plain.step_seconds:.2f}x plain PyTorch's, predicted). "
-                      "Give a longer time_limit (--time-limit) for a faster plan.")
+                      f"{advice}")
         return best
     if keep_everything and prob.exact_plain and prob.plain.peak_bytes <= budget_bytes:  # it fits without headroom
         return prob.keep_everything()
