@@ -1361,6 +1361,36 @@ def test_outputs_the_loss_does_not_read_get_no_gradient_in_the_plan(dataclass_ou
     assert compare(base, fig)["gradients_match"]
 
 
+@pytest.mark.parametrize("dataclass_output", [False, True])
+def test_a_training_loss_reading_an_output_the_planning_loss_did_not_is_warned(dataclass_output):
+    """Found by a fresh user: planned with a loss reading the logits, trained with a feature regularizer on a
+    returned feature map too, a step measured 1.18x its budget without a warning (gradients right). The planned
+    module now warns once, at the backward pass that gives such an output a gradient; the loss it was planned with
+    gets no warning."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def logits(out):
+        return out.logits if dataclass_output else out[0]
+
+    def features(out):
+        return out.features if dataclass_output else out[1]
+
+    model = _HiddenStates(dataclass_output).train()
+    planned = memfit.optimize(model, x, "100%", loss_fn=lambda out: F.cross_entropy(logits(out), y), time_limit=5,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(logits(planned(x)), y).backward()
+        features(planned(x))[1].detach().mean()  # (read without a gradient: nothing to warn about)
+    assert not [w for w in caught if "gives a gradient to output" in str(w.message)], [str(w.message) for w in caught]
+    model.zero_grad(set_to_none=True)
+    out = planned(x)
+    with pytest.warns(UserWarning, match=r"gives a gradient to output 2 of _HiddenStates \(shape \[64, 256\]\), "
+                                         r"which the loss_fn given at planning did not read"):
+        (F.cross_entropy(logits(out), y) + 1e-3 * features(out)[1].square().mean()).backward()
+
+
 def test_a_loss_target_that_is_the_input_is_counted_once():
     # a fresh user's autoencoder, `loss_fn=lambda o: F.mse_loss(o, x)`, was predicted 4 MiB (the input) high
     torch.manual_seed(0)

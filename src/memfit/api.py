@@ -611,6 +611,10 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     saved = {s for node in costs.nodes for s in node.saves} | {costs.loss_output}
     result.freed_outputs = [k for k, s in enumerate(costs.output_ids) if s is not None and s not in saved
                             and costs.storages[s].producer is not None]
+    if costs.loss_grads is not None:
+        result.ungraded_outputs = [k for k, s in enumerate(costs.output_ids) if s is not None
+                                   and s not in costs.loss_grads and costs.storages[s].requires_grad
+                                   and costs.storages[s].producer is not None]
     result.solved_digest = result.decision_digest()
     return result, captured, costs
 

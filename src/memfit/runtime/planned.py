@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import time
 import warnings
@@ -46,6 +47,7 @@ from memfit.graph.calls import (
     bind_inputs,
     compute_nodes,
     input_values,
+    map_tensors,
     mutable_containers,
     node_fn,
     node_inputs,
@@ -1211,8 +1213,31 @@ class PlannedModule(nn.Module):
             out = self._run(env, args)
         self._warn_inputs(args)  # after it ran: if it failed, its error says why
         self._warn_values(values)
+        out = self._watch_ungraded(out)
         self._watch_step(out)
         return out
+
+    def _watch_ungraded(self, out):
+        """``out`` with each output tensor that the ``loss_fn`` given at planning gave no gradient
+        (``Plan.ungraded_outputs``: hidden states returned beside the logits) replaced by an alias of it
+        (``t.view_as(t)``, the same storage), watched by a hook until the first warning: a training loss that reads
+        one runs a backward the plan does not count (a fresh user's feature regularizer on a returned feature map
+        measured 1.18x the budget, unwarned). The alias is what tells the loss's reads apart from the model's own:
+        a hook on the tensor itself fires when a later layer of the model reads it too."""
+        ungraded = set(self.plan.ungraded_outputs)
+        if not ungraded or "ungraded" in self._warned or torch.compiler.is_compiling():
+            return out
+        position = itertools.count()
+
+        def alias(t: torch.Tensor) -> torch.Tensor:
+            k = next(position)
+            if k not in ungraded or not t.requires_grad or t.layout != torch.strided:
+                return t
+            view = t.view_as(t)
+            view.register_hook(functools.partial(self._on_ungraded_grad, k, tuple(t.shape)))
+            return view
+
+        return map_tensors(alias, out)
 
     def _watch_step(self, out) -> None:
         """Warn (once each) where the training loop runs a step the plan does not count, as each shows:
@@ -1281,6 +1306,16 @@ class PlannedModule(nn.Module):
 
         for t in anchors:
             t.register_hook(on_grad)
+
+    def _on_ungraded_grad(self, k: int, shape: tuple, grad) -> None:
+        """Warn once: the training loss gave a gradient to output ``k`` (of ``shape``), which the ``loss_fn`` given at
+        planning did not read."""
+        name = type(self.model).__name__
+        self._warn_once("ungraded", f"memfit: the training loss gives a gradient to output {k} of {name} (shape "
+                        f"{list(shape)}), which the loss_fn given at planning did not read: the backward pass through it, "
+                        "and its gradient, are not in the plan, so the step can exceed its budget (a feature "
+                        "regularizer on a returned feature map measured 1.18x). Plan with loss_fn computing the loss "
+                        "you train with, auxiliary terms included.")
 
     def _watch_eval(self, out) -> None:
         """Warn once if a backward pass runs through a call made in eval mode with gradients on: the planned module

@@ -96,6 +96,9 @@ class Plan:
             that the plan counts as freed once the loss read them (no node of the model saves them): a training
             loop that holds one through ``backward()`` adds it to the peak, and the planned module warns when
             that does not fit in the budget.
+        ungraded_outputs: positions (as ``freed_outputs``) of the model's output tensors that the ``loss_fn`` given at
+            planning gives no gradient (hidden states returned beside the logits): the plan runs no backward through
+            them, and the planned module warns when a training loss does.
         node_ops: what each node of ``nodes`` runs (:func:`memfit.graph.calls.node_ops`: a module's class, a
             function's name), so that a plan is refused on a graph whose node names match but whose operations
             differ; empty in plans made before it was recorded.
@@ -162,6 +165,7 @@ class Plan:
     tiled: list[dict] = field(default_factory=list)
     plain_step_seconds: float | None = None
     freed_outputs: list[int] = field(default_factory=list)
+    ungraded_outputs: list[int] = field(default_factory=list)
     node_ops: list[str] = field(default_factory=list)
     node_inputs: list[list[str]] = field(default_factory=list)
     input_grads: list[bool] = field(default_factory=list)
