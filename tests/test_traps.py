@@ -1038,6 +1038,42 @@ def test_an_encoder_called_on_several_inputs_is_predicted_as_measured(kind, call
         fig.peak_bytes, planned.plan.predicted_peak_bytes)
 
 
+def test_a_returned_activation_changed_in_place_before_backward_is_explained():
+    """Found by a fresh user: a loop normalized a returned feature map in place (``feats.mul_(0.5)``) before
+    ``loss.backward()``. Plain PyTorch trains (no operation saved it); the plan's checkpoint regions recompute from it,
+    and the step raised autograd's bare "modified by an inplace operation", with no word of memfit. It still raises
+    (the recomputation would use the changed values), with what to change."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):  # (one region under checkpoint-all, which holds its input `h` to recompute from)
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, h):
+            return self.fc(F.gelu(h * 3.0))  # (`h * 3.0` saves nothing: plain PyTorch keeps no copy of `h`)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.block, self.out = nn.Linear(16, 32), Block(), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.out(torch.tanh(self.block(h))), h
+
+    model, x, y = Net().train(), torch.randn(8, 16), torch.randint(0, 4, (8,))
+    planned = memfit.optimize(model, x, "100%", strategy="checkpoint-all", loss_fn=lambda o: F.cross_entropy(o[0], y))
+    logits, feats = planned(x)
+    feats.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"memfit: a tensor that a checkpoint region .* was modified in place .*"
+                                           r"feats = feats \* 0\.5"):
+        F.cross_entropy(logits, y).backward()
+    logits, feats = planned(x)
+    feats = feats * 0.5  # (out of place: trains)
+    F.cross_entropy(logits, y).backward()
+
+
 def test_a_loss_that_builds_a_target_from_the_output_is_counted_while_the_output_is_alive():
     """Found by a fresh-user run: a self-distillation loss (KL divergence to a sharpened softmax of the
     detached logits) went 938,811 B over its budget at ``min``: while the loss runs its forward, the model's

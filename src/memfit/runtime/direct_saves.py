@@ -83,9 +83,9 @@ class DirectSaves:
 
         def unpack_direct(x):
             if not isinstance(x, _Saved):
-                return unpack(x)
+                return _unpack_explained(unpack, x)
             raise_if_changed([(x.tensor, x.version)], "a checkpoint region")
-            return x.tensor if x.packed is None else unpack(x.packed)
+            return x.tensor if x.packed is None else _unpack_explained(unpack, x.packed)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack_direct, unpack_direct)
         self._hooks.__enter__()
@@ -95,3 +95,21 @@ class DirectSaves:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
+
+
+def _unpack_explained(unpack, packed):
+    """``unpack(packed)`` (the checkpoint's hook), its error said in the training loop's terms where the region's
+    recomputation finds one of its inputs changed in place since the forward pass: a fresh user's loop normalized a
+    returned feature map in place (``feats.mul_(0.5)``) before ``loss.backward()``, which plain PyTorch allows where
+    no operation saved it, and got autograd's bare "modified by an inplace operation"."""
+    try:
+        return unpack(packed)
+    except RuntimeError as e:
+        if "modified by an inplace operation" not in str(e):
+            raise
+        raise RuntimeError(
+            "memfit: a tensor that a checkpoint region of the plan recomputes from (an activation the region reads, "
+            "often one the model also returns) was modified in place between the forward and the backward pass. Plain "
+            "PyTorch may not save it, but the plan keeps it to recompute the region in the backward pass. Change it "
+            "out of place instead (feats = feats * 0.5, or a copy for metrics: feats.detach().clone()) before "
+            f"backward(). Autograd's error: {e}") from e
