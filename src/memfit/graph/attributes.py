@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch import nn
+from torch import fx, nn
 
 __all__ = ["AttributeLog", "changed_attribute", "changed_global", "collecting_now", "collects_in_call",
            "global_reads", "has_hooks", "has_own_hooks", "hooks_of", "is_plain", "put_back_hooks", "record_calls",
-           "record_reads"]
+           "record_reads", "renormed_parameters"]
 
 _MAX_ITEMS = 256
 _SUBCLASSES: dict[type, type] = {}
@@ -305,6 +305,32 @@ def _unchanged(then: Any, now: Any) -> bool:
 def _shown(now: Any) -> str:
     """``now`` as a message shows it."""
     return "absent" if now is _MISSING else repr(now) if is_plain(now) else f"another {type(now).__name__} object"
+
+
+def renormed_parameters(model: nn.Module, gm: fx.GraphModule | None = None) -> list[torch.Tensor]:
+    """The parameters the forward pass rewrites inside a ``torch.nn`` layer or function, where the traced graph does
+    not show the write: ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``max_norm`` (and ``F.embedding(ids, w,
+    max_norm=...)`` in ``gm``) renormalize the rows they look up, in place. Planning runs the forward pass several
+    times, and must put them back (a fresh user's tied embedding and output weights had the planning batch's rows
+    renormalized by ``memfit.optimize``: the first step on other tokens gave a loss of 5.587 where plain PyTorch gave
+    6.310)."""
+    import torch.nn.functional as F
+
+    out = {id(m.weight): m.weight for m in model.modules()
+           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+           and isinstance(m.weight, torch.Tensor)}
+    for node in gm.graph.nodes if gm is not None else ():
+        if node.op != "call_function" or node.target not in (F.embedding, F.embedding_bag):
+            continue
+        max_norm = node.kwargs.get("max_norm", node.args[3] if len(node.args) > 3 else None)
+        weight = node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
+        if max_norm is not None and isinstance(weight, fx.Node) and weight.op == "get_attr":
+            value = gm
+            for part in str(weight.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor):
+                out[id(value)] = value
+    return list(out.values())
 
 
 def has_own_hooks(module: nn.Module) -> bool:

@@ -34,6 +34,7 @@ from memfit.graph.attributes import (
     put_back_hooks,
     record_calls,
     record_reads,
+    renormed_parameters,
 )
 from memfit.graph.augmented import (
     WRITE_LINE,
@@ -1108,7 +1109,8 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
     written = [n for n in gm.graph.nodes if n.op == "get_attr" and any(writes_into(u) for u in n.users)]
     if any(_is_param(gm, str(n.target)) for n in written):
         return
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # (and parameters a layer renormalizes in place, nn.Embedding(max_norm=...), which no node shows writing)
+    buffers = [(b, b.detach().clone()) for b in [*model.buffers(), *renormed_parameters(model, gm)]]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # (all it seeds)
     # what the model's own forward assigns (`self.feat = h.detach()`, a mask cached on the first call) is put back
     modules = list({id(m): m for m in model.modules()}.values())

@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.graph.attributes import has_hooks
+from memfit.graph.attributes import has_hooks, renormed_parameters
 from memfit.graph.augmented import WRITE_LINE, check_out_of_place
 from memfit.graph.calls import bind_inputs, call_name, compute_nodes, map_tensors, node_fn, tensors_in
 from memfit.graph.capture import Captured
@@ -536,6 +536,7 @@ def profile_graph(captured: Captured, example_inputs: tuple, repeats: int = 3,
     # in training mode, which moved a fresh user's discriminator's BatchNorm statistics (num_batches_tracked +2)
     snapshot = _state_snapshot(gm) + [s for m in _closure_values(loss_fn) if isinstance(m, nn.Module)
                                       for s in _state_snapshot(m)]
+    snapshot += [(p, p.detach().clone()) for p in renormed_parameters(gm, gm)]
     flags = [(t, t.requires_grad) for t in [*gm.parameters(), *gm.buffers()]]
     requires: dict[str, list[bool]] = {}
     devices = [device.index or 0] if device.type == "cuda" else []
