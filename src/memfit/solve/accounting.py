@@ -478,18 +478,17 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         if t is not None:
             release(t)
         c = costs.nodes[i]
+        # a further contribution to a parameter's gradient (in the node's workspace) is summed into autograd's buffer
+        # for it as the node's backward goes, one parameter after the other: in place (within what the workspace
+        # held), or into a new tensor of the parameter's size beside the workspace (NodeCost.param_sum_inplace_bytes,
+        # param_sum_largest_bytes)
+        out_of_place = c.param_sum_bytes - min(c.param_sum_inplace_bytes, c.param_sum_bytes)
+        if out_of_place:
+            during[i] = max(during[i], total + min(c.param_sum_largest_bytes or out_of_place, out_of_place))
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             if c.grad_copy_bytes:  # AccumulateGrad's copies of them, once the node's backward has returned
                 after[i] = max(after[i] if after[i] is not None else total, total + c.grad_copy_bytes)
-        # a further contribution to a parameter's gradient (in the node's workspace while it runs) is summed into
-        # autograd's buffer for it once the node's backward has returned, its workspace gone: in place (no more
-        # than the workspace held), or into a new tensor beside the old buffer and the contributions
-        # (NodeCost.param_sum_inplace_bytes)
-        out_of_place = c.param_sum_bytes - min(c.param_sum_inplace_bytes, c.param_sum_bytes)
-        if out_of_place:
-            point = total + c.param_buffer_bytes + c.param_sum_bytes + out_of_place
-            after[i] = max(after[i] if after[i] is not None else total, point)
         # autograd's buffer for a parameter several nodes use whose .grad exists (all of them with grads_exist, else
         # those an L2 penalty in the loss gave one), until it is added into that .grad
         total += c.param_buffer_bytes - c.param_buffer_end_bytes
