@@ -1231,7 +1231,8 @@ class PlannedModule(nn.Module):
 
         def alias(t: torch.Tensor) -> torch.Tensor:
             k = next(position)
-            if k not in ungraded or not t.requires_grad or t.layout != torch.strided:
+            # (not one whose .grad the model asked for, h.retain_grad(): the alias's would be set instead)
+            if k not in ungraded or not t.requires_grad or t.layout != torch.strided or t.retains_grad or t.is_leaf:
                 return t
             view = t.view_as(t)
             view.register_hook(functools.partial(self._on_ungraded_grad, k, tuple(t.shape)))
