@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import fx, nn
 
 __all__ = ["AttributeLog", "changed_attribute", "changed_global", "collecting_now", "collects_in_call",
@@ -314,8 +315,6 @@ def renormed_parameters(model: nn.Module, gm: fx.GraphModule | None = None) -> l
     times, and must put them back (a fresh user's tied embedding and output weights had the planning batch's rows
     renormalized by ``memfit.optimize``: the first step on other tokens gave a loss of 5.587 where plain PyTorch gave
     6.310)."""
-    import torch.nn.functional as F
-
     out = {id(m.weight): m.weight for m in model.modules()
            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
            and isinstance(m.weight, torch.Tensor)}

@@ -1110,7 +1110,7 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
     if any(_is_param(gm, str(n.target)) for n in written):
         return
     # (and parameters a layer renormalizes in place, nn.Embedding(max_norm=...), which no node shows writing)
-    buffers = [(b, b.detach().clone()) for b in [*model.buffers(), *renormed_parameters(model, gm)]]
+    restored = [(b, b.detach().clone()) for b in [*model.buffers(), *renormed_parameters(model, gm)]]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # (all it seeds)
     # what the model's own forward assigns (`self.feat = h.detach()`, a mask cached on the first call) is put back
     modules = list({id(m): m for m in model.modules()}.values())
@@ -1130,7 +1130,7 @@ def check_traced_outputs(model: nn.Module, gm: fx.GraphModule, fresh_inputs: Cal
                 return [t.detach() for t in tensors_in(fn(*fresh_inputs()))]
         finally:
             with torch.no_grad():
-                for b, saved in buffers:
+                for b, saved in restored:
                     b.copy_(saved)
             for g, state in generators:
                 g.set_state(state)
