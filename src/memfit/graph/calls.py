@@ -178,6 +178,26 @@ def tensors_in(value) -> list:
     return found
 
 
+def tensor_paths(value, prefix: str = "") -> list[str]:
+    """Where each tensor :func:`tensors_in` finds sits in ``value``, in its order, as Python would index it after
+    ``prefix``: ``[1][0]``, ``['aux']['n']``, ``.features[1]`` (a dataclass's attribute). For messages that name an
+    output of the model."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    found: list[str] = []
+    for path, v in tree_flatten_with_path(value, is_leaf=rebuilt_of_its_class)[0]:
+        name = prefix + keystr(path)
+        if isinstance(v, torch.Tensor):
+            found.append(name)
+        elif rebuilt_of_its_class(v):
+            attrs, items = dataclass_parts(v)
+            for k, sub in attrs.items():
+                found += tensor_paths(sub, f"{name}.{k}")
+            for k, sub in items.items():
+                found += tensor_paths(sub, f"{name}[{k!r}]")
+    return found
+
+
 def map_tensors(fn: Callable, value):
     """``value`` with each tensor ``t`` inside it (as :func:`tensors_in` finds them) replaced by ``fn(t)``; a
     dataclass instance is rebuilt with its attributes and entries mapped (:func:`dataclass_builder`)."""

@@ -54,6 +54,7 @@ from memfit.graph.calls import (
     node_ops,
     positional_inputs,
     same_fixed_value,
+    tensor_paths,
     tensors_in,
 )
 from memfit.graph.capture import Captured
@@ -1228,6 +1229,7 @@ class PlannedModule(nn.Module):
         if not ungraded or "ungraded" in self._warned or torch.compiler.is_compiling():
             return out
         position = itertools.count()
+        paths = tensor_paths(out, "output")
 
         def alias(t: torch.Tensor) -> torch.Tensor:
             k = next(position)
@@ -1235,7 +1237,8 @@ class PlannedModule(nn.Module):
             if k not in ungraded or not t.requires_grad or t.layout != torch.strided or t.retains_grad or t.is_leaf:
                 return t
             view = t.view_as(t)
-            view.register_hook(functools.partial(self._on_ungraded_grad, k, tuple(t.shape)))
+            where = paths[k] if k < len(paths) else f"output {k}"
+            view.register_hook(functools.partial(self._on_ungraded_grad, where, tuple(t.shape)))
             return view
 
         return map_tensors(alias, out)
@@ -1308,15 +1311,16 @@ class PlannedModule(nn.Module):
         for t in anchors:
             t.register_hook(on_grad)
 
-    def _on_ungraded_grad(self, k: int, shape: tuple, grad) -> None:
-        """Warn once: the training loss gave a gradient to output ``k`` (of ``shape``), which the ``loss_fn`` given at
-        planning did not read."""
+    def _on_ungraded_grad(self, where: str, shape: tuple, grad) -> None:
+        """Warn once: the training loss gave a gradient to the output at ``where`` (``output['aux']``, of ``shape``),
+        which the ``loss_fn`` given at planning did not read."""
         name = type(self.model).__name__
-        self._warn_once("ungraded", f"memfit: the training loss gives a gradient to output {k} of {name} (shape "
-                        f"{list(shape)}), which the loss_fn given at planning did not read: the backward pass through it, "
-                        "and its gradient, are not in the plan, so the step can exceed its budget (a feature "
-                        "regularizer on a returned feature map measured 1.18x). Plan with loss_fn computing the loss "
-                        "you train with, auxiliary terms included.")
+        self._warn_once("ungraded", f"memfit: the training loss gives a gradient to {name}'s {where} (shape "
+                        f"{list(shape)}), which the loss_fn given at planning did not read (nor, maybe, other outputs "
+                        "it reads: this is said once): the backward pass through it, and its gradient, are not in the "
+                        "plan, so the step can exceed its budget (a feature regularizer on a returned feature map "
+                        "measured 1.18x). Plan with loss_fn computing the loss you train with, auxiliary terms "
+                        "included.")
 
     def _watch_eval(self, out) -> None:
         """Warn once if a backward pass runs through a call made in eval mode with gradients on: the planned module
