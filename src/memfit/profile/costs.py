@@ -742,21 +742,14 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
         node = nodes[k][0]
         if reached is not None and node.op != "get_attr" and node.name not in reached:
             continue
-        if node.op == "call_module":
-            params, users = list(gm.get_submodule(node.target).parameters()), [k]
-        elif node.op == "get_attr":
-            value = _attr(gm, node.target)
-            # (a module read as a value is passed to a function, a torch.fx.wrap one: its readers' backward
-            # passes make its parameters' gradients; they were counted as there from the backward's start, a
-            # packed LSTM's 4 MB over the measured peak)
-            params = ([value] if isinstance(value, nn.Parameter) else list(value.parameters())
-                      if isinstance(value, nn.Module) else [])
+        params = _params_read(gm, node)
+        if node.op == "get_attr":
             # its readers' backward passes make the contributions (each reader's workspace holds its own): a
             # positional embedding added twice had its first contribution held in no account until the second
             users = sorted({index[u.name] for u in node.users if u.name in index
                             and (reached is None or u.name in reached)}, reverse=True) or [k]
         else:
-            params, users = [], []
+            users = [k] if params else []
         for p in params:
             for u in users:
                 if p.requires_grad and id(p) not in no_grad and u not in uses.setdefault(id(p), []):
@@ -984,7 +977,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
     nodes: list[NodeCost] = []
     finder = FindWrites(buffer_storages(gm))
     reach: list[set[tuple]] = []  # per node: storage keys of the buffers a region holding it copies
-    shared = _readers_of_parameters(gm) if with_variants else {}
+    shared = _readers_under_autocast(gm) if with_variants else {}
     for node in compute_nodes(gm):
         cost = NodeCost(name=node.name)
         saved: list[torch.Tensor] = []
@@ -1112,7 +1105,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
         if order.last_save >= 0 and not cost.mutates:
             late = {by_ptr[ptr] for ptr, at in order.made.items() if at >= order.last_save and ptr in by_ptr}
             cost.unmade_at_stop = [sid for sid in cost.creates if sid in late and sid not in cost.saves]
-        if with_variants and node.op == "call_module" and not _casts_shared_weights(gm, node, shared):
+        if with_variants and node.op == "call_module" and not _shares_parameters(gm, node, shared):
             _profile_variants(gm, node, env, cost, storages, by_ptr, register, keep_alive)
         if _is_rrelu(gm, node) or _generators(gm, [node]):
             cost.recomputable = False
@@ -1569,35 +1562,41 @@ def _loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _readers_of_parameters(gm: fx.GraphModule) -> dict[int, int]:
-    """``id(parameter) -> how many nodes read it`` (a module it belongs to called, or a ``get_attr`` of it)."""
+def _params_read(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
+    """The parameters ``node`` reads: its module's (``call_module``), or the one or the module's a ``get_attr``
+    fetches (a module read as a value is passed to a function, a ``torch.fx.wrap`` one: its readers' backward passes
+    make its parameters' gradients; they were counted as there from the backward's start, a packed LSTM's 4 MB over
+    the measured peak)."""
+    if node.op == "call_module":
+        return list(gm.get_submodule(node.target).parameters())
+    if node.op == "get_attr":
+        value = _attr(gm, node.target)
+        return ([value] if isinstance(value, nn.Parameter) else list(value.parameters())
+                if isinstance(value, nn.Module) else [])
+    return []
+
+
+def _readers_under_autocast(gm: fx.GraphModule) -> dict[int, int]:
+    """Under ``torch.autocast`` with its cache on, ``id(parameter) -> how many nodes read it``; ``{}`` elsewhere.
+    PyTorch's layers reading one parameter share autocast's one cached lower-precision copy of it, whose gradient
+    autograd sums in that precision before casting it back, where a variant casts the weight itself and its
+    contributions are summed in float32 (a fresh user's encoder applied to three views, bfloat16: gradients 2.2e-3
+    off, with ``variants="exact"``): a layer whose parameters other nodes read keeps PyTorch's implementation
+    there (:func:`_shares_parameters`)."""
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    if _autocast_cache_dtype(device) is None:
+        return {}
     counts: dict[int, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_module":
-            params = list(gm.get_submodule(node.target).parameters())
-        elif node.op == "get_attr":
-            value = _attr(gm, node.target)
-            params = [value] if isinstance(value, nn.Parameter) else (
-                list(value.parameters()) if isinstance(value, nn.Module) else [])
-        else:
-            continue
-        for p in {id(p): p for p in params}:
-            counts[p] = counts.get(p, 0) + 1
+        for pid in {id(p) for p in _params_read(gm, node)}:
+            counts[pid] = counts.get(pid, 0) + 1
     return counts
 
 
-def _casts_shared_weights(gm: fx.GraphModule, node: fx.Node, readers: dict[int, int]) -> bool:
-    """Under ``torch.autocast`` with its cache on, whether ``node``'s module has a parameter other nodes read too:
-    PyTorch's layers then share one cached lower-precision copy, whose gradient autograd sums in that precision
-    before casting it back, where a variant casts the weight itself and its contributions are summed in float32 (a
-    fresh user's encoder applied to three views, bfloat16: gradients 2.2e-3 off, with ``variants="exact"``). Such a
-    node keeps PyTorch's implementation."""
-    if not readers or node.op != "call_module":
-        return False
-    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    if _autocast_cache_dtype(device) is None:
-        return False
-    return any(readers.get(id(p), 0) > 1 for p in gm.get_submodule(node.target).parameters())
+def _shares_parameters(gm: fx.GraphModule, node: fx.Node, readers: dict[int, int]) -> bool:
+    """``node`` (a module call) reads a parameter that other nodes read too (``readers``:
+    :func:`_readers_under_autocast`)."""
+    return bool(readers) and any(readers.get(id(p), 0) > 1 for p in _params_read(gm, node))
 
 
 def _profile_variants(gm, node, env, cost: NodeCost, storages, by_ptr, register, keep_alive) -> None:

@@ -1229,7 +1229,7 @@ class PlannedModule(nn.Module):
         if not ungraded or "ungraded" in self._warned or torch.compiler.is_compiling():
             return out
         position = itertools.count()
-        paths = tensor_paths(out, "output")
+        paths: list[str] = []  # (named only where an alias is made)
 
         def alias(t: torch.Tensor) -> torch.Tensor:
             k = next(position)
@@ -1237,6 +1237,7 @@ class PlannedModule(nn.Module):
             if k not in ungraded or not t.requires_grad or t.layout != torch.strided or t.retains_grad or t.is_leaf:
                 return t
             view = t.view_as(t)
+            paths[:] = paths or tensor_paths(out, "output")
             where = paths[k] if k < len(paths) else f"output {k}"
             view.register_hook(functools.partial(self._on_ungraded_grad, where, tuple(t.shape)))
             return view
