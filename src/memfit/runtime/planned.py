@@ -270,6 +270,7 @@ class _RegionCall:
             env[name] = value
             if self.on_value is not None and not recompute:
                 self.on_value(name, value)
+            del value  # (else it held a value no later node reads through the next node's run)
             for f in frees:
                 del env[f]
 
@@ -1924,6 +1925,9 @@ class PlannedModule(nn.Module):
                             grown = True
                         if grown:
                             sized(a, v)
+                        # (else it held the value through the next node's run: an LSTM cell's last cell state, which
+                        # no node reads, was alive during the stack of its hidden states, 131,072 B over the budget)
+                        del v
                 else:
                     values = [env[n] for n in a.inputs]
                     side = {i: v for i, v in enumerate(values) if state.kind(v) is not None}
