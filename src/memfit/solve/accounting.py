@@ -415,6 +415,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         extra = 0  # the contributions to existing gradients, alive while the node's backward runs
         summed = 0  # out-of-place sums: the old gradient and the new contribution beside the sum, after the node
         unmade = 0  # bytes those sums add to ``total`` before they exist (their sum, less the old gradient freed)
+        inside = False  # a sum made in the middle of the node's backward, out of place (NodeCost.bwd_sum_workspaces)
         for m0 in ([rv.update] if rv is not None else acc.inputs[i]):
             m = redirect.get((i, m0), m0)
             # (the gradient has the size of the value read; a value that needed none when made, `torch.zeros`, and
@@ -448,8 +449,12 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
                     release(old)
                     attach(m, new_token(grad_m0))
                     inplace[m] = True
-                    summed = max(summed, freed + new)
                     unmade += grad_m0 - freed
+                    c = costs.nodes[i] if rv is None else None
+                    if c is not None and "inputs" in c.bwd_sum_workspaces and costs.nodes[m0].name in c.bwd_sum_inputs:
+                        inside = True  # added as soon as the function making it returned: in the measured workspace
+                    else:
+                        summed = max(summed, freed + new)
             elif passed:
                 attach(m, t)
                 inplace[m] = own_inplace and m0 not in views[i]
@@ -483,8 +488,20 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         # held), or into a new tensor of the parameter's size beside the workspace (NodeCost.param_sum_inplace_bytes,
         # param_sum_largest_bytes)
         out_of_place = c.param_sum_bytes - min(c.param_sum_inplace_bytes, c.param_sum_bytes)
-        if out_of_place:
-            during[i] = max(during[i], total + min(c.param_sum_largest_bytes or out_of_place, out_of_place))
+        # where the node's backward runs several functions, the sums come as each returns, measured
+        # (NodeCost.bwd_sum_workspaces)
+        sums = c.bwd_sum_workspaces
+        key = "both" if inside and out_of_place else "inputs" if inside else "parameters" if out_of_place else None
+        freed = ends and c.bwd_workspace_grad_freed is not None  # (the output's gradient freed once read)
+        if key is not None and key + "-freed" in sums and freed:
+            acc.bwd_ws[i] = max(acc.bwd_ws[i], sums[key + "-freed"])
+        elif key in sums:  # (with the gradient held: at least what it is where autograd frees it)
+            acc.bwd_ws[i] += max(0, sums[key] - c.bwd_workspace)
+        else:
+            if inside:
+                acc.bwd_ws[i] += max(0, sums["inputs"] - c.bwd_workspace)
+            if out_of_place:
+                during[i] = max(during[i], total + min(c.param_sum_largest_bytes or out_of_place, out_of_place))
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             if c.grad_copy_bytes:  # AccumulateGrad's copies of them, once the node's backward has returned
