@@ -419,7 +419,8 @@ def test_a_heuristic_plan_recomputes_only_what_the_budget_needs_and_trains_as_py
     counts = planned.plan.counts()
     assert counts["keep"] > 0 and counts["recompute"] > 0, counts
     every_block, _, _ = memfit.plan(fresh_copy(model), x, "90%", strategy="checkpoint-all", tiling=False)
-    assert planned.plan.predicted_step_seconds < every_block.predicted_step_seconds
+    # (in nodes recomputed, not predicted seconds: the two plans come from two profiles, each with its own timings)
+    assert counts["recompute"] < every_block.counts()["recompute"], (counts, every_block.counts())
     for net in (planned, plain):
         net(x).square().mean().backward()
     for p, q in zip(model.parameters(), plain.parameters()):
