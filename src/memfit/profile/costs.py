@@ -117,9 +117,11 @@ class NodeCost:
             ``"parameters"`` (those of its parameters other nodes read: a cell called per time step), ``"both"``;
             each also with ``"-freed"``, as ``bwd_workspace_grad_freed`` (where that is measured). Measured only
             where the backward runs several functions (else the sums come once it has returned).
-            The replay adds what the case that applies exceeds ``bwd_workspace`` by. ``nn.GRUCell`` called per
-            time step, its states stacked: 64,000 B over a ``100%`` budget without the first; 48 KiB over-predicted
-            (6.6%) at a small batch without the second.
+            Where the replay adds such a contribution out of place, the case that applies is the node's workspace
+            where it is larger (a case measured only with the output's gradient held adds its excess over
+            ``bwd_workspace``, which can over-count by that gradient where autograd frees it once read).
+            ``nn.GRUCell`` called per time step, its states stacked: 64,000 B over a ``100%`` budget without the
+            first; 48 KiB over-predicted (6.6%) at a small batch without the second.
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
