@@ -1,0 +1,94 @@
+"""Recurrent cells called once per time step: predicted against measured peaks, and the budget.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/recurrent_cells.py [--budgets 100%,50%,min] [--cases gru:256,lstm:256:bf16,...]
+
+A cell (``nn.GRUCell``, ``nn.LSTMCell``, ``nn.RNNCell``) called ``--steps`` times on a ``[steps, batch, 64]`` input, its
+hidden states stacked and averaged for a linear head (cross-entropy), the last hidden state returned too. Each case is
+``kind:batch[:bf16]`` (``bf16``: planned and trained under ``torch.autocast("cpu", dtype=torch.bfloat16)``). Per case
+and budget, one SGD step (momentum 0.9) of the planned module is measured as memfit measures it
+(:func:`memfit.bench.harness.measure_training`, the profiler's memory events on the CPU), and its gradients are
+compared with plain PyTorch's on a copy. Prints the budget, the predicted and the measured peak (bytes), the
+measured peak's difference from the prediction, and whether it is under the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import warnings
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.bench.harness import compare, fresh_copy, measure_training
+
+
+class CellLoop(nn.Module):
+    """``kind`` cell (64 -> ``width``) called once per step of ``xs`` ``[steps, batch, 64]``; returns the head's
+    logits ``[batch, 10]`` and the last hidden state ``[batch, width]``."""
+
+    def __init__(self, kind: str, width: int):
+        super().__init__()
+        self.kind = kind
+        cells = {"gru": nn.GRUCell, "lstm": nn.LSTMCell, "rnn": nn.RNNCell}
+        self.cell = cells[kind](64, width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, xs):
+        h = xs.new_zeros(xs.shape[1], self.cell.hidden_size)
+        c, outs = torch.zeros_like(h), []
+        for x in xs.unbind(0):
+            if self.kind == "lstm":
+                h, c = self.cell(x, (h, c))
+            else:
+                h = self.cell(x, h)
+            outs.append(h)
+        return self.head(torch.stack(outs).mean(0)), h
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="gru:256,lstm:256:bf16,gru:8,lstm:8,rnn:64", help="kind:batch[:bf16], ...")
+    ap.add_argument("--budgets", default="100%,50%,min")
+    ap.add_argument("--steps", type=int, default=12, help="time steps")
+    ap.add_argument("--width", type=int, default=128, help="hidden size")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    memfit.retain_freed_memory()
+    warnings.simplefilter("ignore")
+
+    def loss(out, target):
+        return F.cross_entropy(out[0], target)
+
+    for case in args.cases.split(","):
+        kind, batch, *rest = case.split(":")
+        dtype = torch.bfloat16 if rest == ["bf16"] else None
+        torch.manual_seed(0)
+        model = CellLoop(kind, args.width).train()
+        xs, y = torch.randn(args.steps, int(batch), 64), torch.randint(0, 10, (int(batch),))
+        base = measure_training(*[fresh_copy(model)] * 2, (xs,), y, loss, steps=1, autocast=dtype)
+        for budget in args.budgets.split(","):
+            m = fresh_copy(model)
+            opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+            try:
+                with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                    planned = memfit.optimize(m, xs, budget, optimizer=opt, loss_fn=lambda out, y=y: loss(out, y))
+            except memfit.InfeasibleBudgetError as e:
+                print(f"{case} @ {budget}: infeasible, smallest feasible {e.smallest_feasible_bytes} B")
+                continue
+            fig = measure_training(planned, planned, (xs,), y, loss, steps=1, autocast=dtype)
+            plan = planned.plan
+            print(f"{case} @ {budget}: plain {base.peak_bytes} B; budget {plan.budget_bytes} B; predicted "
+                  f"{plan.predicted_peak_bytes} B; measured {fig.peak_bytes} B "
+                  f"({fig.peak_bytes / plan.predicted_peak_bytes - 1:+.2%} of predicted; "
+                  f"{'under' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} the budget); "
+                  f"gradients match: {compare(base, fig)['gradients_match']}; {plan.counts()}")
+
+
+if __name__ == "__main__":
+    main()
