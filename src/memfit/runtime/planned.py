@@ -895,6 +895,11 @@ class PlannedModule(nn.Module):
                     local_last[a.name] = j
             frees_local = [[name for name, last in local_last.items() if last == j and name not in outputs]
                            for j in range(len(group))]
+            # a value nothing reads is dropped at once, as outside regions (the region's run held it to its end: an
+            # unused `torch.zeros_like(h)` beside recomputed GRU cells, 131,072 B over the prediction)
+            for j, n in enumerate(group):
+                if n.name not in local_last and n.name not in outputs:
+                    frees_local[j].append(n.name)
             modules: dict[int, nn.Module] = {}
             slots: list[Slot] = []
             for n in group:
