@@ -115,11 +115,13 @@ class NodeCost:
             exist first, as views of a larger gradient, so that each contribution is added into a new tensor beside
             what the backward's later functions allocate: ``"inputs"`` (those of ``bwd_sum_inputs``),
             ``"parameters"`` (those of its parameters other nodes read: a cell called per time step), ``"both"``;
-            each also with ``"-freed"``, as ``bwd_workspace_grad_freed`` (where that is measured). Measured only
+            ``"parameters-inplace"`` and ``"both-inplace"``, where the parameters' gradients are tensors of their own
+            (two contributions summed), into which autograd adds in place; each also with ``"-freed"``, as
+            ``bwd_workspace_grad_freed`` (where that is measured). Measured only
             where the backward runs several functions (else the sums come once it has returned).
-            Where the replay adds such a contribution out of place, the case that applies is the node's workspace
-            where it is larger (a case measured only with the output's gradient held adds its excess over
-            ``bwd_workspace``, which can over-count by that gradient where autograd frees it once read).
+            Where the replay adds such a contribution, the case that applies is the node's workspace (a case
+            measured only with the output's gradient held adds its excess over ``bwd_workspace`` where autograd
+            frees that gradient once read, which can over-count by that gradient).
             ``nn.GRUCell`` called per time step, its states stacked: 64,000 B over a ``100%`` budget without the
             first; 48 KiB over-predicted (6.6%) at a small batch without the second.
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
@@ -2142,9 +2144,10 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 if several:
                     cost.bwd_sum_inputs = shared_inputs
                 cases = {"inputs": (shared_inputs, []), "parameters": ([], shared_params),
-                         "both": (shared_inputs, shared_params)}
+                         "both": (shared_inputs, shared_params), "parameters-inplace": ([], shared_params),
+                         "both-inplace": (shared_inputs, shared_params)}
                 for case, (ins, ps) in cases.items():
-                    if not (ins and ps) if case == "both" else not (ins or ps):
+                    if not (ins and ps) if case.startswith("both") else not (ins or ps):
                         continue
                     # (and with the output's gradient held by autograd alone, where bwd_workspace_grad_freed is measured)
                     for key in (case, f"{case}-freed") if chain else (case,):
@@ -2154,7 +2157,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                         part = tracker.mark(f"{label}:sum-{key}") if cpu else MemoryTracker(device)
                         sum_bases[label, key] = _backward_with_earlier_grads(
                             local, leaves, held, ps, params, fn, wanted, fmts, own_casts, fixed, part, device,
-                            seeds_freed=key.endswith("-freed"))
+                            seeds_freed=key.endswith("-freed"), taken_owned="-inplace" in key)
                         del local, leaves, held
                         if not cpu:
                             cost.bwd_sum_workspaces[key] = max(
@@ -2195,7 +2198,8 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
                 if f"{label}:c" in tracker.ranges:
                     copies[label] = tracker.range_peak(f"{label}:c")[0]
-                for key in (k + freed for k in ("inputs", "parameters", "both") for freed in ("", "-freed")):
+                for key in (k + freed for k in ("inputs", "parameters", "both", "parameters-inplace", "both-inplace")
+                            for freed in ("", "-freed")):
                     if f"{label}:sum-{key}" in tracker.ranges:
                         record.bwd_sum_workspaces[key] = max(0, tracker.range_peak(f"{label}:sum-{key}")[0]
                                                              - sum_bases[label, key] - leaf_bytes.get(label, 0))
@@ -2258,7 +2262,7 @@ class _Seeded(torch.autograd.Function):
 
 def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: list, params: list, fn,
                                  wanted: list[bool], fmts: list, own_casts: bool, fixed: set[int], part,
-                                 device: torch.device, seeds_freed: bool = False) -> int:
+                                 device: torch.device, seeds_freed: bool = False, taken_owned: bool = False) -> int:
     """Run a node's isolated forward and, under ``part`` (a tracker or a tracker's mark), its backward, where the
     tensors in ``held`` and ``taken`` (leaves, parameters) already have a gradient when it starts, made as a view of a
     larger one by a reader later in forward order, whose backward ran first. Autograd adds each of the node's
@@ -2267,7 +2271,9 @@ def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: l
     what the later ones allocate. For ``held``, the larger gradient stays (``torch.stack`` of RNN states: the others'
     slices hold it); it is made before the measured part. For ``taken``, the view is all that holds it (a
     parameter's first contribution, a ``Linear``'s transposed weight gradient): made in the measured part, by
-    autograd, which frees it once the sum replaces it. With ``seeds_freed``, the output's gradients are made there
+    autograd, which frees it once the sum replaces it. With ``taken_owned``, their gradient is a tensor of its own
+    instead (a parameter's sum of two contributions or more), into which autograd adds each contribution in place,
+    freeing the contribution. With ``seeds_freed``, the output's gradients are made there
     too, held by autograd alone (see :class:`_Seeded`). Returns the bytes made in the measured part before the
     node's backward, which the caller takes off its peak. ``local`` and ``leaves`` are ``make_env``'s, the other
     arguments as the node's first backward had them."""
@@ -2279,7 +2285,7 @@ def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: l
     with _no_autocast(device):
         # made after the node's outputs, so that autograd runs their backward first
         ahead = [torch.stack([t]) for t in held]
-        later = [torch.stack([t]) for t in taken]
+        later = [t.add(0) if taken_owned else torch.stack([t]) for t in taken]  # (AddBackward passes the seed on)
         roots = ([] if seeds_freed else outs) + ahead
         seeds = ([] if seeds_freed else [_seed(t, f) for t, f in zip(outs, fmts)]) + [torch.zeros_like(t) for t in ahead]
         made = (outs if seeds_freed else []) + later

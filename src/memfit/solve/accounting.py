@@ -491,11 +491,14 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         # where the node's backward runs several functions, the sums come as each returns, measured
         # (NodeCost.bwd_sum_workspaces)
         sums = c.bwd_sum_workspaces
-        key = "both" if inside and out_of_place else "inputs" if inside else "parameters" if out_of_place else None
+        params = ("parameters" if out_of_place else "parameters-inplace" if c.param_sum_bytes else None)
+        key = ("both" + params[len("parameters"):] if inside and params else "inputs" if inside else params)
         freed = ends and c.bwd_workspace_grad_freed is not None  # (the output's gradient freed once read)
         if key is not None and key + "-freed" in sums and freed:
-            acc.bwd_ws[i] = max(acc.bwd_ws[i], sums[key + "-freed"])
-        elif key in sums:  # (with the gradient held: at least what it is where autograd frees it)
+            acc.bwd_ws[i] = sums[key + "-freed"]
+        elif key in sums and not freed:
+            acc.bwd_ws[i] = sums[key]
+        elif key in sums:  # (measured with the gradient held only: its excess, where autograd frees it once read)
             acc.bwd_ws[i] += max(0, sums[key] - c.bwd_workspace)
         else:
             if inside:
