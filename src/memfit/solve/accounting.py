@@ -493,10 +493,10 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         sums = c.bwd_sum_workspaces
         params = ("parameters" if out_of_place else "parameters-inplace" if c.param_sum_bytes else None)
         key = ("both" + params[len("parameters"):] if inside and params else "inputs" if inside else params)
-        freed = ends and c.bwd_workspace_grad_freed is not None  # (the output's gradient freed once read)
-        if key is not None and key + "-freed" in sums and freed:
+        seed_freed = ends and c.bwd_workspace_grad_freed is not None  # (the output's gradient freed once read)
+        if key is not None and key + "-freed" in sums and seed_freed:
             acc.bwd_ws[i] = sums[key + "-freed"]
-        elif key in sums and not freed:
+        elif key in sums and not seed_freed:
             acc.bwd_ws[i] = sums[key]
         elif key in sums:  # (measured with the gradient held only: its excess, where autograd frees it once read)
             acc.bwd_ws[i] += max(0, sums[key] - c.bwd_workspace)
