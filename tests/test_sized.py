@@ -356,8 +356,10 @@ def test_each_kind_of_call_the_graph_does_not_hold_for_is_warned_once_and_anothe
             planned(*short[:2])  # (autocast, warned already as a kind)
     said = [str(w.message) for w in caught if "unplanned" in str(w.message)]
     assert len(said) == 3, said
-    assert "pad batches" in said[0] and "[8, 16]" in said[0] and "[8, 8]" in said[1] and "pad" in said[1], said
-    assert "autocast" in said[2] and "pad" not in said[2], said
+    assert "[8, 16]" in said[0] and "[8, 8]" in said[1], said
+    # (another path: planning with the largest shapes does not help, as a fresh user found; padding does)
+    assert all("Pad batches to the planned shape" in w and "largest shapes" not in w for w in said[:2]), said
+    assert "autocast" in said[2] and "Pad" not in said[2], said
 
 
 def test_other_dtypes_then_larger_then_another_path_are_each_warned():
