@@ -1595,6 +1595,15 @@ def _params_read(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
     return []
 
 
+def _parameter_readers(gm: fx.GraphModule) -> dict[int, int]:
+    """``id(parameter) -> how many nodes read it`` (:func:`_params_read`)."""
+    counts: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        for pid in {id(p) for p in _params_read(gm, node)}:
+            counts[pid] = counts.get(pid, 0) + 1
+    return counts
+
+
 def _readers_under_autocast(gm: fx.GraphModule) -> dict[int, int]:
     """Under ``torch.autocast`` with its cache on, ``id(parameter) -> how many nodes read it``; ``{}`` elsewhere.
     PyTorch's layers reading one parameter share autocast's one cached lower-precision copy of it, whose gradient
@@ -1603,13 +1612,7 @@ def _readers_under_autocast(gm: fx.GraphModule) -> dict[int, int]:
     off, with ``variants="exact"``): a layer whose parameters other nodes read keeps PyTorch's implementation
     there (:func:`_shares_parameters`)."""
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    if _autocast_cache_dtype(device) is None:
-        return {}
-    counts: dict[int, int] = {}
-    for node in gm.graph.nodes:
-        for pid in {id(p) for p in _params_read(gm, node)}:
-            counts[pid] = counts.get(pid, 0) + 1
-    return counts
+    return {} if _autocast_cache_dtype(device) is None else _parameter_readers(gm)
 
 
 def _shares_parameters(gm: fx.GraphModule, node: fx.Node, readers: dict[int, int]) -> bool:
@@ -2030,10 +2033,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
     sum_bases: dict[tuple[str, str], int] = {}  # (label, case) -> bytes of the earlier gradients made while measured
     records: list[tuple[str, object]] = []
     readers = _cast_readers(costs.nodes)
-    param_readers: dict[int, int] = {}  # id(parameter) -> how many nodes read it
-    for n in gm.graph.nodes:
-        for pid in {id(p) for p in _params_read(gm, n)}:
-            param_readers[pid] = param_readers.get(pid, 0) + 1
+    param_readers = _parameter_readers(gm)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     param_names = _param_names(gm)
     with outer as tracker:
@@ -2143,10 +2143,9 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 shared_params = [p for p in params if param_readers.get(id(p), 0) > 1] if several else []
                 if several:
                     cost.bwd_sum_inputs = shared_inputs
-                cases = {"inputs": (shared_inputs, []), "parameters": ([], shared_params),
-                         "both": (shared_inputs, shared_params), "parameters-inplace": ([], shared_params),
-                         "both-inplace": (shared_inputs, shared_params)}
-                for case, (ins, ps) in cases.items():
+                for case in SUM_CASES:
+                    ins = shared_inputs if case.startswith(("inputs", "both")) else []
+                    ps = shared_params if not case.startswith("inputs") else []
                     if not (ins and ps) if case.startswith("both") else not (ins or ps):
                         continue
                     # (and with the output's gradient held by autograd alone, where bwd_workspace_grad_freed is measured)
@@ -2198,8 +2197,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                 record.bwd_workspace = max(0, peak - leaf_bytes.get(label, 0))
                 if f"{label}:c" in tracker.ranges:
                     copies[label] = tracker.range_peak(f"{label}:c")[0]
-                for key in (k + freed for k in ("inputs", "parameters", "both", "parameters-inplace", "both-inplace")
-                            for freed in ("", "-freed")):
+                for key in (case + freed for case in SUM_CASES for freed in ("", "-freed")):
                     if f"{label}:sum-{key}" in tracker.ranges:
                         record.bwd_sum_workspaces[key] = max(0, tracker.range_peak(f"{label}:sum-{key}")[0]
                                                              - sum_bases[label, key] - leaf_bytes.get(label, 0))
@@ -2258,6 +2256,10 @@ class _Seeded(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         return (None, *ctx.make())
+
+
+# the cases NodeCost.bwd_sum_workspaces measures (each also with "-freed")
+SUM_CASES = ("inputs", "parameters", "both", "parameters-inplace", "both-inplace")
 
 
 def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: list, params: list, fn,

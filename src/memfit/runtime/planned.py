@@ -1183,14 +1183,14 @@ class PlannedModule(nn.Module):
                     return found(*given[0], **given[1])
                 reason, words = found
                 key, why = f"shapes {reason}", f"{why}; {words}"
-            shapes = ("Plan with the largest shapes you train with (smaller ones then run the plan on a trace of their "
+            # (another path: a fresh user planned with the longest sequence, as the first advice told, and a loop over
+            # its length took another path for every shorter one)
+            shapes = ("Pad batches to the planned shape (no smaller shape runs the plan where the code takes another "
+                      "path for it: a loop over this size), or plan for this one too (a planned module per shape)."
+                      if key.startswith("shapes trace") else
+                      "Plan with the largest shapes you train with (smaller ones then run the plan on a trace of their "
                       "own, where the forward's code takes the same path), pad batches to the planned shape, or plan "
                       "for this one too (a planned module per shape).")
-            if key.startswith("shapes trace"):  # (a fresh user planned with the longest sequence, as told, and a loop
-                # over its length took another path for every shorter one)
-                shapes = ("Pad batches to the planned shape (no smaller shape runs the plan where the code takes "
-                          "another path for it: a loop over this size), or plan for this one too (a planned module "
-                          "per shape).")
             advice = {"autocast": "Plan inside the autocast context you train in (a planned module per state).",
                       "dtype": "Plan the model as it is now.",
                       "state": "Plan the model as it is now.",
