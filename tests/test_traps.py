@@ -1090,6 +1090,50 @@ def test_a_recurrent_cell_called_per_time_step_is_predicted_as_measured(kind, ba
         fig.peak_bytes, planned.plan.predicted_peak_bytes)
 
 
+class _UnreadValueLoop(nn.Module):
+    """``nn.GRUCell`` called per time step, the last hidden state to a linear head; with ``unread``, each step also
+    computes ``h * 2.0``, which nothing reads (a leftover of debugging)."""
+
+    def __init__(self, unread):
+        super().__init__()
+        self.unread = unread
+        self.cell, self.head = nn.GRUCell(32, 128), nn.Linear(128, 10)
+
+    def forward(self, xs):
+        h = xs.new_zeros(xs.shape[1], self.cell.hidden_size)
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t], h)
+            if self.unread:
+                c = h * 2.0  # noqa: F841
+        return self.head(h)
+
+
+def test_a_value_nothing_reads_does_not_raise_the_floor():
+    """Found by a fresh user: ``c = h * 2.0`` beside each step of a GRU cell loop, never read, raised
+    ``budget="min"`` by 12% (batch 256, 16 steps; 2.1% here), though plain PyTorch's peak is the same with or without
+    the line. The unread product was kept out of checkpoint regions, so no region could span two steps, and its
+    free binaries widened the node-limited search for the floor. Planned at ``min``, the step matches plain
+    PyTorch's gradients and stays under the budget, and the floor is the one without the line."""
+    xs, y = torch.randn(12, 64, 32), torch.randint(0, 10, (64,))
+    floors = {}
+    for unread in (False, True):
+        torch.manual_seed(0)
+        model = _UnreadValueLoop(unread).train()
+        m = fresh_copy(model)
+        planned = memfit.optimize(m, xs, "min", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                                  loss_fn=lambda out: F.cross_entropy(out, y))
+        floors[unread] = planned.plan.budget_bytes
+    fig = measure_training(planned, planned, (xs,), y, F.cross_entropy, steps=1)
+    base = measure_training(*[fresh_copy(model)] * 2, (xs,), y, F.cross_entropy, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    # (predicted one hidden state high, 2%, with or without the line, at 100% too: inside a cell's backward the
+    # input state is freed once the functions that saved it have run; the isolated measurement holds it)
+    assert fig.peak_bytes <= planned.plan.predicted_peak_bytes <= 1.03 * fig.peak_bytes, (
+        fig.peak_bytes, planned.plan.predicted_peak_bytes)
+    assert floors[True] <= 1.005 * floors[False], floors
+
+
 def test_a_returned_activation_changed_in_place_before_backward_is_explained():
     """Found by a fresh user: a loop normalized a returned feature map in place (``feats.mul_(0.5)``) before
     ``loss.backward()``. Plain PyTorch trains (no operation saved it); the plan's checkpoint regions recompute from it,

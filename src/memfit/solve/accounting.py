@@ -76,6 +76,11 @@ class Accounting:
         buffers: node index -> the written buffers a region holding it copies for its recomputation
             (``NodeCost.buffers``).
         buffer_bytes: written buffer name -> bytes of one copy (``Costs.buffer_bytes``).
+        unreached: the nodes no gradient reaches (autograd never runs their backward).
+        unread: the nodes of ``unreached`` whose value nothing reads (not a model output, no later node) and that
+            write no storage or buffer: a value computed and dropped, ``c = h * 2.0`` left unused. It saves
+            nothing for the backward pass; the program ties it to the node before it (in that node's region or
+            kept with it), so that it does not widen the search.
         stateful: names of the written buffers whose values the forward pass reads (``Costs.buffer_kinds``
             ``"stateful"``): a region also holds a snapshot of each from its forward pass to its backward pass.
         region_seconds: time each checkpoint region adds beyond what it recomputes (``Costs.region_seconds``).
@@ -128,6 +133,7 @@ class Accounting:
     buffers: list[list[str]] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     unreached: set[int] = field(default_factory=set)
+    unread: set[int] = field(default_factory=set)
     stateful: set[str] = field(default_factory=set)
     region_seconds: float = 0.0
     region_node_seconds: float = 0.0
@@ -541,6 +547,8 @@ def _drop_unreached_saves(acc: Accounting) -> Accounting:
             if t is None:
                 break
         dies[i] = t if t is not None and t < acc.n else None
+        if t == i and not acc.buffers[i]:
+            acc.unread.add(i)
     for i, t in dies.items():
         if t is None or not acc.saves[i]:
             continue
@@ -551,7 +559,9 @@ def _drop_unreached_saves(acc: Accounting) -> Accounting:
         # (inside a checkpoint region the recomputation would run it again, and the non-reentrant checkpoint holds
         # what it saves until the region's backward ends; kept out of regions, nothing is lost: it saves nothing)
         # (and so are the nodes that read its tensor: a region holds its inputs, and with them the autograd graph)
-        if acc.recomputable:
+        # (a node nothing reads holds no autograd graph past itself: it stays recomputable, so that a region may run
+        # through it, ``unread``)
+        if acc.recomputable and i not in acc.unread:
             for k in [i] + readers.get(i, []):
                 acc.recomputable[k] = False
     return acc
