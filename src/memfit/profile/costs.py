@@ -50,6 +50,7 @@ class Storage:
             its first use and keeps in its cache until the autocast context exits, whether or not a node saves
             it; ``producer`` is the first node that reads it).
         requires_grad: whether the tensor in it takes part in the backward pass.
+        param: for a ``"cast"``, the name of the parameter it copies (:func:`_param_names`); else ``None``.
     """
 
     id: int
@@ -57,6 +58,7 @@ class Storage:
     producer: str | None
     kind: str
     requires_grad: bool = False
+    param: str | None = None
 
 
 @dataclass
@@ -159,6 +161,12 @@ class NodeCost:
             the last contribution arrives.
         param_buffer_end_bytes: bytes of the parameters several nodes use whose last contribution this node's
             backward makes (autograd's buffer for them is then released or becomes ``.grad``).
+        param_grad_upcast_bytes: where several nodes read a parameter through one autocast cast (a layer called
+            at each step, under ``torch.autocast``), autograd sums their contributions in the cast's dtype, in the
+            buffer of the cast's backward (``ToCopyBackward0``), and makes the parameter's own gradient from the
+            sum once the first reader's backward has returned: these bytes (the parameters' gradients less their
+            casts') come into existence then, at the first reader; the last reader's ``param_grad_bytes`` (or
+            ``param_buffer_bytes``) counts the casts' bytes.
         variants: operator variants that can replace this node, by name, with their measured costs.
         casts: storage ids of the autocast casts (kind ``"cast"``) this node reads: made by the first node that
             reads the parameter, then shared through autocast's cache until the forward pass ends; a
@@ -238,6 +246,7 @@ class NodeCost:
     param_sum_bytes: int = 0
     param_buffer_bytes: int = 0
     param_buffer_end_bytes: int = 0
+    param_grad_upcast_bytes: int = 0
     variants: dict[str, VariantCost] = field(default_factory=dict)
     casts: list[int] = field(default_factory=list)
     unmade_at_stop: list[int] = field(default_factory=list)
@@ -776,15 +785,26 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
                     sizes[id(p)] = p.untyped_storage().nbytes()
                     ptrs[id(p)] = p.untyped_storage().data_ptr()
     names = _param_names(gm)
+    casts = {st.param: st for st in costs.storages if st.kind == "cast" and st.param is not None}
     for pid, ks in uses.items():
         ks.sort(reverse=True)
         b = sizes[pid]
         exists = costs.grads_exist or existing is None or ptrs[pid] in existing
+        # under autocast, a parameter every user reads through one cast has its contributions summed in the cast's
+        # dtype, and its own gradient made from the sum after the first user's backward (a Linear called twice
+        # under bfloat16 was predicted one bfloat16 copy of its weight, 10%, over its measured peak when the sum
+        # was counted in float32 from the last call on)
+        cast = casts.get(names.get(pid))
+        summed = b
+        if len(ks) > 1 and cast is not None and all(cast.id in nodes[k][1].casts for k in ks):
+            summed = cast.nbytes
+            if not costs.grads_exist and not exists:
+                nodes[ks[-1]][1].param_grad_upcast_bytes += b - summed
         if costs.grads_exist or not exists:
-            nodes[ks[0]][1].param_grad_bytes += b
+            nodes[ks[0]][1].param_grad_bytes += summed if not costs.grads_exist else b
         if len(ks) > 1 and exists:
-            nodes[ks[0]][1].param_buffer_bytes += b
-            nodes[ks[-1]][1].param_buffer_end_bytes += b
+            nodes[ks[0]][1].param_buffer_bytes += summed
+            nodes[ks[-1]][1].param_buffer_end_bytes += summed
         # the first contribution is autograd's buffer: a view (a Linear's transposed weight gradient) makes the
         # first sum a new tensor, into which the later ones are added in place
         first_view = names.get(pid) in nodes[ks[0]][1].param_grad_views
@@ -958,6 +978,8 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
     by_ptr: dict[int, int] = {}
     env: dict[str, object] = {}
     cast_of: dict[int, int] = {}  # storage address of a parameter -> storage id of its autocast cast
+    names = _param_names(gm)
+    param_at = {p.untyped_storage().data_ptr(): names[id(p)] for p in gm.parameters()}  # (address -> name)
 
     def register(t: torch.Tensor, producer, kind) -> int | None:
         if t.device.type == "meta":
@@ -1088,6 +1110,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
                 if sid is None:
                     continue
                 cast_of[src] = sid
+                storages[sid].param = param_at.get(src)
             else:  # a later reader: in a real step, autocast's cache hands it the first reader's copy
                 by_ptr[t.untyped_storage().data_ptr()] = sid
             if sid not in cost.casts:

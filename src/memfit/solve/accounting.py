@@ -371,7 +371,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
 
     # parameter gradients: counted in the fixed bytes, but with .grad set to None before the step they only
     # come into existence as the backward completes them
-    pending = 0 if costs.grads_exist else sum(c.param_grad_bytes for c in costs.nodes)
+    pending = 0 if costs.grads_exist else sum(c.param_grad_bytes + c.param_grad_upcast_bytes for c in costs.nodes)
     acc.fwd_offset = -pending
     total -= pending
     inplace: dict[int, bool] = {}  # node -> autograd can add a further contribution into its gradient in place
@@ -513,6 +513,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
                 during[i] = max(during[i], total + min(c.param_sum_largest_bytes or out_of_place, out_of_place))
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
+            total += c.param_grad_upcast_bytes  # (and those made from a sum in an autocast cast's dtype)
             if c.grad_copy_bytes:  # AccumulateGrad's copies of them, once the node's backward has returned
                 after[i] = max(after[i] if after[i] is not None else total, total + c.grad_copy_bytes)
         # autograd's buffer for a parameter several nodes use whose .grad exists (all of them with grads_exist, else
