@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.graph.attributes import has_hooks, renormed_parameters
@@ -691,6 +692,24 @@ class _CastRecorder(TorchDispatchMode):
         return out
 
 
+class _ExplicitCasts(TorchFunctionMode):
+    """Records ``ptrs``, the storage addresses of the leaf tensors that require grad (the parameters) that the model's
+    own code converts (``w.to(torch.bfloat16)``, ``.bfloat16()``, ``.half()``, ``.type(...)``): each such call makes a
+    copy of its own, which :class:`_CastRecorder` cannot tell from autocast's cached one."""
+
+    CONVERSIONS = frozenset({"to", "type", "bfloat16", "half", "float", "double"})
+
+    def __init__(self):
+        super().__init__()
+        self.ptrs: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.CONVERSIONS and args and isinstance(args[0], torch.Tensor) \
+                and args[0].is_leaf and args[0].requires_grad and args[0].device.type != "meta":
+            self.ptrs.add(args[0].untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
 FASTER_KERNEL_MARGIN = 0.8  # a faster-kernel variant's time is kept below the default's only under this fraction
 
 
@@ -978,8 +997,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
     by_ptr: dict[int, int] = {}
     env: dict[str, object] = {}
     cast_of: dict[int, int] = {}  # storage address of a parameter -> storage id of its autocast cast
-    names = _param_names(gm)
-    param_at = {p.untyped_storage().data_ptr(): names[id(p)] for p in gm.parameters()}  # (address -> name)
+    explicit = _ExplicitCasts()
 
     def register(t: torch.Tensor, producer, kind) -> int | None:
         if t.device.type == "meta":
@@ -1038,7 +1056,8 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             torch.clear_autocast_cache()
         try:
             order = _SaveOrder()
-            with recorder or contextlib.nullcontext(), finder, _recording(saved, order, direct), order:
+            with recorder or contextlib.nullcontext(), explicit if recorder else contextlib.nullcontext(), finder, \
+                    _recording(saved, order, direct), order:
                 out = node_fn(gm, node)(env)
         except Exception as exc:
             args = list(dict.fromkeys(d for a in node.all_input_nodes for d in from_default.get(a.name, [])))
@@ -1102,15 +1121,17 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             if sid is not None and len(storages) > n_before:
                 cost.creates.append(sid)
             return sid
+        returned = {x.untyped_storage().data_ptr() for x in tensors_in(out) if isinstance(x, torch.Tensor)}
         for src, t in recorder.casts if recorder is not None else ():
             keep_alive.append(t)  # every address registered stays taken
+            if src in explicit.ptrs and t.untyped_storage().data_ptr() in returned:
+                continue  # (the node's output, `w.to(torch.bfloat16)`: a copy of its own, not the cache's)
             sid = cast_of.get(src)
             if sid is None:
                 sid = created(t, "cast")
                 if sid is None:
                     continue
                 cast_of[src] = sid
-                storages[sid].param = param_at.get(src)
             else:  # a later reader: in a real step, autocast's cache hands it the first reader's copy
                 by_ptr[t.untyped_storage().data_ptr()] = sid
             if sid not in cost.casts:
@@ -1171,6 +1192,13 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             del c.variants["bn-from-output"]
     if with_variants:
         _profile_inplace(gm, env, nodes, storages, by_ptr, register, keep_alive)
+    # a cast autocast's cache shares names its parameter; one the model's code makes (`w.to(torch.bfloat16)`: a copy
+    # per call, each with a backward of its own) does not (see _param_grads)
+    names = _param_names(gm)
+    for p in gm.parameters():
+        ptr = p.untyped_storage().data_ptr()
+        if ptr in cast_of and ptr not in explicit.ptrs:
+            storages[cast_of[ptr]].param = names[id(p)]
     costs = Costs(device="", storages=storages, nodes=nodes, fixed_bytes=0, output_ids=output_ids)
     _written_buffers(gm, finder, reach, costs)
     return costs
