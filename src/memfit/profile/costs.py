@@ -694,10 +694,10 @@ class _CastRecorder(TorchDispatchMode):
 
 class _ExplicitCasts(TorchFunctionMode):
     """Records ``ptrs``, the storage addresses of the leaf tensors that require grad (the parameters) that the model's
-    own code converts (``w.to(torch.bfloat16)``, ``.bfloat16()``, ``.half()``, ``.type(...)``): each such call makes a
-    copy of its own, which :class:`_CastRecorder` cannot tell from autocast's cached one."""
+    own code converts (``w.to(torch.bfloat16)``, ``.bfloat16()``, ``.half()``, ``.type(...)``, ``.type_as(x)``): each
+    such call makes a copy of its own, which :class:`_CastRecorder` cannot tell from autocast's cached one."""
 
-    CONVERSIONS = frozenset({"to", "type", "bfloat16", "half", "float", "double"})
+    CONVERSIONS = frozenset({"to", "type", "type_as", "bfloat16", "half", "float", "double"})
 
     def __init__(self):
         super().__init__()
