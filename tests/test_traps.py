@@ -1127,9 +1127,7 @@ def test_a_value_nothing_reads_does_not_raise_the_floor():
     base = measure_training(*[fresh_copy(model)] * 2, (xs,), y, F.cross_entropy, steps=1)
     assert compare(base, fig)["gradients_match"]
     assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
-    # (predicted one hidden state high, 2%, with or without the line, at 100% too: inside a cell's backward the
-    # input state is freed once the functions that saved it have run; the isolated measurement holds it)
-    assert fig.peak_bytes <= planned.plan.predicted_peak_bytes <= 1.03 * fig.peak_bytes, (
+    assert abs(fig.peak_bytes - planned.plan.predicted_peak_bytes) <= 0.01 * fig.peak_bytes, (
         fig.peak_bytes, planned.plan.predicted_peak_bytes)
     assert floors[True] <= 1.005 * floors[False], floors
 
@@ -4161,3 +4159,24 @@ def test_a_hook_registered_after_planning_on_a_recomputed_module_is_refused():
     _same(_grads(plain), _grads(planned))
     for (k, b), c in zip(model.named_buffers(), plain.buffers()):
         assert torch.equal(b, c), k
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+def test_a_cell_input_state_freed_inside_its_backward_is_predicted_as_measured(budget):
+    """A ``GRUCell`` called per time step, its last state to a head (batch 64, 12 steps), was predicted one hidden
+    state (32,768 B, 2%) over its measured peak at every budget: inside the cell's backward its input state is freed
+    once the last function that saved it has run, before the weight gradient's out-of-place sum, where the step
+    peaks; the isolated measurement of the cell held its inputs to its end. Gradients as plain PyTorch's, the peak
+    under the budget, the prediction within 1%."""
+    xs, y = torch.randn(12, 64, 32), torch.randint(0, 10, (64,))
+    torch.manual_seed(0)
+    model = _UnreadValueLoop(False).train()
+    m = fresh_copy(model)
+    planned = memfit.optimize(m, xs, budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                              loss_fn=lambda out: F.cross_entropy(out, y))
+    fig = measure_training(planned, planned, (xs,), y, F.cross_entropy, steps=1)
+    base = measure_training(*[fresh_copy(model)] * 2, (xs,), y, F.cross_entropy, steps=1)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)
+    assert abs(fig.peak_bytes - planned.plan.predicted_peak_bytes) <= 0.01 * fig.peak_bytes, (
+        fig.peak_bytes, planned.plan.predicted_peak_bytes)

@@ -76,6 +76,10 @@ class Accounting:
         buffers: node index -> the written buffers a region holding it copies for its recomputation
             (``NodeCost.buffers``).
         buffer_bytes: written buffer name -> bytes of one copy (``Costs.buffer_bytes``).
+        bwd_ws_released: node index -> ``bwd_ws`` where every storage the node saves that another node made is
+            freed at its backward (the node is its last holder): those are freed inside the backward, as the
+            functions that saved them run (``NodeCost.bwd_released_workspaces``; at most ``bwd_ws``). The replay uses
+            it where that holds in its plan; the program's rows keep ``bwd_ws``.
         unreached: the nodes no gradient reaches (autograd never runs their backward).
         unread: the nodes of ``unreached`` whose value nothing reads (not a model output, no later node) and that
             write no storage or buffer: a value computed and dropped, ``c = h * 2.0`` left unused. It saves
@@ -134,6 +138,7 @@ class Accounting:
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     unreached: set[int] = field(default_factory=set)
     unread: set[int] = field(default_factory=set)
+    bwd_ws_released: list[int] = field(default_factory=list)
     stateful: set[str] = field(default_factory=set)
     region_seconds: float = 0.0
     region_node_seconds: float = 0.0
@@ -375,6 +380,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
     acc.fwd_offset = -pending
     total -= pending
     inplace: dict[int, bool] = {}  # node -> autograd can add a further contribution into its gradient in place
+    released: list[int | None] = [None] * n  # node -> bwd_ws with the inputs it saves freed inside its backward
     # the outputs the loss gives a gradient (all of them when no loss function was profiled)
     graded = acc.output_storages if costs.loss_grads is None else acc.output_storages & set(costs.loss_grads)
     # a node with several outputs of which the loss reads some (nn.MultiheadAttention's averaged weights, read by an
@@ -500,17 +506,24 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         params = ("parameters" if out_of_place else "parameters-inplace" if c.param_sum_bytes else None)
         key = ("both" + params[len("parameters"):] if inside and params else "inputs" if inside else params)
         seed_freed = ends and c.bwd_workspace_grad_freed is not None  # (the output's gradient freed once read)
+        used = "plain-freed" if seed_freed else "plain"  # (the measurement bwd_ws now holds)
         if key is not None and key + "-freed" in sums and seed_freed:
-            acc.bwd_ws[i] = sums[key + "-freed"]
+            acc.bwd_ws[i], used = sums[key + "-freed"], key + "-freed"
         elif key in sums and not seed_freed:
-            acc.bwd_ws[i] = sums[key]
+            acc.bwd_ws[i], used = sums[key], key
         elif key in sums:  # (measured with the gradient held only: its excess, where autograd frees it once read)
             acc.bwd_ws[i] += max(0, sums[key] - c.bwd_workspace)
+            used = None
         else:
             if inside:
                 acc.bwd_ws[i] += max(0, sums["inputs"] - c.bwd_workspace)
+                used = None
             if out_of_place:
                 during[i] = max(during[i], total + min(c.param_sum_largest_bytes or out_of_place, out_of_place))
+        # the same measurement with the inputs other nodes made freed inside the backward, for the replay where the
+        # node is their last holder (NodeCost.bwd_released_workspaces)
+        measured = c.bwd_released_workspaces.get(used) if used is not None else None
+        released[i] = acc.bwd_ws[i] if measured is None else min(acc.bwd_ws[i], measured)
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             total += c.param_grad_upcast_bytes  # (and those made from a sum in an autocast cast's dtype)
@@ -520,6 +533,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         # those an L2 penalty in the loss gave one), until it is added into that .grad
         total += c.param_buffer_bytes - c.param_buffer_end_bytes
     acc.grad_before, acc.grad_during, acc.grad_sum = before, during, after
+    acc.bwd_ws_released = [acc.bwd_ws[i] if w is None else w for i, w in enumerate(released)]
     acc.needs_grad = needs
     acc.unreached = unreached
     return acc

@@ -340,7 +340,13 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                     wait_for(stream)
                     fetched[s] = {i}
         grad = acc.grad_during[i]
-        transient(acc.bwd_ws[i], f"bwd {i} workspace")
+        # where this node is the last holder of every storage it saves that another node made, those are freed inside
+        # its backward, as the functions that saved them run (Accounting.bwd_ws_released)
+        inputs = [s for s in acc.saves[i] if acc.producer.get(s, -1) not in (-1, i) and s not in acc.casts]
+        last = all(copy_holders[(r, s)] == {i} if r >= 0 and s in recomputed.get(r, ()) else
+                   fetched[s] == {i} if s in fetched else s in alive and holders.get(s) == {i} for s in inputs)
+        ws = acc.bwd_ws_released[i] if acc.bwd_ws_released and inputs and last else acc.bwd_ws[i]
+        transient(ws, f"bwd {i} workspace")
         clock += acc.bwd_seconds[i]
         grad = acc.grad_before[i - 1] if i > 0 else 0
         for s in list(alive):
