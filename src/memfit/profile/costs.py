@@ -1129,7 +1129,8 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
             if sid is not None and len(storages) > n_before:
                 cost.creates.append(sid)
             return sid
-        returned = {x.untyped_storage().data_ptr() for x in tensors_in(out) if isinstance(x, torch.Tensor)}
+        returned = {x.untyped_storage().data_ptr() for x in tensors_in(out) if isinstance(x, torch.Tensor)
+                    and x.layout == torch.strided and x.device.type != "meta"} if recorder is not None else set()
         for src, t in recorder.casts if recorder is not None else ():
             keep_alive.append(t)  # every address registered stays taken
             if src in explicit.ptrs and t.untyped_storage().data_ptr() in returned:
