@@ -2376,7 +2376,7 @@ def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: l
     instead (a parameter's sum of two contributions or more), into which autograd adds each contribution in place,
     freeing the contribution. With ``seeds_freed``, the output's gradients are made there
     too, held by autograd alone (see :class:`_Seeded`). With ``release``, ``local`` is cleared before the backward,
-    so that the inputs ``make_env(release=True)`` copied are held by the saved tensors alone (see
+    so that the inputs ``make_env(release=[])`` copied are held by the saved tensors alone (see
     ``NodeCost.bwd_released_workspaces``). Returns the bytes made in the measured part before the
     node's backward, which the caller takes off its peak. ``local`` and ``leaves`` are ``make_env``'s, the other
     arguments as the node's first backward had them."""
