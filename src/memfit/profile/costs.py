@@ -136,6 +136,8 @@ class NodeCost:
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
+        returns_param: the output is a parameter itself, returned by a conversion that copies nothing
+            (``w.float()`` of a float32 weight): its readers' backward passes make the parameter's contributions.
         view_output: an output is a view of another tensor (``Tensor._base``; a ``Linear``'s output on a 3-D input
             is one): an in-place update of it rewrites its base's history (``CopySlices``).
         grad_copies: with ``grad_alias``, the input nodes (by name) whose gradient is nevertheless a tensor of
@@ -272,6 +274,7 @@ class NodeCost:
     param_sum_inplace_bytes: int = 0
     param_sum_largest_bytes: int = 0
     view_output: bool = False
+    returns_param: bool = False
     bwd_sum_inputs: list[str] = field(default_factory=list)
     bwd_sum_workspaces: dict[str, int] = field(default_factory=dict)
     bwd_released_workspaces: dict[str, int] = field(default_factory=dict)
@@ -834,7 +837,12 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
             nodes[ks[-1]][1].param_buffer_end_bytes += summed
         # the first contribution is autograd's buffer: a view (a Linear's transposed weight gradient) makes the
         # first sum a new tensor, into which the later ones are added in place
-        first_view = names.get(pid) in nodes[ks[0]][1].param_grad_views
+        # (where the first user returns the parameter itself, `F.linear(h, self.emb.weight.float())`, its reader's
+        # backward makes that contribution: a view for a linear's weight; a float32 tied LM's floor measured the
+        # out-of-place sum, an embedding-sized 4% over its budget, when it was counted in place)
+        first, first_cost = nodes[ks[0]]
+        first_view = names.get(pid) in first_cost.param_grad_views or first_cost.returns_param and any(
+            first.name in nodes[index[u.name]][1].grad_views for u in first.users if u.name in index)
         for j, k in enumerate(ks[1:]):
             nodes[k][1].param_sum_bytes += b
             if j > 0 or not first_view:
@@ -1162,6 +1170,7 @@ def _structure_pass(gm: fx.GraphModule, inputs: tuple, fixed_ptrs: set[int], wit
                 if node.op != "get_attr" and isinstance(t, torch.Tensor) and t.requires_grad and _differentiable(t) \
                         and (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
                     cost.grad_bytes += t.numel() * t.element_size()
+                    cost.returns_param |= isinstance(t, nn.Parameter)
                 continue
             cost.outputs.append(sid)
             cost.view_output |= isinstance(t, torch.Tensor) and t._base is not None
