@@ -12,6 +12,9 @@ and ``opt.step()`` outside it (``measure_training(..., autocast=torch.bfloat16)`
 * each checkpoint region keeps the CPU RNG state (``preserve_rng_state``), also in float32.
 """
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -536,3 +539,47 @@ def test_a_layer_applied_at_each_step_under_bf16_is_predicted_as_measured(kind, 
         fig.peak_bytes, planned.plan.predicted_peak_bytes)
     if budget == "min":
         assert planned.plan.budget_bytes < base.peak_bytes
+
+
+@contextlib.contextmanager
+def _autocast_cache(on: bool):
+    """Autocast's cache setting for the ``torch.autocast`` contexts opened inside (they inherit it)."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(on)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
+
+
+def test_a_plan_made_with_another_autocast_cache_setting_is_warned_about():
+    """Found by a fresh user: a ``GRUCell`` loop planned under bf16 autocast with its cache on and trained with
+    ``cache_enabled=False`` measured 1.05-1.51x its budget, unwarned (each reader then makes its own copy of the
+    weights). Called so, the planned module warns; a saved plan applied so is refused; a plan made with the cache
+    off trains within its budget and gradients as plain PyTorch's with the cache off."""
+    torch.manual_seed(0)
+    model = _Applied("gru").train()
+    xs, y = torch.randn(8, 16, 32), torch.randint(0, 10, (16,))
+    m = fresh_copy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = memfit.optimize(m, xs, "100%", loss_fn=lambda out: F.cross_entropy(out, y))
+    assert planned.plan.autocast_cache is True
+    with (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+          pytest.warns(UserWarning, match=r"cache_enabled=True\) and is called under cache_enabled=False")):
+        planned(xs)
+    with (_autocast_cache(False), torch.autocast("cpu", dtype=torch.bfloat16),
+          pytest.raises(ValueError, match=r"cache_enabled=True\), and this call is under cache_enabled=False")):
+        memfit.optimize(fresh_copy(model), xs, plan_=planned.plan)
+    with _autocast_cache(False):
+        base = measure_training(*[fresh_copy(model)] * 2, (xs,), y, F.cross_entropy, steps=1,
+                                autocast=torch.bfloat16)
+        m = fresh_copy(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            planned = memfit.optimize(m, xs, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                                      loss_fn=lambda out: F.cross_entropy(out, y))
+        assert planned.plan.autocast_cache is False
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="memfit: the plan was made")
+            fig = measure_training(planned, planned, (xs,), y, F.cross_entropy, steps=1, autocast=torch.bfloat16)
+    assert compare(base, fig)["gradients_match"]
+    assert fig.peak_bytes <= planned.plan.budget_bytes, (fig.peak_bytes, planned.plan.budget_bytes)

@@ -39,6 +39,7 @@ from memfit.profile.link import measure_link
 from memfit.profile.optimizer import OptimizerCost, measure_optimizer, optimizer_state_bytes
 from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import (
+    AUTOCAST_CACHE_DIFFERS,
     PlannedModule,
     autocast_dtype,
     conv_libraries,
@@ -168,6 +169,10 @@ def check_plan_fits(plan_: Plan, model: nn.Module, example_inputs, grads_exist: 
         raise ValueError(f"the plan was made {made}, and this call is {now}: activations differ in size. "
                          "Apply it in the same autocast state as it was made (and train in it), or make a "
                          "new plan")
+    if here and plan_.autocast_cache is not None and plan_.autocast_cache != torch.is_autocast_cache_enabled():
+        raise ValueError(f"the plan was made under torch.autocast(cache_enabled={plan_.autocast_cache}), and this call "
+                         f"is under cache_enabled={torch.is_autocast_cache_enabled()}: {AUTOCAST_CACHE_DIFFERS} Apply it with "
+                         "the cache setting it was made with (and train with it), or make a new plan")
     if plan_.grads_exist != grads_exist:
         made = "keeps gradients allocated" if plan_.grads_exist else "sets gradients to None (zero_grad())"
         raise ValueError(f"the plan was made for a training loop that {made}: pass grads_exist="
@@ -594,6 +599,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.state_layouts = state_layouts(model)
     result.state_roles = state_roles(model)
     result.autocast = autocast_dtype(inputs)
+    result.autocast_cache = torch.is_autocast_cache_enabled() if result.autocast else None
     result.conv_libraries = conv_libraries()
     result.threads = torch.get_num_threads() if costs.device == "cpu" else None
     result.optimizer = _optimizer_name(_optimizers(optimizer))

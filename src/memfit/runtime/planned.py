@@ -281,6 +281,11 @@ def conv_libraries() -> dict[str, bool]:
     return {"cudnn": bool(torch.backends.cudnn.enabled), "mkldnn": bool(torch.backends.mkldnn.enabled)}
 
 
+AUTOCAST_CACHE_DIFFERS = (
+    "with the cache on, the readers of a parameter share one lower-precision copy of it per forward; without it, "
+    "each reader makes its own, so the planned memory figures do not hold.")
+
+
 def autocast_dtype(inputs: tuple) -> str | None:
     """The dtype ``torch.autocast`` casts to on the inputs' device right now (``"torch.bfloat16"``), or ``None``
     outside autocast."""
@@ -1866,6 +1871,12 @@ class PlannedModule(nn.Module):
                             f"{f'under torch.autocast({here})' if here else 'outside torch.autocast'}: activations "
                             "differ in size, so the planned memory figures do not hold. Make a plan in the autocast state "
                             "you train in.")
+        elif here and self.plan.autocast_cache not in (None, torch.is_autocast_cache_enabled()):
+            # (planned with the cache on, trained with cache_enabled=False: a GRU loop measured 1.51x its budget)
+            now = torch.is_autocast_cache_enabled()
+            self._warn_once(f"autocast cache {now}", "memfit: the plan was made under torch.autocast(cache_enabled="
+                            f"{self.plan.autocast_cache}) and is called under cache_enabled={now}: "
+                            f"{AUTOCAST_CACHE_DIFFERS} Make the plan with the cache setting you train with.")
 
     def _warn_aliased(self) -> None:
         """One warning for the nodes :meth:`_fresh` found returning an input (or a view) since the last one."""

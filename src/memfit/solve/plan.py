@@ -64,6 +64,9 @@ class Plan:
             or accumulation) rather than PyTorch's default ``zero_grad()``.
         state_dtypes: dtype of every parameter and buffer (``"torch.float32"``), by ``state_dict`` key.
         autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
+        autocast_cache: under ``torch.autocast``, whether its cache of parameter casts was on
+            (``torch.is_autocast_cache_enabled()``; ``cache_enabled=False`` makes a copy per reader); ``None`` outside
+            autocast (and in plans saved before it was recorded).
         conv_libraries: the vendor convolution libraries' switches when the plan was profiled,
             ``{"cudnn": torch.backends.cudnn.enabled, "mkldnn": torch.backends.mkldnn.enabled}`` (oneDNN on the
             CPU): with another setting every convolution holds other workspaces (empty for plans made before
@@ -154,6 +157,7 @@ class Plan:
     grads_exist: bool = False
     state_dtypes: dict[str, str] = field(default_factory=dict)
     autocast: str | None = None
+    autocast_cache: bool | None = None
     conv_libraries: dict[str, bool] = field(default_factory=dict)
     threads: int | None = None
     optimizer: str | None = None
