@@ -484,7 +484,8 @@ def test_an_encoder_applied_to_several_views_under_bf16_trains_as_pytorch(varian
 
 class _Applied(nn.Module):
     """One layer applied at each step under autocast: a ``Linear`` with ``tanh`` (a block applied ``k`` times; with
-    ``explicit``, its weights converted by the forward's own ``.to(torch.bfloat16)`` at each call) or an
+    ``explicit``, its weights converted by the forward's own ``.to(torch.bfloat16)`` at each call; with ``both``,
+    the module and a converted weight in turn) or an
     ``nn.GRUCell`` over the steps of a sequence ``[steps, batch, 32]``."""
 
     def __init__(self, kind: str, k: int = 3):
@@ -503,6 +504,11 @@ class _Applied(nn.Module):
             h = self.inp(xs.mean(0))
             for _ in range(self.k):
                 h = torch.tanh(self.layer(h))
+        elif self.kind == "both":  # (the layer as a module, through autocast's copy, and converted by the forward)
+            h = self.inp(xs.mean(0))
+            for _ in range(self.k):
+                h = torch.tanh(self.layer(h))
+                h = torch.tanh(F.linear(h, self.layer.weight.to(torch.bfloat16)))
         else:
             h = xs.new_zeros(xs.shape[1], 512)
             for t in range(xs.shape[0]):
@@ -512,7 +518,8 @@ class _Applied(nn.Module):
 
 @pytest.mark.parametrize("kind,batch,grads_exist,budget", [
     ("linear", 64, False, "100%"), ("linear", 64, True, "100%"), ("gru", 16, False, "100%"),
-    ("gru", 16, True, "100%"), ("gru", 16, False, "min"), ("explicit", 64, False, "100%")])
+    ("gru", 16, True, "100%"), ("gru", 16, False, "min"), ("explicit", 64, False, "100%"), ("both", 64, False, "100%"),
+    ("both", 256, False, "min")])
 def test_a_layer_applied_at_each_step_under_bf16_is_predicted_as_measured(kind, batch, grads_exist, budget):
     """Found by fresh-user runs: a layer called several times under bfloat16 autocast (a block applied three times,
     a ``GRUCell`` per time step) was predicted one bfloat16 copy of its weights over its measured peak (8-11%), so
@@ -521,7 +528,9 @@ def test_a_layer_applied_at_each_step_under_bf16_is_predicted_as_measured(kind, 
     in the buffer of the copy's backward, and makes the float32 gradient once, after the first call's backward.
     The replay had a float32 gradient from the last call's backward on. A weight the forward converts itself at each
     call (``explicit``) has a copy per call, each with a backward of its own, so its contributions are summed in
-    float32: counted as before (counted as the others, that step went 8.5% over its budget)."""
+    float32: counted as before (counted as the others, that step went 8.5% over its budget). A weight read both ways
+    (``both``, found by a fresh user) has the cached copy's readers' contributions summed in bfloat16 beside the
+    float32 ones: counted as float32 contributions, the step went one bfloat16 weight over its ``min`` budget."""
     torch.manual_seed(0)
     model = _Applied(kind).train()
     xs, y = torch.randn(8, batch, 32), torch.randint(0, 10, (batch,))
