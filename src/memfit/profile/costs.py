@@ -833,14 +833,12 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
             # readers of autocast's cached copy beside readers of the parameter itself (the forward's own
             # `w.to(torch.bfloat16)` per call): the copy's readers sum their contributions in its dtype, in the buffer
             # of its backward, held from the first of them to the last, whose backward then makes one float32
-            # contribution; each further contribution to the copy is counted as summed into a new tensor (a
-            # transposed weight gradient is a view). A Linear read both ways measured one bfloat16 copy of its
-            # weight, 7%, over its `min` budget when every reader was counted as a float32 contribution.
+            # contribution. Their sums are counted as where every reader reads the copy (below), the buffer as one of
+            # its own. A Linear read both ways measured one bfloat16 copy of its weight, 7%, over its `min` budget
+            # when every reader was counted as a float32 contribution.
             nodes[group[0]][1].param_buffer_bytes += cast.nbytes
             nodes[group[-1]][1].param_buffer_end_bytes += cast.nbytes
-            for k in group[1:]:
-                nodes[k][1].param_sum_bytes += cast.nbytes
-                nodes[k][1].param_sum_largest_bytes = max(nodes[k][1].param_sum_largest_bytes, cast.nbytes)
+            _count_sums(names.get(pid), b, [nodes[k][1] for k in group])
             ks = [k for k in ks if k not in group[:-1]]
         summed = b
         if len(ks) > 1 and cast is not None and all(cast.id in nodes[k][1].casts for k in ks):
@@ -852,20 +850,26 @@ def _param_grads(gm: fx.GraphModule, costs: Costs, no_grad: set[int] = frozenset
         if len(ks) > 1 and exists:
             nodes[ks[0]][1].param_buffer_bytes += summed
             nodes[ks[-1]][1].param_buffer_end_bytes += summed
-        # the first contribution is autograd's buffer: a view (a Linear's transposed weight gradient) makes the
-        # first sum a new tensor, into which the later ones are added in place
         # (where the first user returns the parameter itself, `F.linear(h, self.emb.weight.float())`, its reader's
         # backward makes that contribution: a view for a linear's weight; a float32 tied LM's floor measured the
         # out-of-place sum, an embedding-sized 4% over its budget, when it was counted in place)
         first, first_cost = nodes[ks[0]]
-        first_view = names.get(pid) in first_cost.param_grad_views or first_cost.returns_param and any(
-            first.name in nodes[index[u.name]][1].grad_views for u in first.users if u.name in index)
-        for j, k in enumerate(ks[1:]):
-            nodes[k][1].param_sum_bytes += b
-            if j > 0 or not first_view:
-                nodes[k][1].param_sum_inplace_bytes += b
-            else:
-                nodes[k][1].param_sum_largest_bytes = max(nodes[k][1].param_sum_largest_bytes, b)
+        _count_sums(names.get(pid), b, [c for _, c in (nodes[k] for k in ks)], first_cost.returns_param and any(
+            first.name in nodes[index[u.name]][1].grad_views for u in first.users if u.name in index))
+
+
+def _count_sums(name: str | None, nbytes: int, users: list[NodeCost], first_view: bool = False) -> None:
+    """``param_sum_bytes`` of the users of parameter ``name`` (``nbytes``), in backward order: each contribution
+    after the first is summed into autograd's buffer. The first contribution is that buffer: a view (a Linear's
+    transposed weight gradient; ``first_view``, or in the first user's ``param_grad_views``) makes the first sum a
+    new tensor, into which the later ones are added in place."""
+    first_view = first_view or name in users[0].param_grad_views
+    for j, cost in enumerate(users[1:]):
+        cost.param_sum_bytes += nbytes
+        if j > 0 or not first_view:
+            cost.param_sum_inplace_bytes += nbytes
+        else:
+            cost.param_sum_largest_bytes = max(cost.param_sum_largest_bytes, nbytes)
 
 
 def _param_names(gm: nn.Module) -> dict[int, str]:
