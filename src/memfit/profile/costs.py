@@ -133,6 +133,9 @@ class NodeCost:
             above holds them to its end). Keys: ``"plain"`` (``bwd_workspace``), ``"plain-freed"``
             (``bwd_workspace_grad_freed``) and those of ``bwd_sum_workspaces``. A ``GRUCell`` called per time step,
             whose input state is freed before its weight gradient's sum: one state (2%) over-predicted without it.
+            Its outputs the node saves itself are held so too (an ``RNNCell``'s ``tanh`` output); where it also has
+            such inputs, ``"out-"`` keys are its outputs alone held so (an RNN's input state stays held by the
+            previous step's saved output: 3.6% over-predicted without them).
         grad_in_bytes: bytes the backward newly allocates for the gradients of its activation inputs.
         grad_alias: the backward passes its output's gradient on to its inputs without a copy (additions,
             views), so the inputs' gradients share that storage.
@@ -1931,12 +1934,13 @@ def _non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
-def _seed(t: torch.Tensor, fmt) -> torch.Tensor:
+def _seed(t: torch.Tensor, fmt, device: torch.device | None = None) -> torch.Tensor:
     """Ones of ``t``'s shape in the layout :func:`_format_of` gave (``t``'s own for ``None``); strides with gaps
-    leave the storage larger than ``t``, as the slice of a larger gradient it stands for."""
+    leave the storage larger than ``t``, as the slice of a larger gradient it stands for. On ``device`` (``t``'s
+    by default: ``t`` may be a meta tensor standing for it)."""
     if isinstance(fmt, tuple):
-        return torch.empty_strided(t.shape, fmt, dtype=t.dtype, device=t.device).fill_(1)
-    return torch.ones_like(t, memory_format=fmt or torch.preserve_format)
+        return torch.empty_strided(t.shape, fmt, dtype=t.dtype, device=device or t.device).fill_(1)
+    return torch.ones_like(t, device=device or t.device, memory_format=fmt or torch.preserve_format)
 
 
 def _grad_formats(gm: fx.GraphModule, inputs: tuple, loss_fn, requires: dict[str, list[bool]]
@@ -2286,6 +2290,9 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                         if not cpu:
                             cost.bwd_sum_workspaces[key] = max(
                                 0, part.peak_bytes - sum_bases[label, key] - leaf_bytes[label])
+                # (and its outputs: one the node saves itself, `nn.RNNCell`'s `tanh` output, is freed once the function
+                # that saved it has run, before the weight gradients' sums, where a cell's backward peaks)
+                own_saved = bool(set(cost.outputs) & set(cost.saves))
                 # again, each with the inputs other nodes made held by the saved tensors alone (not where an input's
                 # gradient exists first: the copy's backward, made before the node's, runs after all of them, and the
                 # sum into that gradient with it, where autograd sums as soon as the contribution is made)
@@ -2294,7 +2301,7 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     ps = shared_params if key.startswith("parameters") else []
                     names_m, copied = [], []
                     local, leaves = make_env(clone=clone, names=names_m, release=copied)
-                    if not copied:  # (no input another node made: nothing to release)
+                    if not copied and not own_saved:  # (nothing another node made, no output saved: none to release)
                         break
                     part = tracker.mark(f"{label}:rel-{key}") if cpu else MemoryTracker(device)
                     released_bases[label, key] = _backward_with_earlier_grads(
@@ -2304,6 +2311,16 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     if not cpu:
                         cost.bwd_released_workspaces[key] = max(
                             0, part.peak_bytes - released_bases[label, key] - leaf_bytes[label])
+                    if copied and own_saved:  # (its outputs alone: its inputs may be held by others, an RNN's by
+                        local, leaves = make_env(clone=clone)  # the previous step's saved output)
+                        part = tracker.mark(f"{label}:rel-out-{key}") if cpu else MemoryTracker(device)
+                        released_bases[label, f"out-{key}"] = _backward_with_earlier_grads(
+                            local, leaves, [], ps, params, fn, wanted, fmts, own_casts, fixed, part, device,
+                            seeds_freed=key.endswith("-freed"), taken_owned="-inplace" in key, release=True)
+                        del local, leaves
+                        if not cpu:
+                            cost.bwd_released_workspaces[f"out-{key}"] = max(
+                                0, part.peak_bytes - released_bases[label, f"out-{key}"] - leaf_bytes[label])
                 if chain:  # again, with the output's gradient held by autograd alone
                     local, leaves = make_env(clone=clone)
                     at_unpack.clear()
@@ -2438,21 +2455,36 @@ def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: l
         # made after the node's outputs, so that autograd runs their backward first
         ahead = [torch.stack([t]) for t in held]
         later = [t.add(0) if taken_owned else torch.stack([t]) for t in taken]  # (AddBackward passes the seed on)
-        roots = ([] if seeds_freed else outs) + ahead
-        seeds = ([] if seeds_freed else [_seed(t, f) for t, f in zip(outs, fmts)]) + [torch.zeros_like(t) for t in ahead]
         made = (outs if seeds_freed else []) + later
-        if made:
-            def make(outs=outs, later=later):
-                return ([_seed(t, f) for t, f in zip(outs, fmts)] if seeds_freed else []) + [
+        if release:  # (the outputs too: one root hands on their gradients, held or made there, and holds no output)
+            metas = [torch.empty_like(t, device="meta") for t in outs]  # (shapes, dtypes and strides)
+            kept = [] if seeds_freed else [_seed(t, f) for t, f in zip(outs, fmts)]
+
+            def make(metas=metas, kept=kept, later=later):
+                return (kept or [_seed(m, f, device) for m, f in zip(metas, fmts)]) + [
                     torch.zeros_like(t) for t in later]
-            roots.append(_Seeded.apply(make, *made))
-            seeds.append(torch.ones((), device=device))
+            roots, seeds = ahead, [torch.zeros_like(t) for t in ahead]
+            if outs or later:
+                roots.append(_Seeded.apply(make, *outs, *later))
+                seeds.append(torch.ones((), device=device))
+        else:
+            roots = ([] if seeds_freed else outs) + ahead
+            seeds = ([] if seeds_freed else [_seed(t, f) for t, f in zip(outs, fmts)]) + [
+                torch.zeros_like(t) for t in ahead]
+            if made:
+                def make(outs=outs, later=later):
+                    return ([_seed(t, f) for t, f in zip(outs, fmts)] if seeds_freed else []) + [
+                        torch.zeros_like(t) for t in later]
+                roots.append(_Seeded.apply(make, *made))
+                seeds.append(torch.ones((), device=device))
+    nbytes = sum(t.numel() * t.element_size() for t in made)
     if release:
         local.clear()
+        del outs, made
     with part, _no_autocast(device):
         grads = torch.autograd.grad(roots, leaves + params, seeds, allow_unused=True)
     del grads
-    return sum(t.numel() * t.element_size() for t in made)
+    return nbytes
 
 
 def _backward_functions(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> int:

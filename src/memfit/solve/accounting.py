@@ -76,10 +76,11 @@ class Accounting:
         buffers: node index -> the written buffers a region holding it copies for its recomputation
             (``NodeCost.buffers``).
         buffer_bytes: written buffer name -> bytes of one copy (``Costs.buffer_bytes``).
-        bwd_ws_released: node index -> ``bwd_ws`` where every storage the node saves that another node made is
-            freed at its backward (the node is its last holder): those are freed inside the backward, as the
-            functions that saved them run (``NodeCost.bwd_released_workspaces``; at most ``bwd_ws``). The replay uses
-            it where that holds in its plan; the program's rows keep ``bwd_ws``.
+        bwd_ws_released: node index -> ``bwd_ws`` where every storage the node saves (those another node made, and
+            its outputs) is freed at its backward (the node is its last holder): those are freed inside the backward,
+            as the functions that saved them run (``NodeCost.bwd_released_workspaces``; at most ``bwd_ws``). The replay
+            uses it where that holds in its plan; the program's rows keep ``bwd_ws``.
+        bwd_ws_released_out: the same where the node is the last holder of the outputs it saves only.
         unreached: the nodes no gradient reaches (autograd never runs their backward).
         unread: the nodes of ``unreached`` whose value nothing reads (not a model output, no later node) and that
             write no storage or buffer: a value computed and dropped, ``c = h * 2.0`` left unused. It saves
@@ -139,6 +140,7 @@ class Accounting:
     unreached: set[int] = field(default_factory=set)
     unread: set[int] = field(default_factory=set)
     bwd_ws_released: list[int] = field(default_factory=list)
+    bwd_ws_released_out: list[int] = field(default_factory=list)
     stateful: set[str] = field(default_factory=set)
     region_seconds: float = 0.0
     region_node_seconds: float = 0.0
@@ -381,6 +383,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
     total -= pending
     inplace: dict[int, bool] = {}  # node -> autograd can add a further contribution into its gradient in place
     released: list[int | None] = [None] * n  # node -> bwd_ws with the inputs it saves freed inside its backward
+    released_out: list[int | None] = [None] * n  # (its outputs alone)
     # the outputs the loss gives a gradient (all of them when no loss function was profiled)
     graded = acc.output_storages if costs.loss_grads is None else acc.output_storages & set(costs.loss_grads)
     # a node with several outputs of which the loss reads some (nn.MultiheadAttention's averaged weights, read by an
@@ -524,6 +527,8 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         # node is their last holder (NodeCost.bwd_released_workspaces)
         measured = c.bwd_released_workspaces.get(used) if used is not None else None
         released[i] = acc.bwd_ws[i] if measured is None else min(acc.bwd_ws[i], measured)
+        measured = c.bwd_released_workspaces.get(f"out-{used}") if used is not None else None
+        released_out[i] = acc.bwd_ws[i] if measured is None else min(acc.bwd_ws[i], measured)
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             total += c.param_grad_upcast_bytes  # (and those made from a sum in an autocast cast's dtype)
@@ -534,6 +539,7 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
         total += c.param_buffer_bytes - c.param_buffer_end_bytes
     acc.grad_before, acc.grad_during, acc.grad_sum = before, during, after
     acc.bwd_ws_released = [acc.bwd_ws[i] if w is None else w for i, w in enumerate(released)]
+    acc.bwd_ws_released_out = [acc.bwd_ws[i] if w is None else w for i, w in enumerate(released_out)]
     acc.needs_grad = needs
     acc.unreached = unreached
     return acc

@@ -340,12 +340,19 @@ def _replay(acc: Accounting, spans: list[tuple[int, int]], fixed: int, offloads=
                     wait_for(stream)
                     fetched[s] = {i}
         grad = acc.grad_during[i]
-        # where this node is the last holder of every storage it saves that another node made, those are freed inside
-        # its backward, as the functions that saved them run (Accounting.bwd_ws_released)
+        # where this node is the last holder of every storage it saves (those another node made, and its outputs), those
+        # are freed inside its backward, as the functions that saved them run (Accounting.bwd_ws_released); where it
+        # is the last holder of its own only, those (bwd_ws_released_out)
+        def last(saved: list[int], i: int = i, r: int = r) -> bool:
+            return all(copy_holders[(r, s)] == {i} if r >= 0 and s in recomputed.get(r, ()) else
+                       fetched[s] == {i} if s in fetched else s in alive and holders.get(s) == {i} for s in saved)
         inputs = [s for s in acc.saves[i] if acc.producer.get(s, -1) not in (-1, i) and s not in acc.casts]
-        last = all(copy_holders[(r, s)] == {i} if r >= 0 and s in recomputed.get(r, ()) else
-                   fetched[s] == {i} if s in fetched else s in alive and holders.get(s) == {i} for s in inputs)
-        ws = acc.bwd_ws_released[i] if acc.bwd_ws_released and inputs and last else acc.bwd_ws[i]
+        own = [s for s in acc.saves[i] if acc.producer.get(s, -1) == i and s not in acc.casts]
+        ws = acc.bwd_ws[i]
+        if acc.bwd_ws_released and (inputs or own) and last(inputs) and last(own):
+            ws = acc.bwd_ws_released[i]
+        elif acc.bwd_ws_released_out and own and last(own):
+            ws = acc.bwd_ws_released_out[i]
         transient(ws, f"bwd {i} workspace")
         clock += acc.bwd_seconds[i]
         grad = acc.grad_before[i - 1] if i > 0 else 0
