@@ -2292,7 +2292,8 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                                 0, part.peak_bytes - sum_bases[label, key] - leaf_bytes[label])
                 # (and its outputs: one the node saves itself, `nn.RNNCell`'s `tanh` output, is freed once the function
                 # that saved it has run, before the weight gradients' sums, where a cell's backward peaks)
-                own_saved = bool(set(cost.outputs) & set(cost.saves))
+                # (not where it writes into its input: an in-place ReLU's output is its input's copy, held so already)
+                own_saved = not clone and bool(set(cost.outputs) & set(cost.saves))
                 # again, each with the inputs other nodes made held by the saved tensors alone (not where an input's
                 # gradient exists first: the copy's backward, made before the node's, runs after all of them, and the
                 # sum into that gradient with it, where autograd sums as soon as the contribution is made)
