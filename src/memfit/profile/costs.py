@@ -2443,7 +2443,8 @@ def _backward_with_earlier_grads(local: dict, leaves: list, held: list, taken: l
     instead (a parameter's sum of two contributions or more), into which autograd adds each contribution in place,
     freeing the contribution. With ``seeds_freed``, the output's gradients are made there
     too, held by autograd alone (see :class:`_Seeded`). With ``release``, ``local`` is cleared before the backward,
-    so that the inputs ``make_env(release=[])`` copied are held by the saved tensors alone (see
+    so that the inputs ``make_env(release=[])`` copied are held by the saved tensors alone, and so are the node's
+    outputs: one root hands on their gradients (made there, or the ones held) and holds no output (see
     ``NodeCost.bwd_released_workspaces``). Returns the bytes made in the measured part before the
     node's backward, which the caller takes off its peak. ``local`` and ``leaves`` are ``make_env``'s, the other
     arguments as the node's first backward had them."""
