@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -9,7 +10,7 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.bench.harness import fresh_copy
+from memfit.bench.harness import compare, fresh_copy, measure_training
 from memfit.profile.timing import retain_freed_memory
 
 
@@ -147,3 +148,27 @@ def timed_plans(model, plans, x, y, loss, rounds: int) -> list[float]:
         m = memfit.PlannedModule(capture(fresh_copy(model)), plan)
         setups.append((m, m))
     return interleaved_step_seconds(setups, (x,), y, loss, rounds=rounds)
+
+
+def against_plain(case: str, model, x, y, loss, dtype, budgets: list[str]) -> None:
+    """Plan ``model`` at each budget (SGD with momentum, under ``torch.autocast`` to ``dtype`` unless ``None``),
+    train one step with the plan and one with plain PyTorch, and print per budget: the budget, the predicted and the
+    measured peak (bytes, the README's measurement), whether the step stayed under the budget, whether the gradients
+    match, and the plan's decisions."""
+    base = measure_training(*[fresh_copy(model)] * 2, (x,), y, loss, steps=1, autocast=dtype)
+    for budget in budgets:
+        m = fresh_copy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        try:
+            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                planned = memfit.optimize(m, x, budget, optimizer=opt, loss_fn=lambda out, y=y: loss(out, y))
+        except memfit.InfeasibleBudgetError as e:
+            print(f"{case} @ {budget}: infeasible, smallest feasible {e.smallest_feasible_bytes} B")
+            continue
+        fig = measure_training(planned, planned, (x,), y, loss, steps=1, autocast=dtype)
+        plan = planned.plan
+        print(f"{case} @ {budget}: plain {base.peak_bytes} B; budget {plan.budget_bytes} B; predicted "
+              f"{plan.predicted_peak_bytes} B; measured {fig.peak_bytes} B "
+              f"({fig.peak_bytes / plan.predicted_peak_bytes - 1:+.2%} of predicted; "
+              f"{'under' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} the budget); "
+              f"gradients match: {compare(base, fig)['gradients_match']}; {plan.counts()}", flush=True)

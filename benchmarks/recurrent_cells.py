@@ -16,7 +16,6 @@ measured peak's difference from the prediction, and whether it is under the budg
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import warnings
 
@@ -24,10 +23,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
+from _spec import against_plain
 from torch import nn
 
 import memfit
-from memfit.bench.harness import compare, fresh_copy, measure_training
 
 
 class CellLoop(nn.Module):
@@ -75,23 +74,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = CellLoop(kind, args.width, "unread" in rest).train()
         xs, y = torch.randn(args.steps, int(batch), 64), torch.randint(0, 10, (int(batch),))
-        base = measure_training(*[fresh_copy(model)] * 2, (xs,), y, loss, steps=1, autocast=dtype)
-        for budget in args.budgets.split(","):
-            m = fresh_copy(model)
-            opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-            try:
-                with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                    planned = memfit.optimize(m, xs, budget, optimizer=opt, loss_fn=lambda out, y=y: loss(out, y))
-            except memfit.InfeasibleBudgetError as e:
-                print(f"{case} @ {budget}: infeasible, smallest feasible {e.smallest_feasible_bytes} B")
-                continue
-            fig = measure_training(planned, planned, (xs,), y, loss, steps=1, autocast=dtype)
-            plan = planned.plan
-            print(f"{case} @ {budget}: plain {base.peak_bytes} B; budget {plan.budget_bytes} B; predicted "
-                  f"{plan.predicted_peak_bytes} B; measured {fig.peak_bytes} B "
-                  f"({fig.peak_bytes / plan.predicted_peak_bytes - 1:+.2%} of predicted; "
-                  f"{'under' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} the budget); "
-                  f"gradients match: {compare(base, fig)['gradients_match']}; {plan.counts()}")
+        against_plain(case, model, xs, y, loss, dtype, args.budgets.split(","))
 
 
 if __name__ == "__main__":

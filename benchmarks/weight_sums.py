@@ -3,7 +3,8 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/weight_sums.py [--cases tied-float,both:256,...] [--budgets 100%,min]
 
 Each case plans one model at each budget, trains one SGD step with the plan and one with plain PyTorch (the same
-autocast state), and prints the budget, the predicted and the measured peak (bytes) and whether the gradients match:
+autocast state), and prints the budget, the predicted and the measured peak (bytes), whether the gradients match and
+the plan's decisions:
 
 * ``tied-float[:bf16]``: a language model whose output layer reads the embedding's weight through ``.float()``
   (the parameter itself, for a float32 weight); vocabulary 8,000, width 256, 4 x 64 tokens.
@@ -18,7 +19,6 @@ autocast state), and prints the budget, the predicted and the measured peak (byt
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import warnings
 
@@ -26,10 +26,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
+from _spec import against_plain
 from torch import nn
 
 import memfit
-from memfit.bench.harness import compare, fresh_copy, measure_training
 
 
 class TiedFloat(nn.Module):
@@ -129,19 +129,7 @@ def main() -> None:
         torch.manual_seed(0)
         model, x, y, loss, dtype = case(name)
         model.train()
-        base = measure_training(*[fresh_copy(model)] * 2, (x,), y, loss, steps=1, autocast=dtype)
-        for budget in args.budgets.split(","):
-            m = fresh_copy(model)
-            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                planned = memfit.optimize(m, x, budget, optimizer=torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                                          loss_fn=lambda out, y=y, loss=loss: loss(out, y))
-            fig = measure_training(planned, planned, (x,), y, loss, steps=1, autocast=dtype)
-            plan = planned.plan
-            print(f"{name} @ {budget}: plain {base.peak_bytes} B; budget {plan.budget_bytes} B; predicted "
-                  f"{plan.predicted_peak_bytes} B; measured {fig.peak_bytes} B "
-                  f"({fig.peak_bytes / plan.predicted_peak_bytes - 1:+.2%} of predicted; "
-                  f"{'under' if fig.peak_bytes <= plan.budget_bytes else 'OVER'} the budget); "
-                  f"gradients match: {compare(base, fig)['gradients_match']}", flush=True)
+        against_plain(name, model, x, y, loss, dtype, args.budgets.split(","))
 
 
 if __name__ == "__main__":

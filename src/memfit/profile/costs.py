@@ -2304,24 +2304,19 @@ def _measure_workspace(gm: fx.GraphModule, inputs: tuple, costs: Costs, device: 
                     local, leaves = make_env(clone=clone, names=names_m, release=copied)
                     if not copied and not own_saved:  # (nothing another node made, no output saved: none to release)
                         break
-                    part = tracker.mark(f"{label}:rel-{key}") if cpu else MemoryTracker(device)
-                    released_bases[label, key] = _backward_with_earlier_grads(
-                        local, leaves, [], ps, params, fn, wanted, fmts, own_casts, fixed, part, device,
-                        seeds_freed=key.endswith("-freed"), taken_owned="-inplace" in key, release=True)
-                    del local, leaves
-                    if not cpu:
-                        cost.bwd_released_workspaces[key] = max(
-                            0, part.peak_bytes - released_bases[label, key] - leaf_bytes[label])
-                    if copied and own_saved:  # (its outputs alone: its inputs may be held by others, an RNN's by
-                        local, leaves = make_env(clone=clone)  # the previous step's saved output)
-                        part = tracker.mark(f"{label}:rel-out-{key}") if cpu else MemoryTracker(device)
-                        released_bases[label, f"out-{key}"] = _backward_with_earlier_grads(
+                    # (and, where it has both, its outputs alone: its inputs may be held by others, an RNN's by the
+                    # previous step's saved output)
+                    for name in [key] + ([f"out-{key}"] if copied and own_saved else []):
+                        if name != key:
+                            local, leaves = make_env(clone=clone)
+                        part = tracker.mark(f"{label}:rel-{name}") if cpu else MemoryTracker(device)
+                        released_bases[label, name] = _backward_with_earlier_grads(
                             local, leaves, [], ps, params, fn, wanted, fmts, own_casts, fixed, part, device,
                             seeds_freed=key.endswith("-freed"), taken_owned="-inplace" in key, release=True)
                         del local, leaves
                         if not cpu:
-                            cost.bwd_released_workspaces[f"out-{key}"] = max(
-                                0, part.peak_bytes - released_bases[label, f"out-{key}"] - leaf_bytes[label])
+                            cost.bwd_released_workspaces[name] = max(
+                                0, part.peak_bytes - released_bases[label, name] - leaf_bytes[label])
                 if chain:  # again, with the output's gradient held by autograd alone
                     local, leaves = make_env(clone=clone)
                     at_unpack.clear()

@@ -525,10 +525,9 @@ def _with_gradients(acc: Accounting, costs: Costs, graph: Graph) -> Accounting:
                 during[i] = max(during[i], total + min(c.param_sum_largest_bytes or out_of_place, out_of_place))
         # the same measurement with the inputs other nodes made freed inside the backward, for the replay where the
         # node is their last holder (NodeCost.bwd_released_workspaces)
-        measured = c.bwd_released_workspaces.get(used) if used is not None else None
-        released[i] = acc.bwd_ws[i] if measured is None else min(acc.bwd_ws[i], measured)
-        measured = c.bwd_released_workspaces.get(f"out-{used}") if used is not None else None
-        released_out[i] = acc.bwd_ws[i] if measured is None else min(acc.bwd_ws[i], measured)
+        for kept, prefix in ((released, ""), (released_out, "out-")):
+            measured = c.bwd_released_workspaces.get(prefix + used) if used is not None else None
+            kept[i] = acc.bwd_ws[i] if measured is None else min(acc.bwd_ws[i], measured)
         if not costs.grads_exist:
             total += c.param_grad_bytes  # the node's own gradients, now the parameters' .grad
             total += c.param_grad_upcast_bytes  # (and those made from a sum in an autocast cast's dtype)
