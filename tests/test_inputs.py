@@ -566,6 +566,26 @@ def test_torch_save_of_a_planned_module_says_how_to_save_and_the_way_works(tmp_p
         assert torch.equal(p.grad, q.grad)
 
 
+def test_a_saved_plan_applied_with_an_optimizer_of_another_model_is_refused_as_solving_refuses_it():
+    """Found in review: solving refused an optimizer holding none of the model's parameters, applying a saved plan
+    (``plan_=``) accepted it with a warning. Both refuse it now, and leave the model and optimizer as they were. (With
+    a ``loss_fn``, which may train parameters outside the model, the saved plan's counted state decides, as before.)"""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).train()
+    plan = memfit.optimize(m, x, budget="min", time_limit=2,
+                           optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)).plan
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=r"holds 2 parameter tensor\(s\), none of them the model's"):
+        memfit.optimize(m, x, plan_=plan, optimizer=other)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items()) and not other.state
+    assert m.training and all(p.grad is None for p in m.parameters())
+    planned = memfit.optimize(m, x, plan_=plan, optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    _ce(planned(x), y).backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
 def test_example_inputs_keep_their_strides_so_a_forward_that_fails_on_them_is_refused_at_planning():
     """Found by a fresh user: ``targets.view(-1)`` on a slice ``d[:, 1:]`` fails in PyTorch, but planning copied the
     inputs contiguous, planned, and the first training call failed. Planning now sees the inputs' strides."""

@@ -968,6 +968,8 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
                "memfit.Plan.from_dict(d)" if isinstance(plan_, dict) else "memfit.Plan.load(path)")
         raise TypeError(f"plan_ must be a memfit.Plan, not {type(plan_).__name__}: pass {how}")
     if plan_ is not None:
+        # (as solving does: an optimizer built on another model was accepted here with a warning alone)
+        _check_optimizer(optimizer, model, loss_fn)
         check_plan_fits(plan_, model, example_inputs, grads_exist)
         if budget != "min":
             warnings.warn(f"memfit.optimize: budget={budget!r} is ignored when plan_ is given (the plan was "
