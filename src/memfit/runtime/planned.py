@@ -579,6 +579,7 @@ class PlannedModule(nn.Module):
         # checked at each call, `.data` replaced by another shape included)
         self.__dict__["_state_shapes_at_build"] = self._state_shapes() if captured.specialized else None
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
+        self._ddp_checks = 16  # training calls left to look for a DistributedDataParallel calling it in
         self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
         self._warned: set[str] = set()  # the warnings given, each once (see _warn_once)
         self._aliased: list[tuple] = []  # nodes found returning an input the plan writes into (see _fresh)
@@ -1138,7 +1139,8 @@ class PlannedModule(nn.Module):
         self._check_attributes()
         self._check_hooks()
         self._warn_new_hooks()
-        if "ddp" not in self._warned and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self._ddp_checks > 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._ddp_checks -= 1  # (a few frames' locals a call: where no DDP wraps it, not at every step)
             self._warn_ddp_buckets()
         given = (args, kwargs)
         args = positional_inputs(self.gm, args, kwargs)
@@ -1460,7 +1462,7 @@ class PlannedModule(nn.Module):
             frame = frame.f_back
         else:
             return
-        self._warned.add("ddp")
+        self._ddp_checks = 0
         nbytes = sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
         if getattr(caller, "gradient_as_bucket_view", False):
             what = ("the gradients themselves, from the start of each step" + (
