@@ -311,6 +311,31 @@ def _check_switches(**switches) -> None:
             raise TypeError(f"{name} must be True or False{also}, got {value!r}")
 
 
+# bytes DistributedDataParallel allocates beside its buckets while it builds them again (its second step): 0 or 4 B
+# measured on a small CNN, from run to run (tests/test_traps.py -k gradient_buckets)
+DDP_OWN_BYTES = 1024
+
+
+def _check_ddp(ddp) -> None:
+    """Refuse a ``ddp`` (:func:`plan`) that is none of ``False``, ``True`` and ``"bucket-views"``."""
+    if not (isinstance(ddp, bool) or ddp == "bucket-views"):
+        raise ValueError(f'ddp must be False, True (DistributedDataParallel\'s default gradient buckets) or '
+                         f'"bucket-views" (DistributedDataParallel(..., gradient_as_bucket_view=True)), got {ddp!r}')
+
+
+def _ddp_bucket_bytes(model: nn.Module, ddp) -> int:
+    """The bytes of ``DistributedDataParallel``'s gradient buckets a plan made with ``ddp`` (:func:`plan`) counts
+    beside its step: twice its trainable parameters' bytes (P) with DDP's default buckets (a copy of the gradients,
+    and another set while DDP builds them again in its second step), P with ``"bucket-views"`` (the gradients
+    themselves, counted as gradients already, and the second step's), 0 without; and :data:`DDP_OWN_BYTES` with
+    either. Measured: ``benchmarks/ddp_buckets.py``."""
+    if not ddp:
+        return 0
+    nbytes = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()
+                                                          if p.requires_grad}.values())
+    return DDP_OWN_BYTES + (nbytes if ddp == "bucket-views" else 2 * nbytes)
+
+
 def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:
     """Refuse a forward argument whose value (given, or its default) is a function (``act=F.gelu``): torch.fx
     cannot take one as a graph input (a fresh user was told about output types, inside fx's code)."""
@@ -422,7 +447,7 @@ def bn_from_output_option(captured: Captured, costs: Costs, inputs: tuple, loss_
 def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "memfit",
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, time_limit: float = 20.0, variants: bool | str = True,
          loss_fn: Callable | None = None, offload: bool | None = None, offload_dir: str | None = None,
-         grads_exist: bool = False, tiling: bool = True, _captured: Captured | None = None,
+         grads_exist: bool = False, tiling: bool = True, ddp: bool | str = False, _captured: Captured | None = None,
          _store: HostStore | None = None) -> tuple[Plan, Captured, Costs]:
     """Capture, profile and solve: the plan for training ``model`` on batches like ``example_inputs``.
 
@@ -478,6 +503,14 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             (a few more profiles, only for models with such blocks and budgets below plain PyTorch's peak);
             the fastest plan that fits is kept. Under ``torch.autocast`` the stripes' recomputation runs in
             the forward pass's autocast state.
+        ddp: the planned module will run inside ``DistributedDataParallel`` (``DistributedDataParallel(planned,
+            ...)``), whose gradient buckets, the size of the trainable parameters' gradients (P bytes), are held
+            beside the step; the plan counts them in its fixed bytes (and so do percentage budgets, of plain
+            PyTorch's peak inside DDP). ``True``: DDP's default buckets, a copy of the gradients held through every
+            step, and another P in DDP's second step, which builds them again: 2P. ``"bucket-views"``:
+            ``gradient_as_bucket_view=True``, whose buckets are the gradients, existing from the start of each step
+            (planned as with ``grads_exist=True``), and another P in the second step: P. ``False`` (default): no
+            DDP; the planned module warns if one calls it.
 
     Returns:
         ``(plan, captured, costs)``: the :class:`Plan` (``plan.save(path)`` writes JSON), the traced model,
@@ -505,6 +538,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
+    _check_ddp(ddp)
+    grads_exist = grads_exist or ddp == "bucket-views"  # (the buckets are the gradients, from the step's start)
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
     given = _as_tuple(example_inputs, model)
@@ -551,7 +586,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     state, measured = _counted_state(optimizer, _state_params(trained, [p for _, p in by_loss], outside))
     if measured is not None:
         costs.step_bytes = measured.step_bytes
-    fixed = costs.fixed_bytes + state
+    buckets = _ddp_bucket_bytes(model, ddp)
+    fixed = costs.fixed_bytes + state + buckets
     plain = make_plan("none", captured.graph, costs, fixed_bytes=fixed)
     floor = budget.minimum and strategy in ("memfit", "remat-ilp")  # that strategy's own floor
     budget_bytes = None if floor else budget.resolve(plain.predicted_peak_bytes, plain.predicted_peak_bytes)
@@ -585,6 +621,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
             warn_user(f"memfit: budget='min': a search for the least memory stopped at its time limit "
                       f"(time_limit={time_limit:g} s per program), so the plan may not be the least memory memfit "
                       f"can reach: a longer time_limit may find a lower peak (e.g. time_limit={4 * time_limit:g}).")
+    result.ddp = {True: "copy", "bucket-views": "bucket-views"}.get(ddp)
+    result.ddp_bucket_bytes = buckets
     result.grads_exist = grads_exist  # (the loop's, also where the profile took an L2 penalty's gradients as preallocated)
     result.input_shapes = _shapes(inputs)
     nbytes = {st.id: st.nbytes for st in costs.storages}
@@ -929,7 +967,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
              optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, loss_fn: Callable | None = None,
              time_limit: float = 20.0, variants: bool | str = True, offload: bool | None = None,
              offload_dir: str | None = None, grads_exist: bool = False, plan_: Plan | None = None,
-             tiling: bool = True) -> PlannedModule:
+             tiling: bool = True, ddp: bool | str = False) -> PlannedModule:
     """Make ``model`` train under a memory budget.
 
     Example::
@@ -945,7 +983,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
 
     Args:
         model, example_inputs, budget, strategy, optimizer, time_limit, variants, loss_fn, offload,
-            offload_dir, grads_exist, tiling: as in :func:`plan`.
+            offload_dir, grads_exist, tiling, ddp: as in :func:`plan`.
         plan_: a saved plan to apply (``Plan.load(path)``) instead of solving; it must have been made for
             the same model and input shapes.
 
@@ -962,6 +1000,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     if not isinstance(model, PlannedModule):  # (refused as already planned, below)
         refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
     _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
+    _check_ddp(ddp)
     given = _as_tuple(example_inputs, model)
     if plan_ is not None and not isinstance(plan_, Plan):  # (a path gave "'str' object has no attribute 'autocast'")
         how = ("memfit.Plan.load(path)" if isinstance(plan_, (str, os.PathLike)) else
@@ -970,7 +1009,11 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     if plan_ is not None:
         # (as solving does: an optimizer built on another model was accepted here with a warning alone)
         _check_optimizer(optimizer, model, loss_fn)
-        check_plan_fits(plan_, model, example_inputs, grads_exist)
+        made = {"copy": True, "bucket-views": "bucket-views"}.get(plan_.ddp, False)
+        if ddp != made:
+            raise ValueError(f"the plan was made with ddp={made!r} (DistributedDataParallel's gradient buckets "
+                             f"{'counted' if made else 'not counted'}): pass ddp={made!r}, or make a new plan")
+        check_plan_fits(plan_, model, example_inputs, grads_exist or ddp == "bucket-views")
         if budget != "min":
             warnings.warn(f"memfit.optimize: budget={budget!r} is ignored when plan_ is given (the plan was "
                           f"solved for {plan_.budget_bytes} bytes)", stacklevel=2)
@@ -1007,7 +1050,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     store = offload_store(given, strategy, offload, offload_dir)
     result, captured, _ = plan(model, example_inputs, budget, strategy=strategy, optimizer=optimizer,
                                variants=variants, loss_fn=loss_fn, time_limit=time_limit, grads_exist=grads_exist,
-                               tiling=tiling, _store=store)
+                               tiling=tiling, ddp=ddp, _store=store)
     return PlannedModule(captured, result, report=_report(result), offload_store=store)
 
 

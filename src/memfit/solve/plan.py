@@ -62,6 +62,9 @@ class Plan:
             ``state_dict`` key (a plan names graph nodes only, and two models can share node names).
         grads_exist: made for a loop that keeps parameter gradients allocated (``zero_grad(set_to_none=False)``
             or accumulation) rather than PyTorch's default ``zero_grad()``.
+        ddp: made to run inside ``DistributedDataParallel`` (:func:`memfit.plan`'s ``ddp``): ``"copy"`` (its default
+            gradient buckets), ``"bucket-views"`` (``gradient_as_bucket_view=True``), or ``None``.
+        ddp_bucket_bytes: the bytes of DDP's gradient buckets the plan's fixed bytes count (bytes; 0 without ``ddp``).
         state_dtypes: dtype of every parameter and buffer (``"torch.float32"``), by ``state_dict`` key.
         autocast: the ``torch.autocast`` dtype the plan was made under (``"torch.bfloat16"``), or ``None``.
         autocast_cache: under ``torch.autocast``, whether its cache of parameter casts was on
@@ -155,6 +158,8 @@ class Plan:
     input_shapes: list[list[int]] = field(default_factory=list)
     state_shapes: dict[str, list[int]] = field(default_factory=dict)
     grads_exist: bool = False
+    ddp: str | None = None
+    ddp_bucket_bytes: int = 0
     state_dtypes: dict[str, str] = field(default_factory=dict)
     autocast: str | None = None
     autocast_cache: bool | None = None
@@ -185,6 +190,8 @@ class Plan:
     output_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.ddp not in (None, "copy", "bucket-views"):
+            raise ValueError(f'plan ddp must be "copy", "bucket-views" or null, got {self.ddp!r}')
         if not isinstance(self.bn_from_output, list) or not all(isinstance(n, str) for n in self.bn_from_output):
             raise ValueError('plan bn_from_output must be a list of BatchNorm node names, e.g. ["bn1"]')
         if self.eval_modules is not None and (not isinstance(self.eval_modules, list)
