@@ -518,6 +518,31 @@ def test_distributed_data_parallel_gradient_buckets_are_counted_with_ddp_and_war
         dist.destroy_process_group()
 
 
+def test_ddp_wrapping_a_module_that_holds_the_planned_one_is_warned_about(tmp_path):
+    """DDP around a module holding the planned one (a head beside it) buckets the head's gradients too, which a plan
+    made with ``ddp=True`` for the planned module alone does not count: warned, naming what it counted."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    m = InPlaceNet().train()
+    planned = memfit.optimize(m, x, "100%", optimizer=torch.optim.SGD(m.parameters(), lr=0.1), ddp=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        for outer, expected in ((planned, 0), (nn.Sequential(planned, nn.Flatten(), nn.LazyLinear(1000)), 1)):
+            outer(x)  # (the lazy layer's shape)
+            ddp = nn.parallel.DistributedDataParallel(outer)
+            planned._ddp_checks = 16  # (each wrapping looked at afresh)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ddp(x).square().sum().backward()
+            said = [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+            assert len(said) == expected and all("of them, for this module alone" in w for w in said), said
+            del ddp
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ddp_option_is_checked_and_a_saved_plan_keeps_it():
     """``ddp`` takes False, True or "bucket-views"; a saved plan made with it is applied with the same setting only,
     and percentage budgets are of plain PyTorch's peak with the buckets counted."""

@@ -1446,9 +1446,10 @@ class PlannedModule(nn.Module):
 
     def _warn_ddp_buckets(self) -> None:
         """Warn, once, where ``DistributedDataParallel`` calls this module (found among the callers' frames): its
-        gradient buckets hold the trainable parameters' gradients beside the step, which a plan made without ``ddp``
-        (or for DDP's other mode) does not count. By
-        default they are a copy, held through every step; with ``gradient_as_bucket_view=True`` they are the
+        gradient buckets hold the trainable parameters' gradients (of every module it wraps, this one or one holding
+        it) beside the step, which a plan made without ``ddp`` (or for DDP's other mode, or for this module alone where
+        DDP wraps more) does not count. By default they are a copy, held through every step; with
+        ``gradient_as_bucket_view=True`` they are the
         gradients, which then exist from the start of each step, as a plan made with ``grads_exist=True`` counts
         them. In either mode DDP builds its buckets again in its second step, holding another set then. Measured
         (a small CNN, one gloo process): each step's rise above its start is the same in every step but the second,
@@ -1459,17 +1460,19 @@ class PlannedModule(nn.Module):
             if frame is None:
                 return
             caller = frame.f_locals.get("self")
-            if isinstance(caller, nn.parallel.DistributedDataParallel) and caller.module is self:
+            if isinstance(caller, nn.parallel.DistributedDataParallel) and (
+                    caller.module is self or any(m is self for m in caller.module.modules())):
                 break
             frame = frame.f_back
         else:
             return
         self._ddp_checks = 0
         mode = "bucket-views" if getattr(caller, "gradient_as_bucket_view", False) else "copy"
-        if self.plan.ddp == mode:
-            return
-        nbytes = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in self.model.parameters()
+        # (its buckets hold the gradients of every module it wraps, where that is a module holding this one)
+        nbytes = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in caller.module.parameters()
                                                               if p.requires_grad}.values())
+        if self.plan.ddp == mode and self.plan.ddp_bucket_bytes >= (nbytes if mode == "bucket-views" else 2 * nbytes):
+            return
         if mode == "bucket-views":
             what = ("the gradients themselves, from the start of each step" + (
                 "" if self.plan.grads_exist else ", where this plan, made with grads_exist=False, counts them only "
@@ -1480,8 +1483,9 @@ class PlannedModule(nn.Module):
             what = (f"a copy of the gradients, held through every step, and another {fmt_bytes(nbytes)} in its second "
                     "step, which builds them again")
             fix = "plan with ddp=True (memfit.optimize(..., ddp=True)), which counts them"
-        made = (f"counts DDP's {'default' if self.plan.ddp == 'copy' else 'bucket-view'} buckets, not these"
-                if self.plan.ddp else "counts none of it")
+        made = ("counts none of it" if not self.plan.ddp else
+                f"counts {fmt_bytes(self.plan.ddp_bucket_bytes)} of them, for this module alone" if self.plan.ddp == mode
+                else f"counts DDP's {'default' if self.plan.ddp == 'copy' else 'bucket-view'} buckets, not these")
         warn_user(f"memfit: DistributedDataParallel wraps this planned module: its gradient buckets hold "
                   f"{fmt_bytes(nbytes)} beside the step ({what}); the plan ({fmt_bytes(self.plan.budget_bytes)} "
                   f"budget) {made}, so the step can go over it. To fit, {fix}.")
