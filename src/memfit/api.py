@@ -36,7 +36,12 @@ from memfit.graph.capture import Captured, TraceError, capture, check_traced_out
 from memfit.graph.tiling import apply_tiling, chain_blocks
 from memfit.profile.costs import SPARSE_ADVICE, Costs, profile_graph
 from memfit.profile.link import measure_link
-from memfit.profile.optimizer import OptimizerCost, measure_optimizer, optimizer_state_bytes
+from memfit.profile.optimizer import (
+    OptimizerCost,
+    measure_optimizer,
+    optimizer_options,
+    optimizer_state_bytes,
+)
 from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import (
     AUTOCAST_CACHE_DIFFERS,
@@ -643,6 +648,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     result.optimizer = _optimizer_name(_optimizers(optimizer))
     result.optimizer_state_bytes = None if optimizer is None else state
     result.optimizer_step_bytes = None if measured is None else measured.step_bytes
+    result.optimizer_options = optimizer_options(_optimizers(optimizer))
     result.buffer_kinds = dict(costs.buffer_kinds)
     result.buffer_kinds_known = True
     result.eval_modules = [path for path, module in model.named_modules() if not module.training]

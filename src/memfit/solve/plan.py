@@ -81,6 +81,9 @@ class Plan:
         optimizer_step_bytes: the bytes of temporaries its ``step()`` allocates that the plan counted (``None``:
             none given, not measured, or a plan saved before this was recorded). With both figures recorded, a
             plan applies to any optimizer that keeps no more state and allocates no more in its step.
+        optimizer_options: per optimizer class given (``"AdamW"``), the options that choose its ``step()``'s
+            implementation (``foreach``, ``fused``, ``capturable``, ``differentiable``) as they were: another
+            optimizer of that class trained with other ones is warned about (its step's temporaries differ).
         input_dtypes: dtypes of the example inputs (``"torch.int64"``), as ``input_shapes``.
         stats_recompute: nodes in regions whose BatchNorm is recomputed from the statistics of its forward pass
             (``bn-saved-stats``, :mod:`memfit.variants.bn_saved_stats`) rather than computing them again.
@@ -182,6 +185,7 @@ class Plan:
     buffer_kinds_known: bool = False
     optimizer_state_bytes: int | None = None
     optimizer_step_bytes: int | None = None
+    optimizer_options: dict[str, dict] = field(default_factory=dict)
     input_layouts: list[str] = field(default_factory=list)
     state_layouts: dict[str, str] = field(default_factory=dict)
     bn_from_output: list[str] = field(default_factory=list)
