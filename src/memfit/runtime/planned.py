@@ -1408,12 +1408,12 @@ class PlannedModule(nn.Module):
         held = sum(len(group["params"]) for group in optimizer.param_groups)
         if checked.get(optimizer) == held:
             return
-        if before and optimizer not in checked:
-            self._check_optimizer_options(optimizer)
+        own = {id(p) for p in self.parameters()}
+        if before and optimizer not in checked and any(id(p) in own for g in optimizer.param_groups for p in g["params"]):
+            self._check_optimizer_options(optimizer)  # (of this module's optimizers: another model's may be any)
         checked[optimizer] = held
         if optimizer in self.__dict__.get("_state_estimated", {}):
             self._warned.discard("optimizer state")  # (a new group is looked at as a first step is)
-        own = {id(p) for p in self.parameters()}
         state = live_bytes([t for p, st in optimizer.state.items() if id(p) in own
                             for t in st.values() if isinstance(t, torch.Tensor)])
         if before:  # (the estimate of the state its step makes for this module's parameters that have none yet)
