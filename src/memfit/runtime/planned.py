@@ -1302,8 +1302,15 @@ class PlannedModule(nn.Module):
         # storage as much as `out` does (a fresh user's 1.19 MB over the budget was not warned)
         # (not while torch.compile traces the call: dynamo makes a bare StorageWeakRef to probe the class, whose
         # __del__ then printed "Exception ignored ... _free_weak_ref" several times a step)
+        # (and those the loss gives no gradient, with what their graph keeps: a detection head's box output kept for
+        # a metric held the 1 MiB feature map its convolution saved, 1.08x the budget, unwarned)
+        # the storage, whatever holds it, and, for those, their graph, held while the tensor itself is (a detached copy
+        # kept for a metric holds the storage alone)
+        held = {int(k): b for k, b in (plan.held_output_bytes or {}).items()}
         watched = [(StorageWeakRef(tensors[k].untyped_storage()), tensors[k].untyped_storage().nbytes())
-                   for k in plan.freed_outputs if k < len(tensors)] \
+                   for k in sorted(set(plan.freed_outputs) | set(held)) if k < len(tensors)] + [
+            (weakref.ref(tensors[k]), held[k] - tensors[k].untyped_storage().nbytes())
+            for k in held if k < len(tensors) and held[k] > tensors[k].untyped_storage().nbytes()] \
             if room is not None and not torch.compiler.is_compiling() else []
         del tensors
 
@@ -1320,15 +1327,22 @@ class PlannedModule(nn.Module):
                                 "loss.backward() and optimizer.step() outside the autocast context, as PyTorch's "
                                 "autocast documentation recommends.")
             self._check_grads_exist(name)
-            nbytes = sum(size for ref, size in watched if not ref.expired())
+            alive = [(isinstance(ref, weakref.ref), size) for ref, size in watched
+                     if (ref() is not None if isinstance(ref, weakref.ref) else not ref.expired())]
+            nbytes = sum(size for _, size in alive)
+            graphs = any(graph for graph, _ in alive)
             # (not for a classifier's few logits at 100%, nor a fresh user's 192-byte output, "0.0 MiB")
             if room is not None and nbytes > room + max(budget // 1000, 4096):
-                self._warn_once("held", f"memfit: the training loop holds {name}'s output ({fmt_bytes(nbytes)}) "
+                self._warn_once("held", f"memfit: the training loop holds {name}'s output ({fmt_bytes(nbytes)}"
+                                + (", with what the autograd graph of an output the loss does not read keeps alive"
+                                   if graphs else "") + ") "
                                 "through the backward pass, but the plan counts it as freed once the loss read it, and "
                                 f"the budget leaves {fmt_bytes(room)} above the predicted peak: the step can "
                                 "exceed its budget by up to that output. Compute the loss from the call (loss = "
                                 "crit(planned(x), y)), or `del out` (and any out.detach() kept, which shares its "
-                                "memory) before loss.backward().")
+                                "memory) before loss.backward()" + (
+                                    "; of an output the loss does not read, keep a .detach()ed one, which holds "
+                                    "no graph." if graphs else "."))
 
         for t in anchors:
             t.register_hook(on_grad)

@@ -108,6 +108,9 @@ class Plan:
         ungraded_outputs: positions (as ``freed_outputs``) of the model's output tensors that the ``loss_fn`` given at
             planning gives no gradient (hidden states returned beside the logits): the plan runs no backward through
             them, and the planned module warns when a training loss does.
+        held_output_bytes: for each of ``ungraded_outputs`` (its position, as a string), what a loop holding it through
+            the backward pass keeps beyond the plan (bytes): it, and what the nodes no gradient reaches on its path
+            save (the plan frees them once the loss has run); the planned module warns when that does not fit.
         node_ops: what each node of ``nodes`` runs (:func:`memfit.graph.calls.node_ops`: a module's class, a
             function's name), so that a plan is refused on a graph whose node names match but whose operations
             differ; empty in plans made before it was recorded.
@@ -178,6 +181,7 @@ class Plan:
     plain_step_seconds: float | None = None
     freed_outputs: list[int] = field(default_factory=list)
     ungraded_outputs: list[int] = field(default_factory=list)
+    held_output_bytes: dict[str, int] = field(default_factory=dict)
     node_ops: list[str] = field(default_factory=list)
     node_inputs: list[list[str]] = field(default_factory=list)
     input_grads: list[bool] = field(default_factory=list)
