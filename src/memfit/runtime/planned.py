@@ -1302,10 +1302,9 @@ class PlannedModule(nn.Module):
         # storage as much as `out` does (a fresh user's 1.19 MB over the budget was not warned)
         # (not while torch.compile traces the call: dynamo makes a bare StorageWeakRef to probe the class, whose
         # __del__ then printed "Exception ignored ... _free_weak_ref" several times a step)
-        # (and those the loss gives no gradient, with what their graph keeps: a detection head's box output kept for
-        # a metric held the 1 MiB feature map its convolution saved, 1.08x the budget, unwarned)
-        # the storage, whatever holds it, and, for those, their graph, held while the tensor itself is (a detached copy
-        # kept for a metric holds the storage alone)
+        # (and the outputs the loss gives no gradient: their storage, whatever holds it, and what their graph keeps,
+        # held while the tensor itself is, a detached copy holding the storage alone: a detection head's box output
+        # kept for a metric held the 1 MiB feature map its convolution saved, 1.08x the budget, unwarned)
         held = {int(k): b for k, b in (plan.held_output_bytes or {}).items()}
         watched = [(StorageWeakRef(tensors[k].untyped_storage()), tensors[k].untyped_storage().nbytes())
                    for k in sorted(set(plan.freed_outputs) | set(held)) if k < len(tensors)] + [
@@ -1488,9 +1487,8 @@ class PlannedModule(nn.Module):
         gradient buckets hold the trainable parameters' gradients (of every module it wraps, this one or one holding
         it) beside the step, which a plan made without ``ddp`` (or for DDP's other mode, or for this module alone where
         DDP wraps more) does not count. By default they are a copy, held through every step; with
-        ``gradient_as_bucket_view=True`` they are the
-        gradients, which then exist from the start of each step, as a plan made with ``grads_exist=True`` counts
-        them. In either mode DDP builds its buckets again in its second step, holding another set then. Measured
+        ``gradient_as_bucket_view=True`` they are the gradients, which then exist from the start of each step, as a
+        plan made with ``grads_exist=True`` counts them. In either mode DDP builds its buckets again in its second step, holding another set then. Measured
         (a small CNN, one gloo process): each step's rise above its start is the same in every step but the second,
         which rises by the buckets' size more; ResNet-18 at ``100%`` measured 1.32x its budget in that step. A plan
         made with :func:`memfit.plan`'s ``ddp`` for this DDP's mode counts them, unwarned."""
