@@ -321,11 +321,16 @@ def _check_switches(**switches) -> None:
 DDP_OWN_BYTES = 1024
 
 
-def _check_ddp(ddp) -> None:
-    """Refuse a ``ddp`` (:func:`plan`) that is none of ``False``, ``True`` and ``"bucket-views"``."""
+def _check_ddp(ddp) -> bool | str:
+    """``ddp`` (:func:`plan`) as ``False``, ``True`` or ``"bucket-views"`` (``"copy"``, as :attr:`Plan.ddp` names
+    DDP's default buckets, is ``True``); anything else is refused with ``ValueError``."""
+    if ddp == "copy":
+        return True
     if not (isinstance(ddp, bool) or ddp == "bucket-views"):
-        raise ValueError(f'ddp must be False, True (DistributedDataParallel\'s default gradient buckets) or '
-                         f'"bucket-views" (DistributedDataParallel(..., gradient_as_bucket_view=True)), got {ddp!r}')
+        raise ValueError(f'ddp must be False, True (DistributedDataParallel\'s default gradient buckets; "copy" '
+                         f'too) or "bucket-views" (DistributedDataParallel(..., gradient_as_bucket_view=True)), got '
+                         f'{ddp!r}')
+    return ddp
 
 
 def _ddp_bucket_bytes(model: nn.Module, ddp) -> int:
@@ -543,7 +548,7 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds (got {time_limit!r}); the default is 20")
     _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
-    _check_ddp(ddp)
+    ddp = _check_ddp(ddp)
     grads_exist = grads_exist or ddp == "bucket-views"  # (the buckets are the gradients, from the step's start)
     # a copy: profiling runs the forward pass several times, and a forward that updates its input in place
     # (x.sub_(mean).div_(std)) changed a fresh user's example batch at each of them (its std went from 0.29 to 582)
@@ -616,8 +621,8 @@ def plan(model: nn.Module, example_inputs, budget="min", *, strategy: str = "mem
     except InfeasibleBudgetError as exc:  # its advice on the optimizer's state, for the one given, and the batch
         batch = next((t.shape[0] for t in tensors_in(inputs) if t.dim() > 0), None)
         if optimizer is None:
-            raise exc.for_optimizer(exc.optimizer, exc.optimizer_state_bytes, batch) from None
-        raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state, batch) from None
+            raise exc.for_optimizer(exc.optimizer, exc.optimizer_state_bytes, batch, buckets) from None
+        raise exc.for_optimizer(_optimizer_name(_optimizers(optimizer)), state, batch, buckets) from None
     captured, costs = chosen.captured, chosen.costs
     result.plain_step_seconds = plain.predicted_step_seconds
     if floor:
@@ -1036,7 +1041,7 @@ def optimize(model: nn.Module, example_inputs, budget="min", *, strategy: str = 
     if not isinstance(model, PlannedModule):  # (refused as already planned, below)
         refuse_decorated_forward(model)  # (before the inputs are bound by its signature)
     _check_switches(variants=variants, grads_exist=grads_exist, tiling=tiling, offload=offload)
-    _check_ddp(ddp)
+    ddp = _check_ddp(ddp)
     given = _as_tuple(example_inputs, model)
     if plan_ is not None and not isinstance(plan_, Plan):  # (a path gave "'str' object has no attribute 'autocast'")
         how = ("memfit.Plan.load(path)" if isinstance(plan_, (str, os.PathLike)) else

@@ -1142,6 +1142,8 @@ class PlannedModule(nn.Module):
         if self._ddp_checks > 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._ddp_checks -= 1  # (a few frames' locals a call: where no DDP wraps it, not at every step)
             self._warn_ddp_buckets()
+        if "_ddp_caller" in self.__dict__ and "ddp no_sync" not in self._warned:
+            self._warn_ddp_no_sync()
         given = (args, kwargs)
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
@@ -1508,7 +1510,10 @@ class PlannedModule(nn.Module):
         # (its buckets hold the gradients of every module it wraps, where that is a module holding this one)
         nbytes = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in caller.module.parameters()
                                                               if p.requires_grad}.values())
-        if self.plan.ddp == mode and self.plan.ddp_bucket_bytes >= (nbytes if mode == "bucket-views" else 2 * nbytes):
+        self.__dict__["_ddp_caller"] = (weakref.ref(caller), nbytes)  # (for gradient accumulation under no_sync)
+        # (a plan for DDP's default buckets counts enough for bucket views too: 0.94x its budget, a fresh user's)
+        needed = nbytes if mode == "bucket-views" and self.plan.grads_exist else 2 * nbytes
+        if self.plan.ddp is not None and self.plan.ddp_bucket_bytes >= needed:
             return
         if mode == "bucket-views":
             what = ("the gradients themselves, from the start of each step" + (
@@ -1526,6 +1531,27 @@ class PlannedModule(nn.Module):
         warn_user(f"memfit: DistributedDataParallel wraps this planned module: its gradient buckets hold "
                   f"{fmt_bytes(nbytes)} beside the step ({what}); the plan ({fmt_bytes(self.plan.budget_bytes)} "
                   f"budget) {made}, so the step can go over it. To fit, {fix}.")
+
+    def _warn_ddp_no_sync(self) -> None:
+        """Warn, once, where the ``DistributedDataParallel`` found calling this module (:meth:`_warn_ddp_buckets`) runs
+        a training call inside ``no_sync()`` (gradient accumulation) and the plan counted less than twice its buckets:
+        the accumulation passes make the gradients as tensors of their own beside the buckets, even with
+        ``gradient_as_bucket_view=True`` (a fresh user's ``ddp="bucket-views"`` plan measured 1.18x its budget in such
+        a loop; ``ddp=True`` with ``grads_exist=True`` fitted, 0.995x)."""
+        ref, nbytes = self.__dict__["_ddp_caller"]
+        caller = ref()
+        if caller is None or getattr(caller, "require_backward_grad_sync", True):
+            return
+        if self.plan.ddp_bucket_bytes >= 2 * nbytes and self.plan.grads_exist:
+            return
+        self._warn_once("ddp no_sync", (
+            f"memfit: this training call runs inside DistributedDataParallel's no_sync() (gradient accumulation): its "
+            f"backward passes make the gradients, {fmt_bytes(nbytes)}, as tensors of their own beside DDP's buckets "
+            f"(with bucket views too), and the gradients then exist when each later backward starts; the plan "
+            f"({fmt_bytes(self.plan.budget_bytes)} budget) counts "
+            + (f"{fmt_bytes(self.plan.ddp_bucket_bytes)} of buckets" if self.plan.ddp else "no buckets")
+            + (", and gradients made by the backward pass" if not self.plan.grads_exist else "")
+            + ", so the step can go over it. To fit, plan with ddp=True and grads_exist=True."))
 
     def _warn_once(self, key: str, message: str) -> None:
         """``message`` as a warning at the user's line, unless the warning ``key`` names was given already."""

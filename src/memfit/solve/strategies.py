@@ -40,8 +40,9 @@ class InfeasibleBudgetError(ValueError):
 
     def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, fixed_bytes: int, step_bytes: int = 0,
                  stopped_at: float | None = None, optimizer: str | None = None, optimizer_state_bytes: int = 0,
-                 input_bytes: int = 0, margin_bytes: int = 0, batch: int | None = None):
+                 input_bytes: int = 0, margin_bytes: int = 0, batch: int | None = None, buckets_bytes: int = 0):
         self.budget_bytes = budget_bytes
+        self.buckets_bytes = buckets_bytes
         self.stopped_at = stopped_at
         self.smallest_feasible_bytes = smallest_feasible_bytes
         self.fixed_bytes = fixed_bytes
@@ -112,15 +113,18 @@ class InfeasibleBudgetError(ValueError):
             f"feasible budget is {smallest_feasible_bytes} bytes ({fmt_bytes(smallest_feasible_bytes)}, "
             f"{fmt_bytes(smallest_feasible_bytes - budget_bytes)} more){stopped}, "
             f"of which {fixed_bytes} bytes ({fmt_bytes(fixed_bytes)}) are fixed (parameters, gradients, "
-            f"buffers, optimizer state, inputs){hint}.{headroom}")
+            f"buffers, optimizer state, inputs"
+            + (f", and {fmt_bytes(buckets_bytes)} of DistributedDataParallel's gradient buckets (ddp=)"
+               if buckets_bytes else "") + f"){hint}.{headroom}")
 
-    def for_optimizer(self, optimizer: str | None, state_bytes: int, batch: int | None = None
-                      ) -> InfeasibleBudgetError:
+    def for_optimizer(self, optimizer: str | None, state_bytes: int, batch: int | None = None,
+                      buckets_bytes: int = 0) -> InfeasibleBudgetError:
         """The same error, its advice for ``optimizer`` (a class name, or ``None`` where none was given) holding
-        ``state_bytes`` of state, and for a batch of ``batch`` examples."""
+        ``state_bytes`` of state, and for a batch of ``batch`` examples; naming the ``buckets_bytes`` of
+        DistributedDataParallel's gradient buckets the fixed bytes hold (``ddp=``)."""
         return InfeasibleBudgetError(self.budget_bytes, self.smallest_feasible_bytes, self.fixed_bytes,
                                      self.step_bytes, self.stopped_at, optimizer, state_bytes, self.input_bytes,
-                                     self.margin_bytes, batch)
+                                     self.margin_bytes, batch, buckets_bytes)
 
 
 #: extra headroom on CUDA (bytes): on an H200, a ResNet-18 plan at batch 8, 64 px measured 2.0 MB above its
