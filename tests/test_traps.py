@@ -532,7 +532,6 @@ def test_ddp_wrapping_a_module_that_holds_the_planned_one_is_warned_about(tmp_pa
         for outer, expected in ((planned, 0), (nn.Sequential(planned, nn.Flatten(), nn.LazyLinear(1000)), 1)):
             outer(x)  # (the lazy layer's shape)
             ddp = nn.parallel.DistributedDataParallel(outer)
-            planned._ddp_checks = 16  # (each wrapping looked at afresh)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 ddp(x).square().sum().backward()

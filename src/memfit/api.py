@@ -42,12 +42,14 @@ from memfit.profile.optimizer import (
     optimizer_options,
     optimizer_state_bytes,
 )
+from memfit.profile.tracker import live_bytes
 from memfit.runtime.overhead import price_regions
 from memfit.runtime.planned import (
     AUTOCAST_CACHE_DIFFERS,
     PlannedModule,
     autocast_dtype,
     conv_libraries,
+    ddp_bucket_bytes,
     layouts_differ,
     memory_layout,
     state_layouts,
@@ -316,11 +318,6 @@ def _check_switches(**switches) -> None:
             raise TypeError(f"{name} must be True or False{also}, got {value!r}")
 
 
-# bytes DistributedDataParallel allocates beside its buckets while it builds them again (its second step): 0 or 4 B
-# measured on a small CNN, from run to run (tests/test_traps.py -k gradient_buckets)
-DDP_OWN_BYTES = 1024
-
-
 def _check_ddp(ddp) -> bool | str:
     """``ddp`` (:func:`plan`) as ``False``, ``True`` or ``"bucket-views"`` (``"copy"``, as :attr:`Plan.ddp` names
     DDP's default buckets, is ``True``); anything else is refused with ``ValueError``."""
@@ -335,15 +332,12 @@ def _check_ddp(ddp) -> bool | str:
 
 def _ddp_bucket_bytes(model: nn.Module, ddp) -> int:
     """The bytes of ``DistributedDataParallel``'s gradient buckets a plan made with ``ddp`` (:func:`plan`) counts
-    beside its step: twice its trainable parameters' bytes (P) with DDP's default buckets (a copy of the gradients,
-    and another set while DDP builds them again in its second step), P with ``"bucket-views"`` (the gradients
-    themselves, counted as gradients already, and the second step's), 0 without; and :data:`DDP_OWN_BYTES` with
-    either. Measured: ``benchmarks/ddp_buckets.py``."""
+    beside its step (:func:`memfit.runtime.planned.ddp_bucket_bytes`; ``"bucket-views"`` plans with ``grads_exist``),
+    0 without."""
     if not ddp:
         return 0
-    nbytes = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()
-                                                          if p.requires_grad}.values())
-    return DDP_OWN_BYTES + (nbytes if ddp == "bucket-views" else 2 * nbytes)
+    views = ddp == "bucket-views"
+    return ddp_bucket_bytes(live_bytes(p for p in model.parameters() if p.requires_grad), views, views)
 
 
 def _refuse_function_arguments(model: nn.Module, inputs: tuple) -> None:

@@ -244,14 +244,17 @@ def optimizer_options(optimizers: list) -> dict[str, dict]:
 
 
 def _resolved(optimizer) -> dict:
-    """``optimizer``'s :data:`IMPLEMENTATION_OPTIONS`, ``None`` (PyTorch's choice) resolved as ``torch.optim`` does:
-    ``foreach`` where every parameter is a CUDA tensor and the step is not differentiable, never ``fused``."""
+    """``optimizer``'s :data:`IMPLEMENTATION_OPTIONS`, ``None`` (PyTorch's choice) resolved as ``torch.optim``'s
+    optimizers resolve it (``_default_to_fused_or_foreach``: ``foreach`` on devices with its kernels, never
+    ``fused``)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
     options = {k: optimizer.defaults[k] for k in IMPLEMENTATION_OPTIONS if k in optimizer.defaults}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if "foreach" in options and options["foreach"] is None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        options["foreach"] = not options.get("fused") and _default_to_fused_or_foreach(
+            params, bool(options.get("differentiable", False)))[1]
     if options.get("fused", False) is None:
         options["fused"] = False
-    if "foreach" in options and options["foreach"] is None:
-        options["foreach"] = (not options.get("fused") and not options.get("differentiable", False) and bool(params)
-                              and all(p.device.type == "cuda" for p in params))
     return options
 

@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import functools
 import itertools
-import sys
 import time
 import warnings
 import weakref
@@ -483,6 +482,26 @@ def _after_step(optimizer, args, kwargs) -> None:
         module._check_optimizer(optimizer)
 
 
+# bytes DistributedDataParallel allocates beside its buckets while it builds them again (its second step): 0 or 4 B
+# measured on a small CNN, from run to run (tests/test_traps.py -k gradient_buckets)
+DDP_OWN_BYTES = 1024
+
+
+def ddp_bucket_bytes(trainable_bytes: int, views: bool, grads_exist: bool) -> int:
+    """The bytes beside a step that ``DistributedDataParallel``'s gradient buckets need counted, for trainable
+    parameters of ``trainable_bytes`` (P): 2P (a copy of the gradients, and another set while DDP builds them again in
+    its second step), or P with bucket views (``gradient_as_bucket_view=True``: they are the gradients, which a plan
+    with ``grads_exist`` counts already, and the second step's set); and :data:`DDP_OWN_BYTES`. Measured:
+    ``benchmarks/ddp_buckets.py``."""
+    return DDP_OWN_BYTES + (trainable_bytes if views and grads_exist else 2 * trainable_bytes)
+
+
+def _active_ddp() -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` whose forward is running, as PyTorch records it for TorchDynamo (not with its
+    experimental Python reducer), or ``None``."""
+    return nn.parallel.DistributedDataParallel._get_active_ddp_module()
+
+
 class PlannedModule(nn.Module):
     """An ``nn.Module`` that computes what the original model computes, under a memory plan.
 
@@ -579,7 +598,6 @@ class PlannedModule(nn.Module):
         # checked at each call, `.data` replaced by another shape included)
         self.__dict__["_state_shapes_at_build"] = self._state_shapes() if captured.specialized else None
         self._grad_checks = 3  # backward passes left to look at .grad in (see _watch_step)
-        self._ddp_checks = 16  # training calls left to look for a DistributedDataParallel calling it in
         self._accumulate_hooks: list = []  # (see _warn_if_accumulated)
         self._warned: set[str] = set()  # the warnings given, each once (see _warn_once)
         self._aliased: list[tuple] = []  # nodes found returning an input the plan writes into (see _fresh)
@@ -1139,11 +1157,9 @@ class PlannedModule(nn.Module):
         self._check_attributes()
         self._check_hooks()
         self._warn_new_hooks()
-        if self._ddp_checks > 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._ddp_checks -= 1  # (a few frames' locals a call: where no DDP wraps it, not at every step)
-            self._warn_ddp_buckets()
-        if "_ddp_caller" in self.__dict__ and "ddp no_sync" not in self._warned:
-            self._warn_ddp_no_sync()
+        ddp = _active_ddp()  # (the DistributedDataParallel whose forward calls this one, if any)
+        if ddp is not None:
+            self._check_ddp(ddp)
         given = (args, kwargs)
         args = positional_inputs(self.gm, args, kwargs)
         try:  # arguments left out take the forward's defaults
@@ -1308,11 +1324,12 @@ class PlannedModule(nn.Module):
         # held while the tensor itself is, a detached copy holding the storage alone: a detection head's box output
         # kept for a metric held the 1 MiB feature map its convolution saved, 1.08x the budget, unwarned)
         held = {int(k): b for k, b in (plan.held_output_bytes or {}).items()}
+        watching = room is not None and not torch.compiler.is_compiling()
         watched = [(StorageWeakRef(tensors[k].untyped_storage()), tensors[k].untyped_storage().nbytes())
-                   for k in sorted(set(plan.freed_outputs) | set(held)) if k < len(tensors)] + [
-            (weakref.ref(tensors[k]), held[k] - tensors[k].untyped_storage().nbytes())
-            for k in held if k < len(tensors) and held[k] > tensors[k].untyped_storage().nbytes()] \
-            if room is not None and not torch.compiler.is_compiling() else []
+                   for k in sorted(set(plan.freed_outputs) | set(held)) if k < len(tensors)] if watching else []
+        graphs = [(weakref.ref(tensors[k]), held[k] - tensors[k].untyped_storage().nbytes())
+                  for k in held if k < len(tensors) and held[k] > tensors[k].untyped_storage().nbytes()] \
+            if watching else []
         del tensors
 
         def on_grad(grad, call=call):
@@ -1328,22 +1345,20 @@ class PlannedModule(nn.Module):
                                 "loss.backward() and optimizer.step() outside the autocast context, as PyTorch's "
                                 "autocast documentation recommends.")
             self._check_grads_exist(name)
-            alive = [(isinstance(ref, weakref.ref), size) for ref, size in watched
-                     if (ref() is not None if isinstance(ref, weakref.ref) else not ref.expired())]
-            nbytes = sum(size for _, size in alive)
-            graphs = any(graph for graph, _ in alive)
+            in_graphs = sum(size for ref, size in graphs if ref() is not None)
+            nbytes = sum(size for ref, size in watched if not ref.expired()) + in_graphs
             # (not for a classifier's few logits at 100%, nor a fresh user's 192-byte output, "0.0 MiB")
             if room is not None and nbytes > room + max(budget // 1000, 4096):
                 self._warn_once("held", f"memfit: the training loop holds {name}'s output ({fmt_bytes(nbytes)}"
                                 + (", with what the autograd graph of an output the loss does not read keeps alive"
-                                   if graphs else "") + ") "
+                                   if in_graphs else "") + ") "
                                 "through the backward pass, but the plan counts it as freed once the loss read it, and "
                                 f"the budget leaves {fmt_bytes(room)} above the predicted peak: the step can "
                                 "exceed its budget by up to that output. Compute the loss from the call (loss = "
                                 "crit(planned(x), y)), or `del out` (and any out.detach() kept, which shares its "
                                 "memory) before loss.backward()" + (
                                     "; of an output the loss does not read, keep a .detach()ed one, which holds "
-                                    "no graph." if graphs else "."))
+                                    "no graph." if in_graphs else "."))
 
         for t in anchors:
             t.register_hook(on_grad)
@@ -1484,38 +1499,33 @@ class PlannedModule(nn.Module):
             "the temporaries of, which can take the step over the budget (AdamW on a ResNet-18: 12 B in a loop, "
             "44.7 MB with foreach=True). Plan with the optimizer you train with (optimizer=opt)."))
 
-    def _warn_ddp_buckets(self) -> None:
-        """Warn, once, where ``DistributedDataParallel`` calls this module (found among the callers' frames): its
-        gradient buckets hold the trainable parameters' gradients (of every module it wraps, this one or one holding
-        it) beside the step, which a plan made without ``ddp`` (or for DDP's other mode, or for this module alone where
-        DDP wraps more) does not count. By default they are a copy, held through every step; with
-        ``gradient_as_bucket_view=True`` they are the gradients, which then exist from the start of each step, as a
-        plan made with ``grads_exist=True`` counts them. In either mode DDP builds its buckets again in its second step, holding another set then. Measured
-        (a small CNN, one gloo process): each step's rise above its start is the same in every step but the second,
-        which rises by the buckets' size more; ResNet-18 at ``100%`` measured 1.32x its budget in that step. A plan
-        made with :func:`memfit.plan`'s ``ddp`` for this DDP's mode counts them, unwarned."""
-        frame = sys._getframe(2)
-        for _ in range(12):  # (DistributedDataParallel.forward -> _run_ddp_forward -> Module._call_impl -> forward)
-            if frame is None:
-                return
-            caller = frame.f_locals.get("self")
-            if isinstance(caller, nn.parallel.DistributedDataParallel) and (
-                    caller.module is self or any(m is self for m in caller.module.modules())):
-                break
-            frame = frame.f_back
-        else:
-            return
-        self._ddp_checks = 0
-        mode = "bucket-views" if getattr(caller, "gradient_as_bucket_view", False) else "copy"
-        # (its buckets hold the gradients of every module it wraps, where that is a module holding this one)
-        nbytes = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in caller.module.parameters()
-                                                              if p.requires_grad}.values())
-        self.__dict__["_ddp_caller"] = (weakref.ref(caller), nbytes)  # (for gradient accumulation under no_sync)
+    def _check_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Warn where the ``DistributedDataParallel`` whose forward calls this module holds more beside the step than
+        the plan counted (:func:`ddp_bucket_bytes`), once per DDP: its gradient buckets hold the trainable parameters'
+        gradients of every module it wraps (this one, or one holding it). By default they are a copy, held through
+        every step; with ``gradient_as_bucket_view=True`` they are the gradients, which then exist from the start of
+        each step, as a plan made with ``grads_exist=True`` counts them. In either mode DDP builds its buckets again in
+        its second step, holding another set then. Measured (a small CNN, one gloo process): each step's rise above its
+        start is the same in every step but the second, which rises by the buckets' size more; ResNet-18 at ``100%``
+        measured 1.32x its budget in that step. A plan made with :func:`memfit.plan`'s ``ddp`` for this DDP's mode
+        counts them, unwarned. Then, once, a call inside ``no_sync()`` (:meth:`_warn_ddp_no_sync`)."""
+        seen = self.__dict__.get("_ddp_seen")
+        if seen is None or seen[0]() is not ddp:
+            nbytes = live_bytes(p for p in ddp.module.parameters() if p.requires_grad)
+            self.__dict__["_ddp_seen"] = (weakref.ref(ddp), nbytes)
+            self._warn_ddp_buckets(ddp, nbytes)
+        if not ddp.require_backward_grad_sync and "ddp no_sync" not in self._warned:
+            self._warn_ddp_no_sync(self.__dict__["_ddp_seen"][1])
+
+    def _warn_ddp_buckets(self, ddp: nn.parallel.DistributedDataParallel, nbytes: int) -> None:
+        """The warning of :meth:`_check_ddp` for ``ddp``'s buckets of ``nbytes`` (the trainable parameters' bytes)."""
+        views = bool(getattr(ddp, "gradient_as_bucket_view", False))
         # (a plan for DDP's default buckets counts enough for bucket views too: 0.94x its budget, a fresh user's)
-        needed = nbytes if mode == "bucket-views" and self.plan.grads_exist else 2 * nbytes
-        if self.plan.ddp is not None and self.plan.ddp_bucket_bytes >= needed:
+        if self.plan.ddp is not None and self.plan.ddp_bucket_bytes >= ddp_bucket_bytes(nbytes, views,
+                                                                                        self.plan.grads_exist):
             return
-        if mode == "bucket-views":
+        mode = "bucket-views" if views else "copy"
+        if views:
             what = ("the gradients themselves, from the start of each step" + (
                 "" if self.plan.grads_exist else ", where this plan, made with grads_exist=False, counts them only "
                 "from where the backward pass makes them") + f", and another {fmt_bytes(nbytes)} in its second step, "
@@ -1532,17 +1542,13 @@ class PlannedModule(nn.Module):
                   f"{fmt_bytes(nbytes)} beside the step ({what}); the plan ({fmt_bytes(self.plan.budget_bytes)} "
                   f"budget) {made}, so the step can go over it. To fit, {fix}.")
 
-    def _warn_ddp_no_sync(self) -> None:
-        """Warn, once, where the ``DistributedDataParallel`` found calling this module (:meth:`_warn_ddp_buckets`) runs
-        a training call inside ``no_sync()`` (gradient accumulation) and the plan counted less than twice its buckets:
-        the accumulation passes make the gradients as tensors of their own beside the buckets, even with
+    def _warn_ddp_no_sync(self, nbytes: int) -> None:
+        """Warn, once, for a training call inside ``no_sync()`` (gradient accumulation) where the plan counted less
+        than DDP's default buckets with ``grads_exist`` (of ``nbytes``, the trainable parameters' bytes): the
+        accumulation passes make the gradients as tensors of their own beside the buckets, even with
         ``gradient_as_bucket_view=True`` (a fresh user's ``ddp="bucket-views"`` plan measured 1.18x its budget in such
         a loop; ``ddp=True`` with ``grads_exist=True`` fitted, 0.995x)."""
-        ref, nbytes = self.__dict__["_ddp_caller"]
-        caller = ref()
-        if caller is None or getattr(caller, "require_backward_grad_sync", True):
-            return
-        if self.plan.ddp_bucket_bytes >= 2 * nbytes and self.plan.grads_exist:
+        if self.plan.grads_exist and self.plan.ddp_bucket_bytes >= ddp_bucket_bytes(nbytes, False, True):
             return
         self._warn_once("ddp no_sync", (
             f"memfit: this training call runs inside DistributedDataParallel's no_sync() (gradient accumulation): its "
